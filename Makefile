@@ -1,0 +1,35 @@
+# fairway — `make demo` runs the main job, `make test` passes the tests. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint unit bench experiments clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# Until the ext_proc gateway demo lands, the main job is the fairness experiments.
+demo: setup
+	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
+
+test: setup lint
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
+
+bench: setup
+	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
+	$(PY) -m bench.core_throughput --out bench/results
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

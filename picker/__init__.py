@@ -1,0 +1,1 @@
+"""fairway: a tenant-fair Endpoint Picker for the Gateway API Inference Extension."""

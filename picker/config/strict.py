@@ -1,0 +1,167 @@
+"""Strict loading of plain data (parsed YAML) into frozen dataclasses.
+
+It answers: *is this document exactly what the schema allows, and if not, where is it wrong?*
+Unknown keys, missing required keys, wrong types and out-of-range values are errors whose path
+names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Range rules live in field metadata
+(``ge``, ``gt``, ``le``, ``lt``); cross-field rules live in the dataclass's ``__post_init__``,
+raising ``ConfigError`` with a path relative to the object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from picker.errors import ConfigError
+
+T = TypeVar("T")
+
+_RANGE_RULES = {
+    "ge": (lambda v, b: v >= b, "must be >= {}"),
+    "gt": (lambda v, b: v > b, "must be > {}"),
+    "le": (lambda v, b: v <= b, "must be <= {}"),
+    "lt": (lambda v, b: v < b, "must be < {}"),
+}
+
+
+def load_yaml_file(cls: type[T], path: str | Path) -> T:
+    """Read a YAML file and load it strictly into ``cls``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("", f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
+    return load(cls, data)
+
+
+def load(cls: type[T], data: Any, path: str = "") -> T:
+    """Build a ``cls`` dataclass from ``data``, or raise ConfigError naming the bad field."""
+    return _convert(cls, data, path)
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _load_dataclass(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
+        return value
+    if origin in (list, tuple):
+        return _convert_sequence(tp, value, path)
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"must be a mapping, not {_describe(value)}")
+        return {
+            _convert(key_type, k, path): _convert(value_type, v, f"{path}.{k}" if path else str(k))
+            for k, v in value.items()
+        }
+    return _convert_scalar(tp, value, path)
+
+
+def _convert_sequence(tp: Any, value: Any, path: str) -> Any:
+    args = typing.get_args(tp)
+    if not isinstance(value, list):
+        raise ConfigError(path, f"must be a list, not {_describe(value)}")
+    if typing.get_origin(tp) is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            raise ConfigError(path, f"must be a list of {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item_type = args[0]
+    items = [_convert(item_type, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if typing.get_origin(tp) is tuple else items
+
+
+def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, not {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, not {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"must be a number, not {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, not {_describe(value)}")
+        return value
+    raise TypeError(f"schema type {tp!r} at {path or '<root>'} is not supported")
+
+
+def _key(field: dataclasses.Field) -> str:
+    return field.metadata.get("key", field.name)
+
+
+def _load_dataclass(cls: Any, value: Any, path: str) -> Any:
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"must be a mapping, not {_describe(value)}")
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    known = {_key(f) for f in fields}
+    for key in value:
+        if key not in known:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(where, f"unknown key; expected one of {', '.join(sorted(known))}")
+    kwargs = {}
+    for field in fields:
+        key = _key(field)
+        where = f"{path}.{key}" if path else key
+        if key not in value:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise ConfigError(where, "is required")
+            continue
+        converted = _convert(hints[field.name], value[key], where)
+        _check_range(field, converted, where)
+        kwargs[field.name] = converted
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise exc.under(path) from None
+
+
+def _check_range(field: dataclasses.Field, value: Any, path: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        items = [(path, value)]
+    for rule, (ok, message) in _RANGE_RULES.items():
+        if rule in field.metadata:
+            bound = field.metadata[rule]
+            for where, v in items:
+                if not ok(v, bound):
+                    raise ConfigError(where, message.format(bound))

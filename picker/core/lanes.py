@@ -1,0 +1,232 @@
+"""The scheduler: priority lanes, each a fair queue over tenants, and the charging of service.
+
+It answers: *which queued request goes next, and what has each tenant been served?* Lanes are
+ordered, highest priority first. A lane is served only while no higher lane has queued requests,
+except that a backlogged lane with ``min_share > 0`` that has received less than that fraction of
+the service delivered since it became backlogged goes first (starvation protection). Within a lane,
+a fairness policy (VTC by default) orders tenants.
+
+Charging follows the request's life: the prompt is charged at dispatch, output tokens as they are
+produced (or ahead of time on an estimate), and ``settle`` corrects the total to the actual usage,
+including on cancellation and failure. Every charge is divided by the tenant's weight before it
+reaches the tenant's counter; ``service`` keeps the undivided totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from picker.core.cost import CostFunction, LinearCost, request_cost
+from picker.core.policy import FairnessPolicy, make_policy
+from picker.core.request import Request, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSpec:
+    """A priority lane."""
+
+    name: str
+    min_share: float = 0.0
+    """Fraction of service this lane receives at least while it is backlogged (0: strict)."""
+
+
+class _Lane:
+    __slots__ = ("index", "min_share", "name", "own_service", "policy", "total_service")
+
+    def __init__(self, index: int, spec: LaneSpec, policy: FairnessPolicy) -> None:
+        self.index = index
+        self.name = spec.name
+        self.min_share = spec.min_share
+        self.policy = policy
+        # Service since this lane last became backlogged: its own, and everyone's.
+        self.own_service = 0.0
+        self.total_service = 0.0
+
+    def owed(self) -> bool:
+        return self.own_service < self.min_share * self.total_service
+
+
+class Scheduler:
+    """Lanes of fair queues plus the accounting that drives them.
+
+    ``policy`` names a fairness policy (``vtc``, ``lcf``, ``fcfs``, ``rpm``); ``policy_options``
+    go to its constructor (``rpm``: ``limit``, ``window``). Tenants without a weight weigh 1.
+    """
+
+    def __init__(
+        self,
+        lanes: Iterable[LaneSpec] = (LaneSpec("default"),),
+        policy: str = "vtc",
+        cost: CostFunction | None = None,
+        weights: Mapping[str, float] | None = None,
+        **policy_options: float,
+    ) -> None:
+        specs = list(lanes)
+        if not specs:
+            raise ValueError("a scheduler needs at least one lane")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lane names must be unique: {names}")
+        for spec in specs:
+            if not 0.0 <= spec.min_share < 1.0:
+                raise ValueError(f"lane {spec.name!r}: min_share must be in [0, 1)")
+        self.policy_name = policy
+        self.cost: CostFunction = cost if cost is not None else LinearCost()
+        self._lanes = [
+            _Lane(i, spec, make_policy(policy, **policy_options)) for i, spec in enumerate(specs)
+        ]
+        self._by_name = {lane.name: lane for lane in self._lanes}
+        self._protected = [lane for lane in self._lanes if lane.min_share > 0]
+        self.weights: dict[str, float] = {}
+        for tenant, weight in (weights or {}).items():
+            self.set_weight(tenant, weight)
+        self.service: dict[str, float] = {}
+        """Weighted service charged per tenant, not divided by weight (all lanes)."""
+        self._seq = 0
+
+    # -- configuration --
+
+    @property
+    def lane_names(self) -> list[str]:
+        return [lane.name for lane in self._lanes]
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """Set a tenant's weight; charges from now on use it, its counter is kept."""
+        if not weight > 0:
+            raise ValueError(f"tenant {tenant!r}: weight must be > 0")
+        self.weights[tenant] = float(weight)
+
+    def policy(self, lane: str) -> FairnessPolicy:
+        """The fairness policy instance serving ``lane``."""
+        return self._by_name[lane].policy
+
+    # -- the request lifecycle --
+
+    def enqueue(self, request: Request, now: float) -> None:
+        """Queue a request in its lane (the first lane if it names none)."""
+        if request.state != "new":
+            raise ValueError(f"request is {request.state}, not new")
+        if not request.lane:
+            request.lane = self._lanes[0].name
+        lane = self._by_name.get(request.lane)
+        if lane is None:
+            raise KeyError(f"unknown lane {request.lane!r}")
+        if lane.min_share > 0 and lane.policy.queued() == 0:
+            lane.own_service = lane.total_service = 0.0
+        request.seq = self._seq
+        self._seq += 1
+        request.state = "queued"
+        lane.policy.enqueue(request, now)
+
+    def peek(self, now: float) -> Request | None:
+        """The request that should be dispatched next, or None if nothing should be."""
+        lanes = self._lanes
+        first = None
+        for lane in lanes:
+            if lane.policy.queued():
+                first = lane
+                break
+        if first is None:
+            return None
+        for lane in self._protected:
+            if lane.index > first.index and lane.policy.queued() and lane.owed():
+                chosen = lane.policy.peek(now)
+                if chosen is not None:
+                    return chosen
+        for lane in lanes[first.index :]:
+            if lane.policy.queued():
+                chosen = lane.policy.peek(now)
+                if chosen is not None:
+                    return chosen
+        return None
+
+    def dispatch(self, request: Request, now: float) -> None:
+        """Take a queued request out of the queue and charge its prompt."""
+        if request.state != "queued":
+            raise ValueError(f"request is {request.state}, not queued")
+        self._by_name[request.lane].policy.pop(request, now)
+        request.state = "running"
+        self._charge(request, self.cost.prompt_cost(request.prompt_tokens,
+                                                    request.cached_prompt_tokens))
+
+    def charge_output(self, request: Request, tokens: int = 1) -> None:
+        """Record ``tokens`` output tokens produced; charge those not already estimated."""
+        before = request.generated
+        after = before + tokens
+        billable_from = max(before, request.estimated_output)
+        request.generated = after
+        if after > billable_from:
+            self._charge(request, self.cost.output_cost(request.prompt_tokens, billable_from,
+                                                        after - billable_from))
+
+    def charge_estimate(self, request: Request, output_tokens: int) -> None:
+        """Charge output ahead of production, on an estimate, up to ``output_tokens`` in total."""
+        covered = max(request.generated, request.estimated_output)
+        if output_tokens > covered:
+            self._charge(request, self.cost.output_cost(request.prompt_tokens, covered,
+                                                        output_tokens - covered))
+            request.estimated_output = output_tokens
+
+    def settle(self, request: Request, actual: Usage) -> float:
+        """Correct the request's total charge to the cost of ``actual``; returns the difference.
+
+        The difference may be negative (the estimate was too high). Call it when the engine
+        reports usage; ``finish`` and ``cancel`` call it for you.
+        """
+        total = request_cost(self.cost, actual.prompt_tokens, actual.completion_tokens,
+                             actual.cached_prompt_tokens)
+        delta = total - request.charged
+        if delta:
+            self._charge(request, delta)
+        request.generated = actual.completion_tokens
+        request.estimated_output = 0
+        return delta
+
+    def finish(self, request: Request, actual: Usage | None = None) -> None:
+        """A running request ended: settle to ``actual`` (default: what was counted)."""
+        if request.state != "running":
+            raise ValueError(f"request is {request.state}, not running")
+        if actual is None:
+            actual = Usage(request.prompt_tokens, request.generated, request.cached_prompt_tokens)
+        self.settle(request, actual)
+        request.state = "done"
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request: a queued one is removed uncharged, a running one settles to what it got.
+
+        Cancelling a request that is already done or cancelled does nothing.
+        """
+        if request.state == "queued":
+            self._by_name[request.lane].policy.remove(request)
+        elif request.state == "running":
+            self.finish(request)
+        else:
+            return
+        request.state = "cancelled"
+
+    # -- reading state --
+
+    def queued(self, lane: str | None = None) -> int:
+        """Queued requests in one lane, or in all."""
+        if lane is not None:
+            return self._by_name[lane].policy.queued()
+        return sum(lane.policy.queued() for lane in self._lanes)
+
+    def counter(self, tenant: str, lane: str | None = None) -> float:
+        """The tenant's virtual counter in ``lane`` (default: the first lane)."""
+        return self._by_name[lane or self._lanes[0].name].policy.counter(tenant)
+
+    # -- internals --
+
+    def _charge(self, request: Request, amount: float) -> None:
+        tenant = request.tenant
+        request.charged += amount
+        self.service[tenant] = self.service.get(tenant, 0.0) + amount
+        lane = self._by_name[request.lane]
+        lane.policy.charge(tenant, amount / self.weights.get(tenant, 1.0))
+        for protected in self._protected:
+            if protected.policy.queued():
+                protected.total_service += amount
+                if protected is lane:
+                    protected.own_service += amount

@@ -1,0 +1,142 @@
+"""Virtual Token Counter fair queueing within one lane (Sheng et al., OSDI 2024).
+
+Each tenant has a counter of normalized service received. The backlogged tenant with the smallest
+counter goes next. A tenant that enqueues while it has nothing queued is *lifted* to the smallest
+counter among backlogged tenants (or, with none backlogged, to the counter of the last tenant that
+left the queue): idleness buys no credit, and a lift never lowers a counter.
+
+The backlogged tenants sit in a binary heap keyed by (counter, seq of their oldest request), so a
+decision costs O(log n) in the number of backlogged tenants. Counters change far more often than
+decisions are made (every decoded token charges its tenant), so a charge only marks the tenant
+stale; stale tenants are re-pushed once, just before the next look at the heap, and superseded heap
+entries are dropped lazily by a per-tenant version number.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from picker.core.request import Request
+
+_HeapEntry = tuple[float, int, str, int]  # (counter, seq of oldest queued request, tenant, version)
+
+
+class VirtualTokenCounter:
+    """VTC: least counter first, with the counter lift on (re)entering the queue."""
+
+    name = "vtc"
+    lift = True
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self._queues: dict[str, deque[Request]] = {}
+        self._heap: list[_HeapEntry] = []
+        self._version: dict[str, int] = {}
+        self._stale: set[str] = set()
+        self._backlogged = 0
+        self._queued = 0
+        self._last_left: str | None = None
+
+    # -- the FairnessPolicy interface --
+
+    def enqueue(self, request: Request, now: float) -> None:
+        tenant = request.tenant
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self.counters.setdefault(tenant, 0.0)
+        if not queue:
+            if self.lift:
+                self._lift(tenant)
+            self._backlogged += 1
+            self._stale.add(tenant)
+        queue.append(request)
+        self._queued += 1
+
+    def peek(self, now: float) -> Request | None:
+        top = self._top()
+        return None if top is None else self._queues[top[2]][0]
+
+    def pop(self, request: Request, now: float) -> None:
+        self._take(request)
+
+    def remove(self, request: Request) -> None:
+        self._take(request)
+
+    def charge(self, tenant: str, normalized: float) -> None:
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + normalized
+        if self._queues.get(tenant):
+            self._stale.add(tenant)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def queued(self) -> int:
+        return self._queued
+
+    # -- beyond the interface: what metrics and tests read --
+
+    def min_backlogged_counter(self) -> float | None:
+        """The smallest counter among backlogged tenants (the lift floor), or None."""
+        top = self._top()
+        return None if top is None else top[0]
+
+    def backlogged(self) -> int:
+        """How many tenants have at least one queued request."""
+        return self._backlogged
+
+    # -- internals --
+
+    def _lift(self, tenant: str) -> None:
+        floor = self.min_backlogged_counter()
+        if floor is None and self._last_left is not None:
+            floor = self.counters[self._last_left]
+        if floor is not None and floor > self.counters[tenant]:
+            self.counters[tenant] = floor
+
+    def _take(self, request: Request) -> None:
+        tenant = request.tenant
+        queue = self._queues.get(tenant)
+        if not queue:
+            raise KeyError(f"request of tenant {tenant!r} is not queued in this lane")
+        if queue[0] is request:
+            queue.popleft()
+        else:
+            queue.remove(request)  # a cancellation from the middle: rare, O(tenant's queue)
+        self._queued -= 1
+        if queue:
+            self._stale.add(tenant)
+        else:
+            self._backlogged -= 1
+            self._last_left = tenant
+            self._stale.discard(tenant)
+
+    def _top(self) -> _HeapEntry | None:
+        heap, version, queues = self._heap, self._version, self._queues
+        if self._stale:
+            for tenant in self._stale:
+                queue = queues[tenant]
+                v = version[tenant] = version.get(tenant, 0) + 1
+                heapq.heappush(heap, (self.counters[tenant], queue[0].seq, tenant, v))
+            self._stale.clear()
+            if len(heap) > 4 * self._backlogged + 64:
+                self._compact()
+        while heap:
+            entry = heap[0]
+            if version[entry[2]] == entry[3] and queues[entry[2]]:
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def _compact(self) -> None:
+        version, queues = self._version, self._queues
+        self._heap = [e for e in self._heap if version[e[2]] == e[3] and queues[e[2]]]
+        heapq.heapify(self._heap)
+
+
+class LeastCounterFirst(VirtualTokenCounter):
+    """The ``lcf`` baseline: VTC without the lift, so idle time banks credit."""
+
+    name = "lcf"
+    lift = False

@@ -1,0 +1,1 @@
+"""A discrete-event simulator of a continuous-batching engine, driving the real scheduling core."""

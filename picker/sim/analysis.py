@@ -1,0 +1,63 @@
+"""Fairness measures over a simulation record: drift, the VTC bound, shares."""
+
+from __future__ import annotations
+
+from picker.sim.engine import SimResult
+from picker.sim.scenario import Scenario
+
+
+def vtc_bound(scenario: Scenario) -> float:
+    """``2·max(w_p·L_input, w_q·M)``: VTC's bound on the service gap of two backlogged tenants.
+
+    With a context-aware cost an output token can cost up to ``w_q + β·M``, so the decode term
+    grows accordingly.
+    """
+    cost = scenario.cost
+    longest_prompt = max(t.prompt_tokens[1] for t in scenario.tenants)
+    decode = (cost.decode_weight + cost.context_beta * scenario.kv_budget_tokens)
+    return 2 * max(cost.prefill_weight * longest_prompt, decode * scenario.kv_budget_tokens)
+
+
+def _normalized_gap(result: SimResult, a: int, b: int, row: list[float]) -> float:
+    return row[a] / result.weights[a] - row[b] / result.weights[b]
+
+
+def max_drift(result: SimResult, a: str, b: str) -> float:
+    """``max_t |W_a(0,t)/w_a − W_b(0,t)/w_b|`` over the whole run (seed 000's drift)."""
+    i, j = result.tenants.index(a), result.tenants.index(b)
+    return max((abs(_normalized_gap(result, i, j, row)) for row in result.service), default=0.0)
+
+
+def backlogged_drift(result: SimResult, a: str, b: str) -> float:
+    """The largest ``|W_a(t1,t2)/w_a − W_b(t1,t2)/w_b|`` over intervals where both stay backlogged.
+
+    Within one run of steps where both are backlogged, the worst interval's gap is the range
+    (max − min) of the cumulative normalized gap.
+    """
+    i, j = result.tenants.index(a), result.tenants.index(b)
+    worst = 0.0
+    low = high = None
+    for row, flags in zip(result.service, result.backlogged, strict=True):
+        if flags[i] and flags[j]:
+            gap = _normalized_gap(result, i, j, row)
+            low = gap if low is None else min(low, gap)
+            high = gap if high is None else max(high, gap)
+            worst = max(worst, high - low)
+        else:
+            low = high = None
+    return worst
+
+
+def service_between(result: SimResult, tenant: str, start: int, end: int) -> float:
+    """Weighted service ``tenant`` received in steps ``start`` … ``end - 1``."""
+    i = result.tenants.index(tenant)
+    before = result.service[start - 1][i] if start > 0 else 0.0
+    return result.service[end - 1][i] - before
+
+
+def shares(result: SimResult, start: int = 0, end: int | None = None) -> dict[str, float]:
+    """Each tenant's fraction of all weighted service delivered in ``[start, end)``."""
+    end = result.steps if end is None else end
+    got = {t: service_between(result, t, start, end) for t in result.tenants}
+    total = sum(got.values())
+    return {t: (v / total if total else 0.0) for t, v in got.items()}

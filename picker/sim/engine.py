@@ -1,0 +1,164 @@
+"""The simulated engine: continuous batching over a KV budget, one decode step per iteration.
+
+Each step: arrivals are queued; then requests are admitted in the order the scheduler chooses,
+stopping at the first chosen request whose prompt does not fit the KV budget (seed 000's loop);
+then every running request decodes one token; finished requests leave. A running request occupies
+``prompt + generated`` tokens of the budget. The scheduler is ``picker.core.Scheduler``, the same
+object the picker service drives.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from picker.core import ContextAwareCost, LaneSpec, LinearCost, Request, Scheduler
+from picker.sim.scenario import Scenario, Tenant
+
+
+@dataclass
+class SimResult:
+    """What one run produced, step by step."""
+
+    policy: str
+    tenants: list[str]
+    weights: list[float]
+    service: list[list[float]]
+    """Per step (after it), each tenant's cumulative weighted service, not divided by weight."""
+    backlogged: list[list[bool]]
+    """Per step, whether each tenant still had requests queued after that step's admission."""
+    output_tokens: int
+    """Output tokens decoded in the whole run."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.service)
+
+    def total_service(self) -> float:
+        return sum(self.service[-1]) if self.service else 0.0
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "policy": self.policy,
+            "steps": self.steps,
+            "weighted_service_per_step": self.total_service() / steps,
+            "output_tokens_per_step": self.output_tokens / steps,
+            "service": dict(zip(self.tenants, self.service[-1] if self.service else [], strict=False)),
+            "weights": dict(zip(self.tenants, self.weights, strict=True)),
+        }
+
+
+class _Traffic:
+    """One tenant's arrival process: its own random stream, so every policy sees the same requests."""
+
+    def __init__(self, tenant: Tenant, seed: int, index: int) -> None:
+        self.tenant = tenant
+        self.random = random.Random(f"{seed}/{index}/{tenant.name}")
+        self.phase = 0
+        self.queued = 0
+
+    def new_requests(self, step: int) -> int:
+        phases = self.tenant.arrivals
+        while self.phase < len(phases) - 1 and phases[self.phase].until is not None \
+                and step >= phases[self.phase].until:
+            self.phase += 1
+        phase = phases[self.phase]
+        if phase.until is not None and step >= phase.until:
+            return 0  # past the end of the last phase
+        if phase.backlog is not None:
+            return max(0, phase.backlog - self.queued)
+        return _poisson(self.random, phase.rate or 0.0)
+
+    def make_request(self, step: int, lane: str) -> Request:
+        p_low, p_high = self.tenant.prompt_tokens
+        o_low, o_high = self.tenant.output_tokens
+        prompt = self.random.randint(p_low, p_high)
+        output = self.random.randint(o_low, o_high)
+        return Request(tenant=self.tenant.name, prompt_tokens=prompt, max_output_tokens=output,
+                       lane=lane, arrival=step)
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    if mean <= 0:
+        return 0
+    # Knuth's method: fine for the small per-step means of a simulation.
+    limit, k, product = math.exp(-mean), 0, rng.random()
+    while product > limit:
+        k += 1
+        product *= rng.random()
+    return k
+
+
+def make_scheduler(scenario: Scenario, policy: str, rpm_limit: float | None = None) -> Scheduler:
+    """The core scheduler a scenario describes, with the given fairness policy."""
+    weights = scenario.cost
+    cost = (ContextAwareCost(weights.prefill_weight, weights.decode_weight, weights.context_beta)
+            if weights.context_beta else LinearCost(weights.prefill_weight, weights.decode_weight))
+    options: dict[str, float] = {}
+    if policy == "rpm":
+        options = {"limit": math.inf if rpm_limit is None else rpm_limit,
+                   "window": scenario.rpm_window_steps}
+    return Scheduler(
+        lanes=[LaneSpec(lane.name, lane.min_share) for lane in scenario.lanes],
+        policy=policy,
+        cost=cost,
+        weights={t.name: t.weight for t in scenario.tenants},
+        **options,
+    )
+
+
+def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = None) -> SimResult:
+    """Run ``scenario`` under ``policy`` and return the step-by-step record."""
+    scheduler = make_scheduler(scenario, policy, rpm_limit)
+    names = [t.name for t in scenario.tenants]
+    lanes = [t.lane or scenario.lanes[0].name for t in scenario.tenants]
+    traffic = [_Traffic(t, scenario.seed, i) for i, t in enumerate(scenario.tenants)]
+    by_name = {t.tenant.name: t for t in traffic}
+    budget = scenario.kv_budget_tokens
+    running: list[Request] = []
+    occupancy = 0
+    output_tokens = 0
+    service_rows: list[list[float]] = []
+    backlog_rows: list[list[bool]] = []
+    service = scheduler.service
+
+    for step in range(scenario.steps):
+        for source, lane in zip(traffic, lanes, strict=True):
+            for _ in range(source.new_requests(step)):
+                scheduler.enqueue(source.make_request(step, lane), step)
+                source.queued += 1
+
+        while True:
+            request = scheduler.peek(step)
+            if request is None or occupancy + request.prompt_tokens > budget:
+                break
+            scheduler.dispatch(request, step)
+            by_name[request.tenant].queued -= 1
+            running.append(request)
+            occupancy += request.prompt_tokens
+
+        still_running = []
+        for request in running:
+            scheduler.charge_output(request, 1)
+            if request.generated >= request.max_output_tokens:
+                scheduler.finish(request)
+                occupancy -= request.prompt_tokens + request.generated - 1
+            else:
+                still_running.append(request)
+                occupancy += 1
+        output_tokens += len(running)
+        running = still_running
+
+        service_rows.append([service.get(name, 0.0) for name in names])
+        backlog_rows.append([source.queued > 0 for source in traffic])
+
+    return SimResult(
+        policy=policy,
+        tenants=names,
+        weights=[t.weight for t in scenario.tenants],
+        service=service_rows,
+        backlogged=backlog_rows,
+        output_tokens=output_tokens,
+    )
