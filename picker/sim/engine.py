@@ -30,6 +30,10 @@ class SimResult:
     """Per step, whether each tenant still had requests queued after that step's admission."""
     output_tokens: int
     """Output tokens decoded in the whole run."""
+    admission_stops: list[str]
+    """Per step, why admission stopped: ``empty`` (nothing queued), ``no_fit`` (the chosen
+    request's prompt does not fit the KV budget) or ``held`` (the policy chose nothing although
+    requests were queued: only a non-work-conserving policy such as ``rpm`` does that)."""
 
     @property
     def steps(self) -> int:
@@ -122,6 +126,7 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
     output_tokens = 0
     service_rows: list[list[float]] = []
     backlog_rows: list[list[bool]] = []
+    stops: list[str] = []
     service = scheduler.service
 
     for step in range(scenario.steps):
@@ -132,7 +137,11 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
 
         while True:
             request = scheduler.peek(step)
-            if request is None or occupancy + request.prompt_tokens > budget:
+            if request is None:
+                stops.append("held" if scheduler.queued() else "empty")
+                break
+            if occupancy + request.prompt_tokens > budget:
+                stops.append("no_fit")
                 break
             scheduler.dispatch(request, step)
             by_name[request.tenant].queued -= 1
@@ -161,4 +170,5 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
         service=service_rows,
         backlogged=backlog_rows,
         output_tokens=output_tokens,
+        admission_stops=stops,
     )
