@@ -93,7 +93,8 @@ def _convert_sequence(tp: Any, value: Any, path: str) -> Any:
     if typing.get_origin(tp) is tuple and not (len(args) == 2 and args[1] is Ellipsis):
         if len(value) != len(args):
             raise ConfigError(path, f"must be a list of {len(args)} items, got {len(value)}")
-        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in pairs)
     item_type = args[0]
     items = [_convert(item_type, v, f"{path}[{i}]") for i, v in enumerate(value)]
     return tuple(items) if typing.get_origin(tp) is tuple else items
@@ -140,7 +141,8 @@ def _load_dataclass(cls: Any, value: Any, path: str) -> Any:
         key = _key(field)
         where = f"{path}.{key}" if path else key
         if key not in value:
-            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            required = dataclasses.MISSING is field.default is field.default_factory
+            if required:
                 raise ConfigError(where, "is required")
             continue
         converted = _convert(hints[field.name], value[key], where)

@@ -40,7 +40,8 @@ def write_outputs(result: SimResult, bound: float, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.sim", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m picker.sim",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("scenario", type=Path, help="scenario YAML file")
     parser.add_argument("--policy", choices=POLICIES, default="vtc")
     parser.add_argument("--rpm", type=float, default=None,

@@ -23,16 +23,16 @@ def _normalized_gap(result: SimResult, a: int, b: int, row: list[float]) -> floa
 
 
 def max_drift(result: SimResult, a: str, b: str) -> float:
-    """``max_t |W_a(0,t)/w_a − W_b(0,t)/w_b|`` over the whole run (seed 000's drift)."""
+    """``max_t |W_a(0,t)/w_a - W_b(0,t)/w_b|`` over the whole run (seed 000's drift)."""
     i, j = result.tenants.index(a), result.tenants.index(b)
     return max((abs(_normalized_gap(result, i, j, row)) for row in result.service), default=0.0)
 
 
 def backlogged_drift(result: SimResult, a: str, b: str) -> float:
-    """The largest ``|W_a(t1,t2)/w_a − W_b(t1,t2)/w_b|`` over intervals where both stay backlogged.
+    """The largest ``|W_a(t1,t2)/w_a - W_b(t1,t2)/w_b|`` over intervals where both stay backlogged.
 
     Within one run of steps where both are backlogged, the worst interval's gap is the range
-    (max − min) of the cumulative normalized gap.
+    (max - min) of the cumulative normalized gap.
     """
     i, j = result.tenants.index(a), result.tenants.index(b)
     worst = 0.0

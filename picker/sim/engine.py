@@ -49,13 +49,14 @@ class SimResult:
             "steps": self.steps,
             "weighted_service_per_step": self.total_service() / steps,
             "output_tokens_per_step": self.output_tokens / steps,
-            "service": dict(zip(self.tenants, self.service[-1] if self.service else [], strict=False)),
+            "service": dict(zip(self.tenants, self.service[-1], strict=True))
+            if self.service else {},
             "weights": dict(zip(self.tenants, self.weights, strict=True)),
         }
 
 
 class _Traffic:
-    """One tenant's arrival process: its own random stream, so every policy sees the same requests."""
+    """One tenant's arrivals, from its own random stream: every policy sees the same requests."""
 
     def __init__(self, tenant: Tenant, seed: int, index: int) -> None:
         self.tenant = tenant

@@ -75,9 +75,11 @@ class Tenant:
         for i, phase in enumerate(self.arrivals):
             if phase.until is None:
                 if i != len(self.arrivals) - 1:
-                    raise ConfigError(f"arrivals[{i}].until", "is required on all but the last phase")
+                    raise ConfigError(f"arrivals[{i}].until",
+                                      "is required on all but the last phase")
             elif phase.until <= previous:
-                raise ConfigError(f"arrivals[{i}].until", f"must be above the previous phase's {previous}")
+                raise ConfigError(f"arrivals[{i}].until",
+                                  f"must be above the previous phase's {previous}")
             else:
                 previous = phase.until
 
@@ -111,8 +113,9 @@ class Scenario:
             if tenant.name in names[:i]:
                 raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {tenant.name!r}")
             if tenant.lane is not None and tenant.lane not in lane_names:
+                known = ", ".join(lane_names)
                 raise ConfigError(f"tenants[{i}].lane",
-                                  f"unknown lane {tenant.lane!r}; lanes are {', '.join(lane_names)}")
+                                  f"unknown lane {tenant.lane!r}; lanes are {known}")
             if tenant.prompt_tokens[1] > self.kv_budget_tokens:
                 raise ConfigError(f"tenants[{i}].prompt_tokens",
                                   f"a prompt of {tenant.prompt_tokens[1]} can never fit "
