@@ -96,6 +96,54 @@ def _poisson(rng: random.Random, mean: float) -> int:
     return k
 
 
+class BatchEngine:
+    """Continuous batching over a KV budget: what a model server does each iteration.
+
+    ``scheduler`` orders the waiting requests (the picker's VTC, or the engine's own FCFS); the
+    engine admits in that order while prompts fit and decodes one token for each running request.
+    A request's ``max_output_tokens`` is the output it will produce.
+    """
+
+    def __init__(self, kv_budget_tokens: int, scheduler: Scheduler) -> None:
+        self.kv_budget_tokens = kv_budget_tokens
+        self.scheduler = scheduler
+        self.running: list[Request] = []
+        self.occupancy = 0
+        """Tokens of the KV budget in use: prompt + generated of every running request."""
+
+    def admit(self, now: float) -> tuple[str, list[Request]]:
+        """Admit queued requests in the scheduler's order until one does not fit.
+
+        Returns why admission stopped (``empty``, ``no_fit`` or ``held``) and the admitted requests.
+        """
+        scheduler, admitted = self.scheduler, []
+        while True:
+            request = scheduler.peek(now)
+            if request is None:
+                return ("held" if scheduler.queued() else "empty"), admitted
+            if self.occupancy + request.prompt_tokens > self.kv_budget_tokens:
+                return "no_fit", admitted
+            scheduler.dispatch(request, now)
+            self.running.append(request)
+            self.occupancy += request.prompt_tokens
+            admitted.append(request)
+
+    def decode(self) -> list[Request]:
+        """One decode iteration: every running request produces a token; returns those finished."""
+        scheduler, finished, still_running = self.scheduler, [], []
+        for request in self.running:
+            scheduler.charge_output(request, 1)
+            if request.generated >= request.max_output_tokens:
+                scheduler.finish(request)
+                self.occupancy -= request.prompt_tokens + request.generated - 1
+                finished.append(request)
+            else:
+                still_running.append(request)
+                self.occupancy += 1
+        self.running = still_running
+        return finished
+
+
 def make_scheduler(scenario: Scenario, policy: str, rpm_limit: float | None = None) -> Scheduler:
     """The core scheduler a scenario describes, with the given fairness policy."""
     weights = scenario.cost
@@ -121,9 +169,7 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
     lanes = [t.lane or scenario.lanes[0].name for t in scenario.tenants]
     traffic = [_Traffic(t, scenario.seed, i) for i, t in enumerate(scenario.tenants)]
     by_name = {t.tenant.name: t for t in traffic}
-    budget = scenario.kv_budget_tokens
-    running: list[Request] = []
-    occupancy = 0
+    engine = BatchEngine(scenario.kv_budget_tokens, scheduler)
     output_tokens = 0
     service_rows: list[list[float]] = []
     backlog_rows: list[list[bool]] = []
@@ -135,32 +181,12 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
             for _ in range(source.new_requests(step)):
                 scheduler.enqueue(source.make_request(step, lane), step)
                 source.queued += 1
-
-        while True:
-            request = scheduler.peek(step)
-            if request is None:
-                stops.append("held" if scheduler.queued() else "empty")
-                break
-            if occupancy + request.prompt_tokens > budget:
-                stops.append("no_fit")
-                break
-            scheduler.dispatch(request, step)
+        stop, admitted = engine.admit(step)
+        stops.append(stop)
+        for request in admitted:
             by_name[request.tenant].queued -= 1
-            running.append(request)
-            occupancy += request.prompt_tokens
-
-        still_running = []
-        for request in running:
-            scheduler.charge_output(request, 1)
-            if request.generated >= request.max_output_tokens:
-                scheduler.finish(request)
-                occupancy -= request.prompt_tokens + request.generated - 1
-            else:
-                still_running.append(request)
-                occupancy += 1
-        output_tokens += len(running)
-        running = still_running
-
+        output_tokens += len(engine.running)
+        engine.decode()
         service_rows.append([service.get(name, 0.0) for name in names])
         backlog_rows.append([source.queued > 0 for source in traffic])
 
