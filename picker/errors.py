@@ -35,3 +35,55 @@ class ConfigError(FairwayError):
         else:
             path = f"{prefix}.{self.path}"
         return ConfigError(path, self.message)
+
+
+class RequestError(FairwayError):
+    """A request the picker refuses; carries what the client is told."""
+
+    http_status = 400
+    metric_label = "bad_request"
+    error_type = "invalid_request_error"
+    retry_after: float | None = None
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if retry_after is not None:
+            self.retry_after = retry_after
+
+
+class BadRequest(RequestError):
+    """Malformed JSON, or a required field missing or wrong."""
+
+
+class BodyTooLarge(RequestError):
+    http_status = 413
+    metric_label = "body_too_large"
+
+
+class QueueFull(RequestError):
+    http_status = 429
+    metric_label = "queue_full"
+    error_type = "rate_limit_exceeded"
+    retry_after = 1.0
+
+
+class QueueTimeout(RequestError):
+    http_status = 503
+    metric_label = "queue_timeout"
+    error_type = "server_error"
+    retry_after = 1.0
+
+
+class NoEndpoint(RequestError):
+    http_status = 503
+    metric_label = "no_endpoint"
+    error_type = "server_error"
+    retry_after = 1.0
+
+
+class ShuttingDown(RequestError):
+    http_status = 503
+    metric_label = "shutting_down"
+    error_type = "server_error"
+    retry_after = 1.0

@@ -2,9 +2,11 @@
 
 It answers: *is this document exactly what the schema allows, and if not, where is it wrong?*
 Unknown keys, missing required keys, wrong types and out-of-range values are errors whose path
-names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Range rules live in field metadata
-(``ge``, ``gt``, ``le``, ``lt``); cross-field rules live in the dataclass's ``__post_init__``,
-raising ``ConfigError`` with a path relative to the object.
+names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Field metadata carries the rules:
+``key`` (the document's spelling, e.g. camelCase), ``ge``/``gt``/``le``/``lt`` (ranges) and
+``duration`` (a float of seconds that may be written ``250ms``, ``60s``, ``5m``, ``24h``).
+Cross-field rules live in the dataclass's ``__post_init__``, raising ``ConfigError`` with a path
+relative to the object.
 """
 
 from __future__ import annotations
@@ -29,6 +31,25 @@ _RANGE_RULES = {
 }
 
 
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any, path: str) -> float:
+    """Seconds from a number or a string such as ``250ms``, ``60s``, ``5m``, ``24h``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        for unit in ("ms", "s", "m", "h", "d"):
+            number = text.removesuffix(unit)
+            if number != text:
+                try:
+                    return float(number) * _DURATION_UNITS[unit]
+                except ValueError:
+                    break
+    raise ConfigError(path, f"must be a duration such as 250ms, 60s, 5m or 24h; got {value!r}")
+
+
 def load_yaml_file(cls: type[T], path: str | Path) -> T:
     """Read a YAML file and load it strictly into ``cls``."""
     try:
@@ -45,6 +66,15 @@ def load_yaml_file(cls: type[T], path: str | Path) -> T:
 def load(cls: type[T], data: Any, path: str = "") -> T:
     """Build a ``cls`` dataclass from ``data``, or raise ConfigError naming the bad field."""
     return _convert(cls, data, path)
+
+
+def _kind(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    if tp in names:
+        return names[tp]
+    return "a mapping" if dataclasses.is_dataclass(tp) else "a list"
 
 
 def _describe(value: Any) -> str:
@@ -67,7 +97,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(option, value, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise errors[0]
+        deeper = [e for e in errors if e.path != path]
+        if deeper:
+            raise deeper[0]
+        wanted = " or ".join(_kind(o) for o in options if o is not type(None))
+        raise ConfigError(path, f"must be {wanted}; got {value!r}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -145,7 +179,10 @@ def _load_dataclass(cls: Any, value: Any, path: str) -> Any:
             if required:
                 raise ConfigError(where, "is required")
             continue
-        converted = _convert(hints[field.name], value[key], where)
+        if field.metadata.get("duration"):
+            converted = parse_duration(value[key], where)
+        else:
+            converted = _convert(hints[field.name], value[key], where)
         _check_range(field, converted, where)
         kwargs[field.name] = converted
     try:

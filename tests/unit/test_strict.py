@@ -50,7 +50,7 @@ def test_integer_given_for_float_is_a_float() -> None:
         ({"ratio": 0}, "ratio: must be > 0"),
         ({"ratio": "half"}, "ratio: must be a number, not str"),
         ({"ratio": True}, "ratio: must be a number, not bool"),
-        ({"label": 5}, "label: must be a string, not int"),
+        ({"label": 5}, "label: must be a string; got 5"),
         ({"inner": {"size": 11}}, "inner.size: must be <= 10"),
         ({"inner": {"size": 2.5}}, "inner.size: must be an integer, not float"),
         ({"inner": []}, "inner: must be a mapping, not list"),

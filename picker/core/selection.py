@@ -1,0 +1,98 @@
+"""Endpoint choice: which model servers have room, and which of them should take a request.
+
+Pure: the dispatcher owns the endpoint states and passes ``now``. An endpoint has room while the
+tokens in flight on it are under its KV budget and its waiting queue (scraped, when fresh) is under
+a threshold. Keeping every endpoint just saturated, and no more, is what lets the fair queue decide
+the order instead of the engine's own FCFS queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class EndpointState:
+    """What the picker knows about one model server."""
+
+    address: str
+    configured_budget: int | None = None
+    """KV budget in tokens from config (wins over a learned one)."""
+    learned_budget: int | None = None
+    """KV budget from ``vllm:cache_config_info`` (num_gpu_blocks × block_size)."""
+    inflight_tokens: int = 0
+    """The picker's own accounting: prompt + output so far of requests it sent here."""
+    inflight_requests: int = 0
+    waiting: float | None = None
+    """Scraped ``vllm:num_requests_waiting``."""
+    running: float | None = None
+    """Scraped ``vllm:num_requests_running``."""
+    kv_usage: float | None = None
+    """Scraped ``vllm:kv_cache_usage_perc`` (0..1)."""
+    scraped_at: float | None = None
+    draining: bool = False
+    """Going away: gets no new requests; its in-flight requests finish."""
+
+    def budget(self, fallback: int) -> int:
+        return self.configured_budget or self.learned_budget or fallback
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        """Whether scraped figures are recent enough to trust."""
+        return self.scraped_at is not None and now - self.scraped_at <= stale_after
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRules:
+    """When an endpoint has room (see ``picker.config.schema.Capacity``)."""
+
+    fallback_budget: int = 8192
+    max_waiting: int = 2
+    stale_after: float = 1.0
+
+
+def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
+    """Tokens in use on the endpoint: the picker's own count, or the scraped KV use if higher
+    (other clients may share the server)."""
+    used = float(endpoint.inflight_tokens)
+    if endpoint.kv_usage is not None and endpoint.fresh(now, rules.stale_after):
+        used = max(used, endpoint.kv_usage * endpoint.budget(rules.fallback_budget))
+    return used
+
+
+def has_room(endpoint: EndpointState, now: float, rules: CapacityRules) -> bool:
+    """Whether the endpoint should take another request now."""
+    if endpoint.draining:
+        return False
+    if occupancy(endpoint, now, rules) >= endpoint.budget(rules.fallback_budget):
+        return False
+    fresh = endpoint.fresh(now, rules.stale_after)
+    return not (fresh and endpoint.waiting is not None and endpoint.waiting >= rules.max_waiting)
+
+
+class Scorer(Protocol):
+    """Among endpoints with room, how well does each suit this request? Higher is better."""
+
+    def score(self, endpoint: EndpointState, prompt_tokens: int, now: float,
+              rules: CapacityRules) -> float:
+        ...
+
+
+class LeastLoaded:
+    """Prefer the endpoint with the shortest waiting queue, then the most free KV budget."""
+
+    def score(self, endpoint: EndpointState, prompt_tokens: int, now: float,
+              rules: CapacityRules) -> float:
+        budget = endpoint.budget(rules.fallback_budget)
+        free = 1.0 - occupancy(endpoint, now, rules) / budget
+        waiting = endpoint.waiting if endpoint.fresh(now, rules.stale_after) else 0.0
+        return free - (waiting or 0.0)
+
+
+def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
+         scorer: Scorer, require_room: bool = True) -> list[EndpointState]:
+    """Candidates, best first: those with room (``require_room=False``: all but draining)."""
+    candidates = [e for e in endpoints
+                  if (has_room(e, now, rules) if require_room else not e.draining)]
+    candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
+    return candidates

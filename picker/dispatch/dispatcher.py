@@ -1,0 +1,338 @@
+"""Holding requests until the fair queue and the pool's capacity say go, and metering them after.
+
+It answers: *when does this request leave the queue, to which endpoint, and what is its tenant
+charged?* The scheduling decisions are the pure core's (``picker.core``); this module adds what
+needs a clock and an event loop: waiting with a timeout, cancellation, endpoint accounting, and
+re-running the dispatch loop whenever capacity may have appeared (a request finished, a scrape
+arrived). It never holds a request while an endpoint has room: ``pump`` runs after every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from picker.config.schema import PickerConfig
+from picker.core import ComputedTokenCost, ContextAwareCost, LaneSpec, LinearCost, Request, Usage
+from picker.core.lanes import Scheduler
+from picker.core.selection import CapacityRules, EndpointState, LeastLoaded, Scorer, rank
+from picker.errors import NoEndpoint, QueueFull, QueueTimeout, RequestError, ShuttingDown
+from picker.metrics import PickerMetrics
+from picker.openai import InferenceRequest
+
+log = logging.getLogger(__name__)
+
+FALLBACK_ENDPOINTS = 2
+"""Endpoints named after the primary in ``x-gateway-destination-endpoint``, for Envoy's retries."""
+OUTPUT_EWMA_ALPHA = 0.2
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's passage through the picker."""
+
+    tenant: str
+    lane: str
+    inference: InferenceRequest
+    request: Request
+    arrived_at: float
+    subset: frozenset[str] | None = None
+    destinations: list[str] = field(default_factory=list)
+    endpoint: EndpointState | None = None
+    dispatched_at: float | None = None
+    first_byte_at: float | None = None
+    reserved_tokens: int = 0
+    """Tokens this request adds to its endpoint's in-flight count."""
+    outcome: str | None = None
+    _ready: asyncio.Future[None] | None = None
+
+
+def _cost(config: PickerConfig) -> Any:
+    c = config.cost
+    if c.context_beta:
+        return ContextAwareCost(c.prefill_weight, c.decode_weight, c.context_beta)
+    if not c.charge_cached_prompt:
+        return ComputedTokenCost(c.prefill_weight, c.decode_weight)
+    return LinearCost(c.prefill_weight, c.decode_weight)
+
+
+def _rules(config: PickerConfig) -> CapacityRules:
+    c = config.capacity
+    fallback = c.kv_budget_tokens if isinstance(c.kv_budget_tokens, int) else \
+        c.fallback_kv_budget_tokens
+    return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
+                         stale_after=c.metrics_stale_after)
+
+
+class Dispatcher:
+    """The fair queue in front of the pool. One per picker process."""
+
+    def __init__(self, config: PickerConfig, *, clock: Callable[[], float] = time.monotonic,
+                 metrics: PickerMetrics | None = None, scorer: Scorer | None = None) -> None:
+        self.clock = clock
+        self.metrics = metrics if metrics is not None else PickerMetrics()
+        self.scorer: Scorer = scorer if scorer is not None else LeastLoaded()
+        self.endpoints: dict[str, EndpointState] = {}
+        self._tickets: dict[Request, Ticket] = {}
+        self._output_average: dict[str, float] = {}
+        self._closed = False
+        self.config = config
+        self.scheduler = self._new_scheduler(config)
+        self.apply_config(config)
+        self.metrics.add_state_collector(self.snapshot)
+
+    # -- configuration --
+
+    def _new_scheduler(self, config: PickerConfig) -> Scheduler:
+        policy = "fcfs" if config.scheduling.policy == "fcfs" else config.scheduling.policy
+        return Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
+                         policy=policy, cost=_cost(config))
+
+    def apply_config(self, config: PickerConfig) -> None:
+        """Take a new config; tenants keep their counters, new charges use the new values.
+
+        Raises ValueError for a change that cannot be applied live (lanes or policy while requests
+        are in the picker); the caller keeps the old config.
+        """
+        old = self.config
+        structural = (config.lanes != old.lanes or config.scheduling != old.scheduling
+                      or config.cost != old.cost)
+        if structural and config is not old:
+            if self._tickets:
+                raise ValueError("lanes, scheduling policy and cost can change only while no "
+                                 "request is in the picker; retry when idle or restart")
+            self.scheduler = self._new_scheduler(config)
+        for tenant in config.tenants:
+            self.scheduler.set_weight(tenant.id, tenant.weight)
+        self.config = config
+        self.rules = _rules(config)
+        self._lane_names = {lane.name for lane in config.lanes}
+        wanted = {e.address: e for e in config.endpoints}
+        for address, state in self.endpoints.items():
+            state.draining = address not in wanted
+            if address in wanted:
+                state.configured_budget = wanted[address].kv_budget_tokens or (
+                    config.capacity.kv_budget_tokens
+                    if isinstance(config.capacity.kv_budget_tokens, int) else None)
+        for address, endpoint in wanted.items():
+            if address not in self.endpoints:
+                budget = endpoint.kv_budget_tokens or (
+                    config.capacity.kv_budget_tokens
+                    if isinstance(config.capacity.kv_budget_tokens, int) else None)
+                self.endpoints[address] = EndpointState(address, configured_budget=budget)
+        self._forget_drained()
+        self.metrics.set_known_tenants(t.id for t in config.tenants)
+        self.pump()
+
+    def _forget_drained(self) -> None:
+        for address in [a for a, e in self.endpoints.items()
+                        if e.draining and e.inflight_requests == 0]:
+            del self.endpoints[address]
+
+    @property
+    def holding(self) -> bool:
+        """False in pass-through (``fcfs``) mode: requests are dispatched at once."""
+        return self.config.scheduling.policy != "fcfs"
+
+    def lane_of(self, tenant: str) -> str:
+        entry = self.config.tenant(tenant)
+        if entry is not None and entry.lane is not None:
+            return entry.lane
+        return self.config.lanes[0].name
+
+    # -- the lifecycle --
+
+    async def admit(self, tenant: str, inference: InferenceRequest,
+                    subset: frozenset[str] | None = None) -> Ticket:
+        """Queue a request and wait for its turn; returns it dispatched, with its destinations.
+
+        Raises a RequestError subclass when the request is refused; cancellation (the client went
+        away) removes it from the queue uncharged.
+        """
+        if self._closed:
+            raise ShuttingDown("the picker is shutting down")
+        now = self.clock()
+        lane = self.lane_of(tenant)
+        if self.scheduler.queued() >= self.config.queue.max_queued:
+            raise QueueFull("the fair queue is full")
+        if not self.candidates(subset, require_room=False):
+            raise NoEndpoint("no endpoint is available for this request")
+        request = Request(tenant=tenant, prompt_tokens=inference.prompt_tokens, lane=lane,
+                          max_output_tokens=inference.max_tokens or 0, arrival=now)
+        ticket = Ticket(tenant, lane, inference, request, now, subset)
+        ticket._ready = asyncio.get_running_loop().create_future()
+        self.scheduler.enqueue(request, now)
+        self._tickets[request] = ticket
+        if self.holding:
+            self.pump()
+        else:
+            self._dispatch(ticket, self.candidates(subset, require_room=False), now)
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket._ready), self.config.queue.max_wait)
+        except TimeoutError:
+            if ticket.dispatched_at is None:
+                self._drop_queued(ticket, "queue_timeout")
+                raise QueueTimeout(
+                    f"waited {self.config.queue.max_wait:g}s for capacity") from None
+        except asyncio.CancelledError:
+            if ticket.dispatched_at is None:
+                self._drop_queued(ticket, "cancelled")
+            else:
+                self.complete(ticket, None, "cancelled")
+            raise
+        if ticket.outcome is not None and ticket.dispatched_at is None:
+            raise ShuttingDown("the picker is shutting down")
+        return ticket
+
+    def on_first_byte(self, ticket: Ticket) -> None:
+        if ticket.first_byte_at is None:
+            ticket.first_byte_at = self.clock()
+            self.metrics.ttft.labels(self.metrics.tenant_label(ticket.tenant), ticket.lane) \
+                .observe(ticket.first_byte_at - ticket.arrived_at)
+
+    def on_output_tokens(self, ticket: Ticket, tokens: int) -> None:
+        """Tokens streamed back: charge them and count them against the endpoint."""
+        if tokens <= 0 or ticket.outcome is not None or ticket.dispatched_at is None:
+            return
+        self.scheduler.charge_output(ticket.request, tokens)
+        if ticket.inference.stream and ticket.endpoint is not None:
+            # A streaming request's KV footprint grows with each token; a non-streaming one had
+            # its whole estimate reserved at dispatch.
+            ticket.endpoint.inflight_tokens += tokens
+            ticket.reserved_tokens += tokens
+
+    def complete(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
+        """The request ended (``ok``, ``error``, ``cancelled``): settle and free its slot.
+
+        Without ``usage`` it settles to what was counted: the estimated prompt and the output
+        tokens seen. Calling it again does nothing.
+        """
+        if ticket.outcome is not None or ticket.dispatched_at is None:
+            return
+        ticket.outcome = outcome
+        request = ticket.request
+        if usage is None:
+            usage = Usage(request.prompt_tokens, request.generated, 0)
+        self.scheduler.finish(request, usage)
+        del self._tickets[request]
+        if ticket.endpoint is not None:
+            ticket.endpoint.inflight_tokens -= ticket.reserved_tokens
+            ticket.endpoint.inflight_requests -= 1
+        if not ticket.inference.stream and outcome == "ok":
+            previous = self._output_average.get(ticket.tenant)
+            sample = float(usage.completion_tokens)
+            self._output_average[ticket.tenant] = sample if previous is None else \
+                previous + OUTPUT_EWMA_ALPHA * (sample - previous)
+        self._record_done(ticket, usage, outcome)
+        self._forget_drained()
+        self.pump()
+
+    def reject(self, tenant: str, error: RequestError) -> None:
+        """Count a request refused before it was queued."""
+        self.metrics.rejections.labels(self.metrics.tenant_label(tenant),
+                                       error.metric_label).inc()
+
+    # -- dispatching --
+
+    def pump(self) -> None:
+        """Dispatch queued requests while the fair queue's next choice has an endpoint with room."""
+        if not self.holding:
+            return
+        now = self.clock()
+        scheduler = self.scheduler
+        while scheduler.queued():
+            request = scheduler.peek(now)
+            if request is None:
+                return
+            ticket = self._tickets[request]
+            candidates = self.candidates(ticket.subset, require_room=True, now=now,
+                                          prompt_tokens=request.prompt_tokens)
+            if not candidates:
+                return
+            self._dispatch(ticket, candidates, now)
+
+    def candidates(self, subset: frozenset[str] | None = None, *, require_room: bool = False,
+                   now: float | None = None, prompt_tokens: int = 0) -> list[EndpointState]:
+        """Endpoints that may take a request (in ``subset``, when given), best first."""
+        pool = [e for e in self.endpoints.values() if subset is None or e.address in subset]
+        return rank(pool, prompt_tokens, self.clock() if now is None else now, self.rules,
+                    self.scorer, require_room=require_room)
+
+    def _dispatch(self, ticket: Ticket, candidates: list[EndpointState], now: float) -> None:
+        request = ticket.request
+        self.scheduler.dispatch(request, now)
+        primary = candidates[0]
+        ticket.endpoint = primary
+        ticket.destinations = [e.address for e in candidates[: 1 + FALLBACK_ENDPOINTS]]
+        ticket.dispatched_at = now
+        ticket.reserved_tokens = request.prompt_tokens
+        if not ticket.inference.stream:
+            estimate = self.output_estimate(ticket)
+            self.scheduler.charge_estimate(request, estimate)
+            ticket.reserved_tokens += estimate
+        primary.inflight_tokens += ticket.reserved_tokens
+        primary.inflight_requests += 1
+        self.metrics.queue_wait.labels(self.metrics.tenant_label(ticket.tenant), ticket.lane) \
+            .observe(now - ticket.arrived_at)
+        if ticket._ready is not None and not ticket._ready.done():
+            ticket._ready.set_result(None)
+
+    def output_estimate(self, ticket: Ticket) -> int:
+        """Expected output of a non-streaming request: the tenant's moving average, capped."""
+        average = self._output_average.get(ticket.tenant,
+                                           float(self.config.capacity.default_output_tokens))
+        cap = ticket.inference.max_tokens
+        return max(1, round(min(average, cap) if cap else average))
+
+    def _drop_queued(self, ticket: Ticket, outcome: str) -> None:
+        if ticket.outcome is None:
+            ticket.outcome = outcome
+            self.scheduler.cancel(ticket.request)
+            self._tickets.pop(ticket.request, None)
+            label = self.metrics.tenant_label(ticket.tenant)
+            self.metrics.requests.labels(label, ticket.lane, outcome).inc()
+            if outcome == "queue_timeout":
+                self.metrics.rejections.labels(label, outcome).inc()
+
+    def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
+        m, label = self.metrics, self.metrics.tenant_label(ticket.tenant)
+        m.requests.labels(label, ticket.lane, outcome).inc()
+        m.service_tokens.labels(label, ticket.lane, "prompt").inc(usage.prompt_tokens)
+        m.service_tokens.labels(label, ticket.lane, "completion").inc(usage.completion_tokens)
+        m.weighted_service.labels(label, ticket.lane).inc(max(0.0, ticket.request.charged))
+
+    # -- state --
+
+    def snapshot(self) -> dict[str, Any]:
+        """Live state for metrics and the admin view."""
+        queued: dict[tuple[str, str], int] = {}
+        running: dict[tuple[str, str], int] = {}
+        for ticket in self._tickets.values():
+            key = (ticket.tenant, ticket.lane)
+            target = running if ticket.dispatched_at is not None else queued
+            target[key] = target.get(key, 0) + 1
+        counters = {}
+        for tenant in set(self.scheduler.service) | {t.tenant for t in self._tickets.values()}:
+            lane = self.lane_of(tenant)
+            counters[(tenant, lane)] = self.scheduler.counter(tenant, lane)
+        return {"queued": queued, "running": running, "counters": counters,
+                "endpoints": list(self.endpoints.values()),
+                "service": dict(self.scheduler.service)}
+
+    def close(self) -> None:
+        """Refuse new requests and release every queued one with a retryable 503."""
+        self._closed = True
+        for ticket in list(self._tickets.values()):
+            if ticket.dispatched_at is None:
+                self._drop_queued(ticket, "shutdown")
+                if ticket._ready is not None and not ticket._ready.done():
+                    ticket._ready.set_result(None)
+
+    @property
+    def busy(self) -> int:
+        """Requests in the picker, queued or running."""
+        return len(self._tickets)

