@@ -73,14 +73,19 @@ def immediate(error: RequestError) -> pb.ProcessingResponse:
 
 
 def route(destinations: list[str]) -> pb.ProcessingResponse:
-    """The answer to the request headers: where Envoy sends the request."""
-    value = ",".join(destinations)
+    """The answer to the request headers: where Envoy sends the request.
+
+    The header names the primary only: Envoy's ``ORIGINAL_DST`` cluster routes on it and refuses
+    a list (503, "no original_dst", seen with Envoy 1.40). The ``envoy.lb`` metadata carries the
+    primary and the fallbacks, comma-separated, which Envoy's ``override_host`` load-balancing
+    policy reads for retries.
+    """
     metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join(destinations)}})
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER,
-                                                                       value)]),
+                                                                       destinations[0])]),
             clear_route_cache=True,
         )),
         dynamic_metadata=metadata,

@@ -33,9 +33,22 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
+ACCESS_LOG_FORMAT = (
+    "%START_TIME% %REQ(:PATH)% status=%RESPONSE_CODE% "
+    "tenant=%REQ(X-GATEWAY-INFERENCE-FAIRNESS-ID)% "
+    "upstream=%UPSTREAM_HOST% metadata=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% "
+    "flags=%RESPONSE_FLAGS% duration_ms=%DURATION%\n"
+)
+
+
 def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
-                 failure_mode_allow: bool = False, request_timeout_s: int = 300) -> dict[str, Any]:
-    """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file)."""
+                 failure_mode_allow: bool = False, request_timeout_s: int = 300,
+                 access_log: Path | None = None) -> dict[str, Any]:
+    """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
+
+    ``access_log``: a file that gets one line per request with the tenant, the upstream Envoy
+    chose and the picker's ``envoy.lb`` metadata (the tests read it).
+    """
     http_filters: list[dict[str, Any]] = []
     if picker_port is not None:
         http_filters.append({
@@ -59,6 +72,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                 },
                 "metadata_options": {
                     "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+                    # Without this Envoy drops the picker's envoy.lb metadata.
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
                 },
             },
         })
@@ -102,6 +117,16 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                         "@type": "type.googleapis.com/envoy.extensions.filters.network."
                                  "http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "gateway",
+                        "access_log": [] if access_log is None else [{
+                            "name": "envoy.access_loggers.file",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/"
+                                         "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                                "path": str(access_log),
+                                "log_format": {"text_format_source": {
+                                    "inline_string": ACCESS_LOG_FORMAT}},
+                            },
+                        }],
                         "stream_idle_timeout": f"{request_timeout_s}s",
                         "route_config": {"virtual_hosts": [{
                             "name": "pool",

@@ -1,0 +1,325 @@
+"""The OpenAI/vLLM wire format of the simulated model server: what a request asks, what to answer.
+
+It answers three questions for ``picker.sim.server``, with no I/O:
+
+* **How many prompt tokens is this request?** The counting rule, which the picker's own estimator
+  is compared with: a text is split by the regular expression ``\\w+|[^\\w\\s]`` (each run of
+  letters/digits/underscores is one token, each other non-space character is one token, spaces
+  count nothing), so ``"Hello, world!"`` is 4 tokens.
+
+  - ``/v1/completions``: ``prompt`` is a string (its token count, at least 1), a list of token ids
+    (its length), or a one-element list of either. Several prompts in one request (a batch) are
+    refused with 400: the simulator serves one prompt per request.
+  - ``/v1/chat/completions``: the sum over ``messages`` of the content's tokens plus
+    ``CHAT_TOKENS_PER_MESSAGE`` (4) per message for the template (role and separators), plus
+    ``CHAT_REPLY_TOKENS`` (3) for the assistant reply header. A content may be a string, null, or a
+    list of parts of which only ``{"type": "text", "text": ...}`` parts count.
+
+* **How many tokens will it generate?** ``max_tokens`` (chat: ``max_completion_tokens`` first,
+  then ``max_tokens``; default ``DEFAULT_MAX_TOKENS`` = 16) caps the output. With vLLM's extension
+  ``ignore_eos: true`` the output is exactly ``max_tokens`` long; otherwise its length is
+  ``1 + H % max_tokens`` where ``H`` is a SHA-256 hash of the request's ``seed`` (default 0) and
+  its prompt (the ``prompt`` or ``messages`` JSON), raised to vLLM's ``min_tokens`` if that is
+  larger. ``finish_reason`` is ``length`` when the output reached ``max_tokens``, else ``stop``.
+  The text is filler words from ``FILLER``, one word (one token by the rule above) per step.
+
+* **What do the responses, stream chunks and errors look like?** vLLM's shapes, built by the
+  functions below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN_PATTERN = re.compile(r"\w+|[^\w\s]")
+CHAT_TOKENS_PER_MESSAGE = 4
+CHAT_REPLY_TOKENS = 3
+DEFAULT_MAX_TOKENS = 16
+FILLER = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "rests",
+          "under", "a", "warm", "sun", "again")
+
+CHAT = "chat"
+COMPLETION = "completion"
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: HTTP status, message, vLLM error type and offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+def count_text_tokens(text: str) -> int:
+    """Tokens in ``text`` by the module's rule (0 for an empty or blank text)."""
+    return len(TOKEN_PATTERN.findall(text))
+
+
+def completion_prompt_tokens(prompt: object) -> int:
+    """Prompt tokens of a ``/v1/completions`` ``prompt`` field (one prompt; raises ApiError)."""
+    if isinstance(prompt, list):
+        if prompt and all(_is_int(t) for t in prompt):
+            return len(prompt)
+        if len(prompt) != 1:
+            raise ApiError(400, "the simulated server takes exactly one prompt per request",
+                           "prompt")
+        prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            return len(prompt)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of "
+                       "those", "prompt")
+    return max(1, count_text_tokens(prompt))
+
+
+def chat_prompt_tokens(messages: object) -> int:
+    """Prompt tokens of a ``/v1/chat/completions`` ``messages`` field (raises ApiError)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    total = CHAT_REPLY_TOKENS
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string role",
+                           "messages")
+        total += CHAT_TOKENS_PER_MESSAGE + _content_tokens(message.get("content"), i)
+    return total
+
+
+def _content_tokens(content: object, index: int) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return count_text_tokens(content)
+    if isinstance(content, list):
+        tokens = 0
+        for part in content:
+            if not isinstance(part, dict):
+                raise ApiError(400, f"messages[{index}].content parts must be objects",
+                               "messages")
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                tokens += count_text_tokens(part["text"])
+        return tokens
+    raise ApiError(400, f"messages[{index}].content must be a string, a list or null",
+                   "messages")
+
+
+def output_length(prompt_key: str, max_tokens: int, *, ignore_eos: bool = False,
+                  min_tokens: int = 0, seed: int = 0) -> int:
+    """The number of tokens a request generates (see the module docstring)."""
+    if ignore_eos:
+        return max_tokens
+    digest = hashlib.sha256(f"{seed}|{prompt_key}".encode()).digest()
+    length = 1 + int.from_bytes(digest[:8], "big") % max_tokens
+    return min(max_tokens, max(length, min_tokens))
+
+
+def token_text(kind: str, index: int) -> str:
+    """Text of the ``index``-th generated token (0-based): one filler word."""
+    word = FILLER[index % len(FILLER)]
+    return word if kind == CHAT and index == 0 else " " + word
+
+
+def generated_text(kind: str, tokens: int) -> str:
+    return "".join(token_text(kind, i) for i in range(tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What the server needs from one completion request body."""
+
+    kind: str
+    model: str | None
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    priority: int
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.output_tokens >= self.max_tokens else "stop"
+
+
+def parse_request(kind: str, body: object) -> ParsedRequest:
+    """Validate a decoded JSON body of ``kind`` (``chat`` or ``completion``); raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
+    if kind == CHAT:
+        prompt_tokens = chat_prompt_tokens(body.get("messages"))
+        key = json.dumps(body.get("messages"), sort_keys=True)
+        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", 1)
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "prompt is required", "prompt")
+        prompt_tokens = completion_prompt_tokens(body["prompt"])
+        key = json.dumps(body["prompt"], sort_keys=True)
+        max_tokens = _optional_int(body, "max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    n = _optional_int(body, "n", 1)
+    if n not in (None, 1):
+        raise ApiError(400, "the simulated server supports n = 1 only", "n")
+    stream = _optional_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = continuous = False
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "Stream options can only be defined when `stream=True`.",
+                           "stream_options")
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+        include_usage = _optional_bool(options, "include_usage", "stream_options")
+        # vLLM sends continuous usage only together with include_usage.
+        continuous = include_usage and _optional_bool(options, "continuous_usage_stats",
+                                                      "stream_options")
+    min_tokens = _optional_int(body, "min_tokens", 0) or 0
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must be less than or equal to "
+                       f"max_tokens ({max_tokens})", "min_tokens")
+    seed = _optional_int(body, "seed", None) or 0
+    priority = _optional_int(body, "priority", None) or 0
+    output = output_length(key, max_tokens, ignore_eos=_optional_bool(body, "ignore_eos"),
+                           min_tokens=min_tokens, seed=seed)
+    return ParsedRequest(kind=kind, model=model, prompt_tokens=prompt_tokens,
+                         max_tokens=max_tokens, output_tokens=output, stream=stream,
+                         include_usage=include_usage, continuous_usage=continuous,
+                         priority=priority)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ApiError(400, f"{name} must be an integer", name)
+    if minimum is not None and value < minimum:
+        raise ApiError(400, f"{name} must be at least {minimum}, got {value}", name)
+    return value
+
+
+def _optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean", param or name)
+    return value
+
+
+# -- responses --
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> dict[str, Any]:
+    """An OpenAI ``usage`` object; ``details`` adds ``prompt_tokens_details.cached_tokens = 0``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "completion_tokens": completion_tokens}
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": 0}
+    return out
+
+
+def full_response(req: ParsedRequest, response_id: str, created: int, model: str) -> dict:
+    """The non-streaming response body."""
+    text = generated_text(req.kind, req.output_tokens)
+    if req.kind == CHAT:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None,
+                        "tool_calls": [], "reasoning_content": None},
+            "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": req.finish_reason, "stop_reason": None,
+                  "prompt_logprobs": None}
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model,
+            "choices": [choice], "system_fingerprint": None,
+            "usage": usage(req.prompt_tokens, req.output_tokens)}
+
+
+class StreamFormatter:
+    """Builds the SSE events of one streamed response, in vLLM's shapes."""
+
+    def __init__(self, req: ParsedRequest, response_id: str, model: str,
+                 created: int | None = None) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self.object = "chat.completion.chunk" if req.kind == CHAT else "text_completion"
+
+    def _event(self, choices: list[dict[str, Any]], completion_tokens: int | None) -> bytes:
+        chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created,
+                                 "model": self.model, "choices": choices}
+        if completion_tokens is not None:
+            chunk["usage"] = usage(self.req.prompt_tokens, completion_tokens, details=False)
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    def first(self) -> bytes:
+        """Chat only: the chunk announcing the assistant role (sent with the first token)."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self._event([choice], 0 if self.req.continuous_usage else None)
+
+    def token(self, index: int) -> bytes:
+        """The chunk of the ``index``-th token (1-based); the last one has the finish reason."""
+        last = index >= self.req.output_tokens
+        text = token_text(self.req.kind, index - 1)
+        finish = self.req.finish_reason if last else None
+        if self.req.kind == CHAT:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if last:
+            choice["stop_reason"] = None
+        return self._event([choice], index if self.req.continuous_usage else None)
+
+    def usage_chunk(self) -> bytes:
+        """The final ``choices: []`` chunk carrying the whole usage (``include_usage``)."""
+        chunk = {"id": self.id, "object": self.object, "created": self.created,
+                 "model": self.model, "choices": [],
+                 "usage": usage(self.req.prompt_tokens, self.req.output_tokens)}
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    @staticmethod
+    def done() -> bytes:
+        return b"data: [DONE]\n\n"

@@ -1,0 +1,522 @@
+"""A simulated vLLM model server: what does a gateway in front of one engine see?
+
+``python -m picker.sim.server --port P`` serves an OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions``, JSON and SSE streaming), ``/v1/models``, ``/health`` and a vLLM-named
+Prometheus ``/metrics``, backed by the simulator's ``BatchEngine`` (continuous batching over a KV
+budget) driven by the core ``Scheduler`` with policy ``fcfs``: requests that arrive while the
+engine is full wait in its FCFS queue, exactly the behaviour a fair picker in front must avoid
+relying on. An asyncio task steps the engine every ``--step-ms`` ms while work exists (admit, then
+one decode step producing one token for every running request) and sleeps while idle.
+
+Prompt-token counting, output lengths and the response shapes are defined in
+``picker.sim.openai_fmt`` (its docstring states the token-counting rule: one token per word and per
+punctuation character; chat adds 4 tokens per message and 3 for the reply).
+
+Engine details, vLLM-like:
+
+* ``--max-num-seqs`` caps the running requests; ``--kv-budget-tokens`` caps the KV occupancy at
+  admission (``prompt + generated`` of every running request, as ``BatchEngine`` counts it). A
+  request whose prompt alone exceeds the budget is refused with 400.
+* ``--scheduling-policy priority`` honours the body field ``priority`` (int, lower first, default
+  0, FCFS among equals): waiting requests sit in a heap and the best one is handed to the FCFS
+  scheduler only when it fits. Under ``fcfs`` a non-zero ``priority`` is refused with 400, as vLLM
+  does.
+* A client that disconnects (streaming or not, queued or running) has its request removed from the
+  engine at once, freeing its KV tokens; it is counted as ``finished_reason="abort"``.
+
+Programmatic use: ``SimServer(SimServerConfig(...))`` with ``await start()`` / ``await stop()``
+(or ``async with``), then ``server.port`` / ``server.url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from picker.core import Request, Scheduler
+from picker.sim.engine import BatchEngine
+from picker.sim.openai_fmt import (
+    CHAT,
+    COMPLETION,
+    ApiError,
+    ParsedRequest,
+    StreamFormatter,
+    error_body,
+    full_response,
+    new_id,
+    parse_request,
+)
+
+POLICIES = ("fcfs", "priority")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+FINISH_REASONS = ("stop", "length", "abort")
+_ABORTED = 0
+"""Event value telling a waiting handler that its request was aborted (server stopping)."""
+
+
+@dataclass
+class SimServerConfig:
+    """Settings of one simulated model server (the CLI flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_budget_tokens: int = 8192
+    step_ms: float = 10.0
+    max_num_seqs: int = 256
+    model: str = "sim-model"
+    scheduling_policy: str = "fcfs"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_tokens < 1:
+            raise ValueError("kv_budget_tokens must be >= 1")
+        if not self.step_ms > 0:
+            raise ValueError("step_ms must be > 0")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}")
+
+
+class EngineMetrics:
+    """vLLM's metric names on a registry of this server's own."""
+
+    def __init__(self, model: str, block_size: int, num_gpu_blocks: int) -> None:
+        self.registry = CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be "
+                             "processed.", labels, registry=reg).labels(model)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model "
+                             "execution batches.", labels, registry=reg).labels(model)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent "
+                              "usage.", labels, registry=reg).labels(model)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              ["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
+               "enable_prefix_caching"], registry=reg,
+              ).labels(model, str(block_size), str(num_gpu_blocks), "auto", "False").set(1)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
+                                     "processed.", labels, registry=reg).labels(model)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation "
+                                         "tokens processed.", labels, registry=reg).labels(model)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.success = {reason: success.labels(model, reason) for reason in FINISH_REASONS}
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first "
+                              "token in seconds.", labels, buckets=TTFT_BUCKETS,
+                              registry=reg).labels(model)
+
+
+class _CappedScheduler(Scheduler):
+    """The core FCFS scheduler, choosing nothing while ``max_num_seqs`` requests already run."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        super().__init__(policy="fcfs")
+        self.max_num_seqs = max_num_seqs
+        self.engine: BatchEngine | None = None
+
+    def peek(self, now: float) -> Request | None:
+        if self.engine is not None and len(self.engine.running) >= self.max_num_seqs:
+            return None
+        return super().peek(now)
+
+
+@dataclass(eq=False)
+class Job:
+    """One HTTP request's life in the engine; ``events`` receives each generated token's index."""
+
+    request: Request
+    parsed: ParsedRequest
+    arrival: float
+    order: int
+    events: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    done: bool = False
+
+    def heap_key(self) -> tuple[int, int]:
+        return (self.parsed.priority, self.order)
+
+    def __lt__(self, other: Job) -> bool:
+        return self.heap_key() < other.heap_key()
+
+
+class SimEngine:
+    """The stepping loop around one ``BatchEngine``, and the bookkeeping that maps it to HTTP."""
+
+    def __init__(self, config: SimServerConfig, metrics: EngineMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.scheduler = _CappedScheduler(config.max_num_seqs)
+        self.engine = BatchEngine(config.kv_budget_tokens, self.scheduler)
+        self.scheduler.engine = self.engine
+        self.steps = 0
+        """Engine steps taken so far (it does not step while idle)."""
+        self._jobs: dict[Request, Job] = {}
+        self._heap: list[Job] = []
+        self._order = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    # -- state --
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.queued() + len(self._heap)
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, max(0.0, self.engine.occupancy / self.engine.kv_budget_tokens))
+
+    def has_work(self) -> bool:
+        return bool(self.engine.running or self.scheduler.queued() or self._heap)
+
+    # -- requests --
+
+    def submit(self, parsed: ParsedRequest, request_id: str) -> Job:
+        """Queue a request; its tokens arrive on ``job.events``."""
+        loop = asyncio.get_running_loop()
+        request = Request(tenant="client", prompt_tokens=parsed.prompt_tokens,
+                          max_output_tokens=parsed.output_tokens, id=request_id)
+        self._order += 1
+        job = Job(request=request, parsed=parsed, arrival=loop.time(), order=self._order)
+        self._jobs[request] = job
+        if self.config.scheduling_policy == "priority":
+            heapq.heappush(self._heap, job)
+        else:
+            self.scheduler.enqueue(request, job.arrival)
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Remove a request from the engine at once (queued or running), freeing its KV tokens."""
+        if job.done:
+            return
+        job.done = True
+        request = job.request
+        self._jobs.pop(request, None)
+        if request.state == "new":
+            self._heap.remove(job)
+            heapq.heapify(self._heap)
+        elif request.state == "queued":
+            self.scheduler.cancel(request)
+        elif request.state == "running":
+            # BatchEngine has no cancel: take the request out of its batch and give back its KV.
+            self.engine.running.remove(request)
+            self.engine.occupancy -= request.prompt_tokens + request.generated
+            self.scheduler.cancel(request)
+        self.metrics.success["abort"].inc()
+
+    # -- the loop --
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        """Stop stepping and abort every request still in the engine."""
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for job in list(self._jobs.values()):
+            self.cancel(job)
+            job.events.put_nowait(_ABORTED)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.config.step_ms / 1000.0
+        next_at = loop.time()
+        while True:
+            if not self.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                next_at = loop.time() + period
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.step(loop.time())
+            next_at = max(next_at + period, loop.time())
+
+    def step(self, now: float) -> None:
+        """One engine iteration: admit in FCFS (or priority) order while prompts fit, decode."""
+        self.steps += 1
+        admitted = self._admit(now)
+        for request in admitted:
+            self.metrics.prompt_tokens.inc(request.prompt_tokens)
+        stepping = list(self.engine.running)
+        finished = self.engine.decode()
+        self.metrics.generation_tokens.inc(len(stepping))
+        for request in stepping:
+            job = self._jobs[request]
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self.metrics.ttft.observe(now - job.arrival)
+            job.events.put_nowait(request.generated)
+        for request in finished:
+            job = self._jobs.pop(request)
+            job.done = True
+            self.metrics.success[job.parsed.finish_reason].inc()
+
+    def _admit(self, now: float) -> list[Request]:
+        if self.config.scheduling_policy != "priority":
+            return self.engine.admit(now)[1]
+        # Strict priority: hand the best waiting request to the FCFS scheduler only when it can be
+        # admitted now, so a later, more urgent arrival is never stuck behind it.
+        engine, admitted = self.engine, []
+        while self._heap:
+            head = self._heap[0]
+            if (len(engine.running) >= self.config.max_num_seqs
+                    or engine.occupancy + head.request.prompt_tokens > engine.kv_budget_tokens):
+                break
+            heapq.heappop(self._heap)
+            self.scheduler.enqueue(head.request, now)
+            admitted += engine.admit(now)[1]
+        return admitted
+
+
+def _json_error(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param), status=status)
+
+
+class SimServer:
+    """The simulated vLLM server: ``await start()``, then ``port``/``url``; ``await stop()``."""
+
+    def __init__(self, config: SimServerConfig | None = None) -> None:
+        self.config = config or SimServerConfig()
+        self.metrics = EngineMetrics(self.config.model, self.config.block_size,
+                                     self.config.kv_budget_tokens // self.config.block_size)
+        self.engine: SimEngine | None = None
+        self.runner: web.AppRunner | None = None
+        self.port: int = self.config.port
+        self.created = int(time.time())
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> None:
+        """Start the engine loop and listen; ``port`` is the bound port afterwards."""
+        self.engine = SimEngine(self.config, self.metrics)
+        self.engine.start()
+        # handler_cancellation: a client that disconnects while its request waits is noticed
+        # at once, not at the next write.
+        self.runner = web.AppRunner(self.make_app(), handler_cancellation=True,
+                                    shutdown_timeout=2.0, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Abort what is in flight and stop listening."""
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def __aenter__(self) -> SimServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- handlers --
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = self.config.model
+        return web.json_response({"object": "list", "data": [{
+            "id": model, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": model, "parent": None, "max_model_len": self.config.kv_budget_tokens}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        if engine is not None:
+            self.metrics.waiting.set(engine.waiting)
+            self.metrics.running.set(engine.running)
+            self.metrics.kv_usage.set(engine.kv_usage)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETION)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT)
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            parsed = self._parse(kind, await request.read())
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        engine = self.engine
+        if engine is None or engine.closed:
+            return _json_error(503, "the engine is not running")
+        response_id = new_id(kind)
+        job = engine.submit(parsed, response_id)
+        try:
+            if parsed.stream:
+                return await self._stream(request, job, response_id)
+            return await self._whole(job, response_id)
+        finally:
+            engine.cancel(job)  # no-op when it finished; frees it when the client went away
+
+    def _parse(self, kind: str, raw: bytes) -> ParsedRequest:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"JSON decode error: {e}") from None
+        parsed = parse_request(kind, body)
+        if parsed.model is not None and parsed.model != self.config.model:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
+        if parsed.priority and self.config.scheduling_policy != "priority":
+            raise ApiError(400, f"Got priority {parsed.priority} but Priority scheduling is not "
+                           "enabled.", "priority")
+        budget = self.config.kv_budget_tokens
+        if parsed.prompt_tokens > budget:
+            raise ApiError(400, f"This model's maximum context length is {budget} tokens. "
+                           f"However, your prompt has {parsed.prompt_tokens} tokens, which can "
+                           "never fit the KV cache.", "prompt" if kind == COMPLETION
+                           else "messages")
+        return parsed
+
+    async def _whole(self, job: Job, response_id: str) -> web.Response:
+        while True:
+            index = await job.events.get()
+            if index == _ABORTED:
+                return _json_error(503, "the server is shutting down")
+            if index >= job.parsed.output_tokens:
+                break
+        return web.json_response(full_response(job.parsed, response_id, int(time.time()),
+                                               self.config.model))
+
+    async def _stream(self, request: web.Request, job: Job,
+                      response_id: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        _ensure_nodelay(request)
+        fmt = StreamFormatter(job.parsed, response_id, self.config.model)
+        last = job.parsed.output_tokens
+        try:
+            while True:
+                index = await job.events.get()
+                if index == _ABORTED:
+                    return response  # the server is stopping: end without [DONE]
+                if index == 1 and job.parsed.kind == CHAT:
+                    await response.write(fmt.first())
+                await response.write(fmt.token(index))
+                if index >= last:
+                    break
+            if job.parsed.include_usage:
+                await response.write(fmt.usage_chunk())
+            await response.write(fmt.done())
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client went away; the caller removes the request from the engine
+        return response
+
+
+def _ensure_nodelay(request: web.Request) -> None:
+    """aiohttp sets TCP_NODELAY on accepted sockets already; make sure, chunks must not wait."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            if not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- command line --
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m picker.sim.server`` argument parser."""
+    d = SimServerConfig()
+    p = argparse.ArgumentParser(prog="python -m picker.sim.server",
+                                description="A simulated vLLM OpenAI-compatible model server.")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default 8000)")
+    p.add_argument("--kv-budget-tokens", type=int, default=d.kv_budget_tokens)
+    p.add_argument("--step-ms", type=float, default=d.step_ms,
+                   help="time of one engine step (one token per running request)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimServerConfig:
+    return SimServerConfig(host=args.host, port=args.port,
+                           kv_budget_tokens=args.kv_budget_tokens, step_ms=args.step_ms,
+                           max_num_seqs=args.max_num_seqs, model=args.model,
+                           scheduling_policy=args.scheduling_policy, block_size=args.block_size)
+
+
+async def serve(config: SimServerConfig) -> None:
+    """Run until SIGTERM or SIGINT; print ``listening on URL`` once ready."""
+    server = SimServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {server.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        asyncio.run(serve(config))
+    except OSError as e:  # the port is taken, the host is not ours
+        print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

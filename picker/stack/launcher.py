@@ -1,0 +1,196 @@
+"""Starting and stopping the local stack: simulated model servers, the picker, Envoy.
+
+Every process listens on 127.0.0.1 on a free port, logs to a file in the work directory, and is
+stopped (SIGTERM, then SIGKILL) by ``Stack.stop`` or on leaving the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.stack.envoy import envoy_binary, write_envoy_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> None:
+    """Read the process's stdout until a line containing ``marker``; copy all of it to ``log``.
+
+    Reads the raw descriptor (no Python buffering), so nothing sits unseen in a buffer while
+    ``select`` says there is nothing to read.
+    """
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    with log.open("ab") as sink:
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([fd], [], [], 0.1)
+            if not readable:
+                if process.poll() is not None:
+                    break
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            sink.write(data)
+            seen += data
+            if marker.encode() in seen:
+                return
+    raise RuntimeError(f"{process.args[:4]} did not print {marker!r} within {timeout}s; "
+                       f"see {log}")
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} not ready within {timeout}s")
+
+
+@dataclass
+class Stack:
+    """Real Envoy in front of the picker and ``endpoints`` simulated vLLM servers."""
+
+    workdir: Path
+    policy: str = "vtc"
+    endpoints: int = 2
+    server_args: list[str] = field(default_factory=list)
+    """Extra flags for every ``python -m picker.sim.server``."""
+    picker_config: dict[str, Any] = field(default_factory=dict)
+    """Config keys merged over the generated picker config (endpoints are filled in)."""
+    gateway_port: int = 0
+    with_picker: bool = True
+    """False: Envoy routes on the client's own destination header (overhead baseline)."""
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    endpoint_addresses: list[str] = field(default_factory=list)
+    grpc_port: int = 0
+    metrics_port: int = 0
+    admin_port: int = 0
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def access_log(self) -> Path:
+        return self.workdir / "access.log"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "picker.yaml"
+
+    def _spawn(self, args: list[str], name: str, marker: str | None,
+               timeout: float = 30.0) -> subprocess.Popen:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(args, stdout=subprocess.PIPE if marker else log.open("w"),
+                                   stderr=subprocess.STDOUT, env=env, bufsize=0,
+                                   start_new_session=True)
+        self.processes.append(process)
+        if marker:
+            _wait_for_line(process, marker, timeout, log)
+            # Keep draining stdout into the log so the process never blocks on a full pipe.
+            drain = subprocess.Popen(["cat"], stdin=process.stdout, stdout=log.open("a"))
+            self.processes.append(drain)
+        return process
+
+    def start(self) -> Stack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        for i in range(self.endpoints):
+            port = free_port()
+            self._spawn([sys.executable, "-m", "picker.sim.server", "--port", str(port),
+                         *self.server_args], f"server{i}", "listening on")
+            self.endpoint_addresses.append(f"127.0.0.1:{port}")
+        if self.with_picker:
+            self.write_picker_config(self.picker_config)
+            self.grpc_port, self.metrics_port = free_port(), free_port()
+            self._spawn([sys.executable, "-m", "picker", "serve", "--config",
+                         str(self.config_path), "--grpc-port", str(self.grpc_port),
+                         "--metrics-port", str(self.metrics_port), "--grace", "2"],
+                        "picker", "picker listening")
+        self.gateway_port = self.gateway_port or free_port()
+        self.admin_port = free_port()
+        envoy_yaml = write_envoy_config(
+            self.workdir / "envoy.yaml", listen_port=self.gateway_port,
+            admin_port=self.admin_port, picker_port=self.grpc_port if self.with_picker else None,
+            access_log=self.access_log)
+        self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
+                     "--base-id", str(self.admin_port), "--concurrency", "1",
+                     "--file-flush-interval-msec", "50"], "envoy", None)
+        _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
+
+    def write_picker_config(self, overrides: dict[str, Any]) -> None:
+        """(Re)write the picker's config file; the running picker hot-reloads it."""
+        config: dict[str, Any] = {
+            "scheduling": {"policy": self.policy},
+            "endpoints": [{"address": a} for a in self.endpoint_addresses],
+            "capacity": {"scrapeInterval": "50ms"},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.replace(self.config_path)
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    process.terminate()
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                process.wait(remaining)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
