@@ -104,9 +104,12 @@ class BatchEngine:
     A request's ``max_output_tokens`` is the output it will produce.
     """
 
-    def __init__(self, kv_budget_tokens: int, scheduler: Scheduler) -> None:
+    def __init__(self, kv_budget_tokens: int, scheduler: Scheduler,
+                 max_running: int | None = None) -> None:
         self.kv_budget_tokens = kv_budget_tokens
         self.scheduler = scheduler
+        self.max_running = max_running
+        """At most this many requests run at once (vLLM's ``max_num_seqs``); None: no cap."""
         self.running: list[Request] = []
         self.occupancy = 0
         """Tokens of the KV budget in use: prompt + generated of every running request."""
@@ -118,6 +121,8 @@ class BatchEngine:
         """
         scheduler, admitted = self.scheduler, []
         while True:
+            if self.max_running is not None and len(self.running) >= self.max_running:
+                return "no_fit", admitted
             request = scheduler.peek(now)
             if request is None:
                 return ("held" if scheduler.queued() else "empty"), admitted
@@ -127,6 +132,13 @@ class BatchEngine:
             self.running.append(request)
             self.occupancy += request.prompt_tokens
             admitted.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Drop a queued or running request (its client went away), freeing its KV tokens."""
+        if request.state == "running":
+            self.running.remove(request)
+            self.occupancy -= request.prompt_tokens + request.generated
+        self.scheduler.cancel(request)
 
     def decode(self) -> list[Request]:
         """One decode iteration: every running request produces a token; returns those finished."""

@@ -121,20 +121,6 @@ class EngineMetrics:
                               registry=reg).labels(model)
 
 
-class _CappedScheduler(Scheduler):
-    """The core FCFS scheduler, choosing nothing while ``max_num_seqs`` requests already run."""
-
-    def __init__(self, max_num_seqs: int) -> None:
-        super().__init__(policy="fcfs")
-        self.max_num_seqs = max_num_seqs
-        self.engine: BatchEngine | None = None
-
-    def peek(self, now: float) -> Request | None:
-        if self.engine is not None and len(self.engine.running) >= self.max_num_seqs:
-            return None
-        return super().peek(now)
-
-
 @dataclass(eq=False)
 class Job:
     """One HTTP request's life in the engine; ``events`` receives each generated token's index."""
@@ -160,9 +146,9 @@ class SimEngine:
     def __init__(self, config: SimServerConfig, metrics: EngineMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.scheduler = _CappedScheduler(config.max_num_seqs)
-        self.engine = BatchEngine(config.kv_budget_tokens, self.scheduler)
-        self.scheduler.engine = self.engine
+        self.scheduler = Scheduler(policy="fcfs")
+        self.engine = BatchEngine(config.kv_budget_tokens, self.scheduler,
+                                  max_running=config.max_num_seqs)
         self.steps = 0
         """Engine steps taken so far (it does not step while idle)."""
         self._jobs: dict[Request, Job] = {}
@@ -216,13 +202,8 @@ class SimEngine:
         if request.state == "new":
             self._heap.remove(job)
             heapq.heapify(self._heap)
-        elif request.state == "queued":
-            self.scheduler.cancel(request)
-        elif request.state == "running":
-            # BatchEngine has no cancel: take the request out of its batch and give back its KV.
-            self.engine.running.remove(request)
-            self.engine.occupancy -= request.prompt_tokens + request.generated
-            self.scheduler.cancel(request)
+        else:
+            self.engine.cancel(request)
         self.metrics.success["abort"].inc()
 
     # -- the loop --
