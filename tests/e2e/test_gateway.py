@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
@@ -52,7 +51,7 @@ def _post_sync(stack: Stack, tenant: str, body: bytes,
     return asyncio.run(go())
 
 
-def _wait_until(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
+def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -66,7 +65,7 @@ def _inflight(stack: Stack) -> float:
 
 
 def test_request_is_routed_and_answered_intact(stack: Stack) -> None:
-    status, headers, body = _post_sync(stack, "a", chat_body(max_tokens=6))
+    status, _, body = _post_sync(stack, "a", chat_body(max_tokens=6))
     assert status == 200, body
     answer = json.loads(body)
     assert answer["object"] == "chat.completion"
@@ -138,7 +137,7 @@ def test_tenant_is_charged_what_the_engine_served(stack: Stack, stream: bool,
 )
 def test_bad_requests_get_openai_errors_and_the_picker_keeps_serving(
         stack: Stack, body: bytes, status: int, fragment: str) -> None:
-    got, headers, answer = _post_sync(stack, "bad", body)
+    got, _, answer = _post_sync(stack, "bad", body)
     assert got == status
     error = json.loads(answer)["error"]
     assert fragment in error["message"]
@@ -207,19 +206,19 @@ def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
 
 def test_client_leaving_mid_stream_settles_to_what_was_delivered(stack: Stack) -> None:
     async def scenario() -> int:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(stack.gateway_url + "/v1/chat/completions",
-                                    data=chat_body(max_tokens=2000, stream=True),
-                                    headers={TENANT_HEADER: "streamer"}) as response:
-                seen = 0
-                async for line in response.content:
-                    if line.startswith(b"data: {"):
-                        delta = json.loads(line[6:])["choices"][0]["delta"]
-                        seen += bool(delta.get("content"))
-                    if seen >= 20:
-                        break
-                response.close()
-                return seen
+        async with aiohttp.ClientSession() as session, session.post(
+                stack.gateway_url + "/v1/chat/completions",
+                data=chat_body(max_tokens=2000, stream=True),
+                headers={TENANT_HEADER: "streamer"}) as response:
+            seen = 0
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    seen += bool(delta.get("content"))
+                if seen >= 20:
+                    break
+            response.close()
+            return seen
 
     seen = asyncio.run(scenario())
     assert _wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
