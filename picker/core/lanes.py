@@ -1,10 +1,11 @@
 """The scheduler: priority lanes, each a fair queue over tenants, and the charging of service.
 
 It answers: *which queued request goes next, and what has each tenant been served?* Lanes are
-ordered, highest priority first. A lane is served only while no higher lane has queued requests,
-except that a backlogged lane with ``min_share > 0`` that has received less than that fraction of
-the service delivered since it became backlogged goes first (starvation protection). Within a lane,
-a fairness policy (VTC by default) orders tenants.
+ordered, highest priority first. A lane is served only while no higher lane has a request its
+policy would dispatch now (only ``rpm`` ever declines a queued one), except that a backlogged lane
+with ``min_share > 0`` that has received less than that fraction of the service delivered since
+it became backlogged goes first (starvation protection). Within a lane, a fairness policy (VTC by
+default) orders tenants.
 
 Charging follows the request's life: the prompt is charged at dispatch, output tokens as they are
 produced (or ahead of time on an estimate), and ``settle`` corrects the total to the actual usage,
@@ -29,6 +30,11 @@ class LaneSpec:
     name: str
     min_share: float = 0.0
     """Fraction of service this lane receives at least while it is backlogged (0: strict)."""
+
+
+def _require(request: Request, state: str) -> None:
+    if request.state != state:
+        raise ValueError(f"request is {request.state}, not {state}")
 
 
 class _Lane:
@@ -105,8 +111,7 @@ class Scheduler:
 
     def enqueue(self, request: Request, now: float) -> None:
         """Queue a request in its lane (the first lane if it names none)."""
-        if request.state != "new":
-            raise ValueError(f"request is {request.state}, not new")
+        _require(request, "new")
         if not request.lane:
             request.lane = self._lanes[0].name
         lane = self._by_name.get(request.lane)
@@ -143,8 +148,7 @@ class Scheduler:
 
     def dispatch(self, request: Request, now: float) -> None:
         """Take a queued request out of the queue and charge its prompt."""
-        if request.state != "queued":
-            raise ValueError(f"request is {request.state}, not queued")
+        _require(request, "queued")
         self._by_name[request.lane].policy.pop(request, now)
         request.state = "running"
         self._charge(request, self.cost.prompt_cost(request.prompt_tokens,
@@ -152,6 +156,7 @@ class Scheduler:
 
     def charge_output(self, request: Request, tokens: int = 1) -> None:
         """Record ``tokens`` output tokens produced; charge those not already estimated."""
+        _require(request, "running")
         before = request.generated
         after = before + tokens
         billable_from = max(before, request.estimated_output)
@@ -162,6 +167,7 @@ class Scheduler:
 
     def charge_estimate(self, request: Request, output_tokens: int) -> None:
         """Charge output ahead of production, on an estimate, up to ``output_tokens`` in total."""
+        _require(request, "running")
         covered = max(request.generated, request.estimated_output)
         if output_tokens > covered:
             self._charge(request, self.cost.output_cost(request.prompt_tokens, covered,
@@ -174,6 +180,7 @@ class Scheduler:
         The difference may be negative (the estimate was too high). Call it when the engine
         reports usage; ``finish`` and ``cancel`` call it for you.
         """
+        _require(request, "running")
         total = request_cost(self.cost, actual.prompt_tokens, actual.completion_tokens,
                              actual.cached_prompt_tokens)
         delta = total - request.charged
@@ -185,8 +192,7 @@ class Scheduler:
 
     def finish(self, request: Request, actual: Usage | None = None) -> None:
         """A running request ended: settle to ``actual`` (default: what was counted)."""
-        if request.state != "running":
-            raise ValueError(f"request is {request.state}, not running")
+        _require(request, "running")
         if actual is None:
             actual = Usage(request.prompt_tokens, request.generated, request.cached_prompt_tokens)
         self.settle(request, actual)

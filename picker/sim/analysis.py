@@ -6,16 +6,22 @@ from picker.sim.engine import SimResult
 from picker.sim.scenario import Scenario
 
 
-def vtc_bound(scenario: Scenario) -> float:
+def vtc_bound(scenario: Scenario, result: SimResult | None = None) -> float:
     """``2·max(w_p·L_input, w_q·M)``: VTC's bound on the service gap of two backlogged tenants.
 
-    With a context-aware cost an output token can cost up to ``w_q + β·M``, so the decode term
-    grows accordingly.
+    ``M`` is the most tokens a running batch holds. The engine (like seed 000's loop) checks the
+    KV budget only when it admits a prompt, so a batch of short prompts with long outputs can
+    outgrow ``kv_budget_tokens`` while decoding; given the run's ``result``, M is the larger of the
+    budget and the batch's actual peak, which is what the theorem's premise is about. With a
+    context-aware cost an output token can cost up to ``w_q + β·M``.
     """
     cost = scenario.cost
+    batch = scenario.kv_budget_tokens
+    if result is not None:
+        batch = max(batch, result.peak_batch_tokens)
     longest_prompt = max(t.prompt_tokens[1] for t in scenario.tenants)
-    decode = (cost.decode_weight + cost.context_beta * scenario.kv_budget_tokens)
-    return 2 * max(cost.prefill_weight * longest_prompt, decode * scenario.kv_budget_tokens)
+    decode = cost.decode_weight + cost.context_beta * batch
+    return 2 * max(cost.prefill_weight * longest_prompt, decode * batch)
 
 
 def _normalized_gap(result: SimResult, a: int, b: int, row: list[float]) -> float:

@@ -30,6 +30,8 @@ class SimResult:
     """Per step, whether each tenant still had requests queued after that step's admission."""
     output_tokens: int
     """Output tokens decoded in the whole run."""
+    peak_batch_tokens: int
+    """The most tokens the running batch held at once (may exceed ``kv_budget_tokens``)."""
     admission_stops: list[str]
     """Per step, why admission stopped: ``empty`` (nothing queued), ``no_fit`` (the chosen
     request's prompt does not fit the KV budget) or ``held`` (the policy chose nothing although
@@ -113,6 +115,9 @@ class BatchEngine:
         self.running: list[Request] = []
         self.occupancy = 0
         """Tokens of the KV budget in use: prompt + generated of every running request."""
+        self.peak_batch_tokens = 0
+        """The most tokens the running batch has held. Admission checks only the prompt (seed
+        000's loop, and vLLM without preemption), so decoding can grow a batch past the budget."""
 
     def admit(self, now: float) -> tuple[str, list[Request]]:
         """Admit queued requests in the scheduler's order until one does not fit.
@@ -143,6 +148,7 @@ class BatchEngine:
     def decode(self) -> list[Request]:
         """One decode iteration: every running request produces a token; returns those finished."""
         scheduler, finished, still_running = self.scheduler, [], []
+        self.peak_batch_tokens = max(self.peak_batch_tokens, self.occupancy + len(self.running))
         for request in self.running:
             scheduler.charge_output(request, 1)
             if request.generated >= request.max_output_tokens:
@@ -209,5 +215,6 @@ def simulate(scenario: Scenario, policy: str = "vtc", rpm_limit: float | None = 
         service=service_rows,
         backlogged=backlog_rows,
         output_tokens=output_tokens,
+        peak_batch_tokens=engine.peak_batch_tokens,
         admission_stops=stops,
     )

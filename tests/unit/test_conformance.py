@@ -640,3 +640,19 @@ def test_rpm_cancel_of_a_held_request_charges_nothing_and_frees_the_queue() -> N
 def test_rpm_rejects_a_negative_limit_or_non_positive_window(limit: float, window: float) -> None:
     with pytest.raises(ValueError):
         make_policy("rpm", limit=limit, window=window)
+
+
+@pytest.mark.parametrize("call", ["charge_output", "charge_estimate", "settle"])
+def test_charges_are_refused_outside_a_running_request(call: str) -> None:
+    scheduler = Scheduler()
+    request = Request(tenant="t", prompt_tokens=10)
+    scheduler.enqueue(request, 0.0)
+    argument = Usage(10, 5) if call == "settle" else 5
+    with pytest.raises(ValueError, match="not running"):
+        getattr(scheduler, call)(request, argument)
+    scheduler.dispatch(request, 0.0)
+    scheduler.finish(request)
+    charged = scheduler.service["t"]
+    with pytest.raises(ValueError, match="not running"):
+        getattr(scheduler, call)(request, argument)
+    assert scheduler.service["t"] == charged
