@@ -83,6 +83,7 @@ class Scheduler:
             _Lane(i, spec, make_policy(policy, **policy_options)) for i, spec in enumerate(specs)
         ]
         self._by_name = {lane.name: lane for lane in self._lanes}
+        self._policies = {lane.name: lane.policy for lane in self._lanes}
         self._protected = [lane for lane in self._lanes if lane.min_share > 0]
         self.weights: dict[str, float] = {}
         for tenant, weight in (weights or {}).items():
@@ -193,9 +194,12 @@ class Scheduler:
     def finish(self, request: Request, actual: Usage | None = None) -> None:
         """A running request ended: settle to ``actual`` (default: what was counted)."""
         _require(request, "running")
-        if actual is None:
-            actual = Usage(request.prompt_tokens, request.generated, request.cached_prompt_tokens)
-        self.settle(request, actual)
+        if actual is not None:
+            self.settle(request, actual)
+        elif request.estimated_output:
+            self.settle(request, Usage(request.prompt_tokens, request.generated,
+                                       request.cached_prompt_tokens))
+        # else: charged exactly what was counted already; nothing to settle.
         request.state = "done"
 
     def cancel(self, request: Request) -> None:
@@ -228,11 +232,11 @@ class Scheduler:
     def _charge(self, request: Request, amount: float) -> None:
         tenant = request.tenant
         request.charged += amount
-        self.service[tenant] = self.service.get(tenant, 0.0) + amount
-        lane = self._by_name[request.lane]
-        lane.policy.charge(tenant, amount / self.weights.get(tenant, 1.0))
+        service = self.service
+        service[tenant] = service.get(tenant, 0.0) + amount
+        self._policies[request.lane].charge(tenant, amount / self.weights.get(tenant, 1.0))
         for protected in self._protected:
             if protected.policy.queued():
                 protected.total_service += amount
-                if protected is lane:
+                if protected.name == request.lane:
                     protected.own_service += amount

@@ -7,9 +7,11 @@ left the queue): idleness buys no credit, and a lift never lowers a counter.
 
 The backlogged tenants sit in a binary heap keyed by (counter, seq of their oldest request), so a
 decision costs O(log n) in the number of backlogged tenants. Counters change far more often than
-decisions are made (every decoded token charges its tenant), so a charge only marks the tenant
-stale; stale tenants are re-pushed once, just before the next look at the heap, and superseded heap
-entries are dropped lazily by a per-tenant version number.
+decisions are made (every decoded token charges its tenant), so the heap is re-keyed lazily: a
+charge only raises the counter, and an entry whose key has fallen behind is re-keyed when it
+reaches the top. That is exact because keys only ever lag *below* the truth: counters grow and a
+tenant's oldest request only gets younger. The one exception, a negative settlement, re-pushes the
+tenant; superseded entries are dropped by a per-tenant version number.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class VirtualTokenCounter:
 
     def charge(self, tenant: str, normalized: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + normalized
-        if self._queues.get(tenant):
-            self._stale.add(tenant)
+        if normalized < 0 and self._queues.get(tenant):
+            self._stale.add(tenant)  # its heap key may now be too high: re-push it
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -105,28 +107,30 @@ class VirtualTokenCounter:
         else:
             queue.remove(request)  # a cancellation from the middle: rare, O(tenant's queue)
         self._queued -= 1
-        if queue:
-            self._stale.add(tenant)
-        else:
+        if not queue:
             self._backlogged -= 1
             self._last_left = tenant
             self._stale.discard(tenant)
 
     def _top(self) -> _HeapEntry | None:
-        heap, version, queues = self._heap, self._version, self._queues
+        heap, version, queues, counters = self._heap, self._version, self._queues, self.counters
         if self._stale:
             for tenant in self._stale:
                 queue = queues[tenant]
                 v = version[tenant] = version.get(tenant, 0) + 1
-                heapq.heappush(heap, (self.counters[tenant], queue[0].seq, tenant, v))
+                heapq.heappush(heap, (counters[tenant], queue[0].seq, tenant, v))
             self._stale.clear()
             if len(heap) > 4 * self._backlogged + 64:
                 self._compact()
         while heap:
-            entry = heap[0]
-            if version[entry[2]] == entry[3] and queues[entry[2]]:
-                return entry
-            heapq.heappop(heap)
+            counter, seq, tenant, v = heap[0]
+            queue = queues[tenant]
+            if version[tenant] != v or not queue:
+                heapq.heappop(heap)
+            elif counter != counters[tenant] or seq != queue[0].seq:
+                heapq.heapreplace(heap, (counters[tenant], queue[0].seq, tenant, v))
+            else:
+                return heap[0]
         return None
 
     def _compact(self) -> None:

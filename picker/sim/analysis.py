@@ -13,7 +13,8 @@ def vtc_bound(scenario: Scenario, result: SimResult | None = None) -> float:
     KV budget only when it admits a prompt, so a batch of short prompts with long outputs can
     outgrow ``kv_budget_tokens`` while decoding; given the run's ``result``, M is the larger of the
     budget and the batch's actual peak, which is what the theorem's premise is about. With a
-    context-aware cost an output token can cost up to ``w_q + β·M``.
+    context-aware cost an output token can cost up to ``w_q + β·M``. Drift is measured on service
+    divided by weight, so a tenant weighing less than 1 widens the bound by that factor.
     """
     cost = scenario.cost
     batch = scenario.kv_budget_tokens
@@ -21,7 +22,8 @@ def vtc_bound(scenario: Scenario, result: SimResult | None = None) -> float:
         batch = max(batch, result.peak_batch_tokens)
     longest_prompt = max(t.prompt_tokens[1] for t in scenario.tenants)
     decode = cost.decode_weight + cost.context_beta * batch
-    return 2 * max(cost.prefill_weight * longest_prompt, decode * batch)
+    lightest = min(1.0, *(t.weight for t in scenario.tenants))
+    return 2 * max(cost.prefill_weight * longest_prompt, decode * batch) / lightest
 
 
 def _normalized_gap(result: SimResult, a: int, b: int, row: list[float]) -> float:
