@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# Until the ext_proc gateway demo lands, the main job is the fairness experiments.
+# The main job: real Envoy + the picker + simulated vLLM servers, a noisy neighbour, fcfs vs vtc.
 demo: setup
+	$(PY) -m picker.demo --out demo-out
+
+# The VTC paper's experiments in the simulator (seed 000's tables).
+experiments: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 
 test: setup lint
