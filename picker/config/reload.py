@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from picker.config.schema import PickerConfig, load_config
-from picker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class ConfigWatcher:
         try:
             config = load_config(self.path)
             self.apply(config)
-        except (ConfigError, ValueError) as exc:
+        except Exception as exc:  # any failure keeps the last good config serving
             self.last_error = str(exc)
             log.error("config reload failed, keeping the last good config: %s", exc)
             self.on_result("failure")

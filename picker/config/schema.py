@@ -15,7 +15,7 @@ from typing import Literal
 from picker.config.strict import load, load_yaml_file
 from picker.errors import ConfigError
 
-_ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$")
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
 def _camel(name: str, **rules: object) -> dict:
@@ -54,7 +54,7 @@ class Cost:
 class Lane:
     """A priority lane; the list order is the priority order, highest first."""
 
-    name: str
+    name: str = field(metadata={"min_length": 1})
     min_share: float = field(default=0.0, metadata=_camel("min_share", ge=0, lt=1))
     """Fraction of service the lane gets at least while backlogged (0: strict priority)."""
     engine_priority: int | None = field(default=None, metadata=_camel("engine_priority"))
@@ -92,7 +92,7 @@ class Capacity:
     fallback_kv_budget_tokens: int = field(default=8192,
                                            metadata=_camel("fallback_kv_budget_tokens", ge=1))
     """Budget used with ``auto`` until (or unless) the endpoint reports its own."""
-    max_waiting: int = field(default=2, metadata=_camel("max_waiting", ge=0))
+    max_waiting: int = field(default=2, metadata=_camel("max_waiting", ge=1))
     """An endpoint whose scraped ``vllm:num_requests_waiting`` is at or above this has no room."""
     scrape_interval: float = field(default=0.05, metadata=_camel("scrape_interval", gt=0,
                                                                  duration=True))
@@ -119,15 +119,17 @@ class Endpoint:
     """Overrides ``capacity.kvBudgetTokens`` for this endpoint."""
 
     def __post_init__(self) -> None:
-        if not _ADDRESS.match(self.address):
-            raise ConfigError("address", f"must be host:port, got {self.address!r}")
+        match = _ADDRESS.match(self.address)
+        if not match or not 1 <= int(match.group(2)) <= 65535:
+            raise ConfigError("address", f"must be host:port or [ipv6]:port with a port in "
+                                         f"1..65535, got {self.address!r}")
 
 
 @dataclass(frozen=True)
 class Tenant:
     """A tenant's share and lane."""
 
-    id: str
+    id: str = field(metadata={"min_length": 1})
     weight: float = field(default=1.0, metadata={"gt": 0})
     """Share relative to other tenants in the same lane."""
     lane: str | None = None

@@ -3,7 +3,8 @@
 It answers: *is this document exactly what the schema allows, and if not, where is it wrong?*
 Unknown keys, missing required keys, wrong types and out-of-range values are errors whose path
 names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Field metadata carries the rules:
-``key`` (the document's spelling, e.g. camelCase), ``ge``/``gt``/``le``/``lt`` (ranges) and
+``key`` (the document's spelling, e.g. camelCase), ``ge``/``gt``/``le``/``lt`` (ranges),
+``min_length`` (strings) and
 ``duration`` (a float of seconds that may be written ``250ms``, ``60s``, ``5m``, ``24h``).
 Cross-field rules live in the dataclass's ``__post_init__``, raising ``ConfigError`` with a path
 relative to the object.
@@ -12,6 +13,7 @@ relative to the object.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -24,6 +26,7 @@ from picker.errors import ConfigError
 T = TypeVar("T")
 
 _RANGE_RULES = {
+    "min_length": (lambda v, b: len(v) >= b, "must have at least {} character(s)"),
     "ge": (lambda v, b: v >= b, "must be >= {}"),
     "gt": (lambda v, b: v > b, "must be > {}"),
     "le": (lambda v, b: v <= b, "must be <= {}"),
@@ -37,6 +40,8 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 def parse_duration(value: Any, path: str) -> float:
     """Seconds from a number or a string such as ``250ms``, ``60s``, ``5m``, ``24h``."""
     if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite duration, got {value}")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
@@ -44,9 +49,12 @@ def parse_duration(value: Any, path: str) -> float:
             number = text.removesuffix(unit)
             if number != text:
                 try:
-                    return float(number) * _DURATION_UNITS[unit]
+                    seconds = float(number) * _DURATION_UNITS[unit]
                 except ValueError:
                     break
+                if math.isfinite(seconds):
+                    return seconds
+                break
     raise ConfigError(path, f"must be a duration such as 250ms, 60s, 5m or 24h; got {value!r}")
 
 
@@ -148,6 +156,8 @@ def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(path, f"must be a number, not {_describe(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

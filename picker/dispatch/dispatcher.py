@@ -106,8 +106,12 @@ class Dispatcher:
                 raise ValueError("lanes, scheduling policy and cost can change only while no "
                                  "request is in the picker; retry when idle or restart")
             self.scheduler = self._new_scheduler(config)
-        for tenant in config.tenants:
-            self.scheduler.set_weight(tenant.id, tenant.weight)
+        configured = {tenant.id: tenant.weight for tenant in config.tenants}
+        for tenant in list(self.scheduler.weights):
+            if tenant not in configured:
+                self.scheduler.set_weight(tenant, 1.0)  # back to the default weight
+        for tenant, weight in configured.items():
+            self.scheduler.set_weight(tenant, weight)
         self.config = config
         self.rules = _rules(config)
         self._lane_names = {lane.name for lane in config.lanes}
@@ -172,15 +176,20 @@ class Dispatcher:
         else:
             self._dispatch(ticket, self.candidates(subset, require_room=False), now)
         try:
-            await asyncio.wait_for(asyncio.shield(ticket._ready), self.config.queue.max_wait)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that lands
+            # just after the request was dispatched, leaking its slot.
+            async with asyncio.timeout(self.config.queue.max_wait):
+                await asyncio.shield(ticket._ready)
         except TimeoutError:
             if ticket.dispatched_at is None:
                 self._drop_queued(ticket, "queue_timeout")
+                self.pump()  # it may have been the head that blocked others
                 raise QueueTimeout(
                     f"waited {self.config.queue.max_wait:g}s for capacity") from None
         except asyncio.CancelledError:
             if ticket.dispatched_at is None:
                 self._drop_queued(ticket, "cancelled")
+                self.pump()
             else:
                 self.complete(ticket, None, "cancelled")
             raise
@@ -215,14 +224,19 @@ class Dispatcher:
             return
         ticket.outcome = outcome
         request = ticket.request
+        reported = usage is not None
         if usage is None:
-            usage = Usage(request.prompt_tokens, request.generated, 0)
+            # A non-streaming answer without usage: the output is unknown, so the estimate stands.
+            output = request.generated
+            if outcome == "ok" and not ticket.inference.stream:
+                output = max(output, request.estimated_output)
+            usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self._tickets[request]
         if ticket.endpoint is not None:
             ticket.endpoint.inflight_tokens -= ticket.reserved_tokens
             ticket.endpoint.inflight_requests -= 1
-        if not ticket.inference.stream and outcome == "ok":
+        if not ticket.inference.stream and outcome == "ok" and reported:
             previous = self._output_average.get(ticket.tenant)
             sample = float(usage.completion_tokens)
             self._output_average[ticket.tenant] = sample if previous is None else \

@@ -79,7 +79,9 @@ def parse_request(body: bytes) -> InferenceRequest:
             raise BadRequest("'messages' must be a non-empty list")
     elif "prompt" not in data:
         raise BadRequest("one of 'messages' or 'prompt' is required")
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    max_tokens = data.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = data.get("max_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
         raise BadRequest("'max_tokens' must be a positive integer")

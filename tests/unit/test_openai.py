@@ -1,0 +1,318 @@
+"""OpenAI formats: request parsing and prompt estimates, error bodies, and response metering."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from picker.core.request import Usage
+from picker.errors import BadRequest
+from picker.openai import ResponseMeter, error_body, parse_request
+from picker.openai.request import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS, estimate_prompt_tokens
+from picker.openai.response import MAX_BUFFERED_BYTES
+
+
+def _body(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", **fields}).encode()
+
+
+def _sse(*events: dict[str, Any] | str, crlf: bool = False) -> bytes:
+    """An SSE body: each event a ``data:`` line (a dict as JSON, a str as is)."""
+    end = b"\r\n\r\n" if crlf else b"\n\n"
+    out = b""
+    for event in events:
+        payload = event if isinstance(event, str) else json.dumps(event)
+        out += b"data: " + payload.encode() + end
+    return out
+
+
+def _chat_chunk(content: str | None = None, role: str | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+
+
+def _usage_chunk(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+
+
+# -- prompt estimates --
+
+def test_chat_estimate_counts_each_message_with_its_overhead() -> None:
+    body = {"messages": [{"role": "system", "content": "x" * 8},
+                         {"role": "user", "content": "y" * 9}]}
+    # 8 chars → 2 tokens, 9 chars → 3 tokens (rounded up), plus the per-message overhead.
+    assert estimate_prompt_tokens(body) == 2 + 3 + 2 * MESSAGE_OVERHEAD_TOKENS
+
+
+def test_chat_estimate_counts_only_the_text_parts_of_multi_part_content() -> None:
+    content = [{"type": "text", "text": "a" * 12},
+               {"type": "image_url", "image_url": {"url": "http://x/" + "z" * 400}},
+               {"type": "text", "text": "b" * 4}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert estimate_prompt_tokens(body) == 3 + 1 + MESSAGE_OVERHEAD_TOKENS
+
+
+def test_chat_estimate_of_a_message_without_content_is_its_overhead() -> None:
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}
+    assert estimate_prompt_tokens(body) == MESSAGE_OVERHEAD_TOKENS
+
+
+def test_completions_estimate_of_a_string_prompt_is_chars_over_four_rounded_up() -> None:
+    assert estimate_prompt_tokens({"prompt": "a" * (10 * CHARS_PER_TOKEN + 1)}) == 11
+
+
+def test_completions_estimate_of_a_list_of_strings_sums_them() -> None:
+    assert estimate_prompt_tokens({"prompt": ["a" * 8, "b" * 5]}) == 2 + 2
+
+
+def test_completions_estimate_of_token_ids_is_their_count() -> None:
+    assert estimate_prompt_tokens({"prompt": [101, 7592, 2088, 102, 5]}) == 5
+
+
+def test_completions_estimate_of_a_batch_of_token_id_lists_sums_their_lengths() -> None:
+    assert estimate_prompt_tokens({"prompt": [[1, 2, 3], [4, 5]]}) == 5
+
+
+def test_estimate_is_at_least_one_token() -> None:
+    assert estimate_prompt_tokens({"prompt": ""}) == 1
+    assert estimate_prompt_tokens({"prompt": []}) == 1
+
+
+def test_parse_request_carries_the_estimate_and_the_fields() -> None:
+    parsed = parse_request(_body(prompt="a" * 40, max_tokens=7, stream=True))
+    assert parsed.model == "m"
+    assert parsed.prompt_tokens == 10
+    assert parsed.max_tokens == 7
+    assert parsed.stream is True
+    assert parsed.body["prompt"] == "a" * 40
+
+
+def test_parse_chat_request_uses_the_chat_estimate() -> None:
+    parsed = parse_request(_body(messages=[{"role": "user", "content": "abcd"}]))
+    assert parsed.prompt_tokens == 1 + MESSAGE_OVERHEAD_TOKENS
+    assert parsed.max_tokens is None
+    assert parsed.stream is False
+
+
+# -- parse errors --
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe\x00", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"a string"', "must be a JSON object"),
+        (json.dumps({"prompt": "x"}).encode(), "'model' is required"),
+        (json.dumps({"model": "", "prompt": "x"}).encode(), "'model' is required"),
+        (json.dumps({"model": 3, "prompt": "x"}).encode(), "'model' is required"),
+        (_body(messages=[]), "'messages' must be a non-empty list"),
+        (_body(messages="hello"), "'messages' must be a non-empty list"),
+        (_body(), "one of 'messages' or 'prompt' is required"),
+        (_body(prompt="x", max_tokens=0), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_tokens=-5), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_tokens=True), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_tokens=2.5), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_tokens="10"), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_completion_tokens=0), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", stream="yes"), "'stream' must be true or false"),
+        (_body(prompt="x", stream=1), "'stream' must be true or false"),
+    ],
+    ids=["bad-json", "not-utf8", "list", "string", "no-model", "empty-model", "model-int",
+         "empty-messages", "messages-str", "neither", "max-tokens-0", "max-tokens-negative",
+         "max-tokens-bool", "max-tokens-float", "max-tokens-str", "max-completion-0",
+         "stream-str", "stream-int"],
+)
+def test_malformed_request_is_a_bad_request_saying_why(body: bytes, fragment: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse_request(body)
+    assert fragment in caught.value.message
+    assert caught.value.http_status == 400
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert parse_request(_body(prompt="x", max_tokens=100, max_completion_tokens=9)).max_tokens == 9
+
+
+def test_include_usage_only_when_streaming() -> None:
+    options = {"include_usage": True}
+    assert parse_request(_body(prompt="x", stream=True, stream_options=options)).include_usage
+    assert not parse_request(_body(prompt="x", stream=False, stream_options=options)).include_usage
+    assert not parse_request(_body(prompt="x", stream=True)).include_usage
+    assert not parse_request(_body(prompt="x", stream=True,
+                                   stream_options={"include_usage": False})).include_usage
+    assert not parse_request(_body(prompt="x", stream=True, stream_options="yes")).include_usage
+
+
+def test_error_body_is_openai_shaped() -> None:
+    decoded = json.loads(error_body("queue is full", "rate_limit_exceeded", 429))
+    assert decoded == {"error": {"message": "queue is full", "type": "rate_limit_exceeded",
+                                 "param": None, "code": 429}}
+    assert json.loads(error_body("x", "server_error"))["error"]["code"] is None
+
+
+# -- response metering: streaming --
+
+STREAM = _sse(
+    _chat_chunk(role="assistant"),
+    _chat_chunk("Hel"),
+    _chat_chunk("lo"),
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
+    {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]},
+    _usage_chunk(12, 3, cached=8),
+    "[DONE]",
+)
+
+
+def test_meter_counts_content_events_but_not_the_role_only_chunk() -> None:
+    meter = ResponseMeter(streaming=True)
+    assert meter.feed(STREAM) == 3
+    assert meter.counted_tokens == 3
+    assert meter.done
+    assert meter.finish() == Usage(12, 3, 8)
+
+
+def test_meter_feed_returns_the_tokens_each_chunk_newly_delivered() -> None:
+    meter = ResponseMeter(streaming=True)
+    first = _sse(_chat_chunk("a"))
+    assert meter.feed(first[:10]) == 0  # the event is not complete yet
+    assert meter.feed(first[10:]) == 1
+    assert meter.feed(_sse(_chat_chunk("b"), _chat_chunk("c"))) == 2
+    assert meter.counted_tokens == 3
+    assert not meter.done
+
+
+def test_meter_reads_crlf_separated_events() -> None:
+    meter = ResponseMeter(streaming=True)
+    body = _sse(_chat_chunk("a"), _chat_chunk("b"), _usage_chunk(5, 2), "[DONE]", crlf=True)
+    assert meter.feed(body) == 2
+    assert meter.done
+    assert meter.finish() == Usage(5, 2, 0)
+
+
+def test_meter_counts_completions_text_events() -> None:
+    meter = ResponseMeter(streaming=True)
+    body = _sse({"object": "text_completion", "choices": [{"index": 0, "text": "foo"}]},
+                {"object": "text_completion", "choices": [{"index": 0, "text": ""}]},
+                {"object": "text_completion", "choices": [{"index": 0, "text": "bar"}]},
+                "[DONE]")
+    assert meter.feed(body) == 2
+
+
+def test_meter_counts_one_token_per_choice_with_content() -> None:
+    meter = ResponseMeter(streaming=True)
+    event = {"choices": [{"index": 0, "delta": {"content": "a"}},
+                         {"index": 1, "delta": {"content": "b"}}]}
+    assert meter.feed(_sse(event)) == 2
+
+
+def test_meter_keeps_the_latest_continuous_usage() -> None:
+    meter = ResponseMeter(streaming=True)
+    chunks = [{**_chat_chunk("t"), "usage": {"prompt_tokens": 10, "completion_tokens": n}}
+              for n in (1, 2, 3)]
+    meter.feed(_sse(*chunks))
+    assert meter.usage == Usage(10, 3, 0)
+    assert meter.counted_tokens == 3
+
+
+def test_meter_ignores_null_usage_in_ordinary_chunks() -> None:
+    meter = ResponseMeter(streaming=True)
+    meter.feed(_sse(_usage_chunk(4, 1), {**_chat_chunk("x"), "usage": None}))
+    assert meter.usage == Usage(4, 1, 0)
+
+
+def test_meter_without_usage_finishes_with_none_and_skips_garbage_events() -> None:
+    meter = ResponseMeter(streaming=True)
+    meter.feed(b": keep-alive comment\n\nevent: ping\ndata: {broken\n\n" + _sse(_chat_chunk("x")))
+    assert meter.counted_tokens == 1
+    assert meter.finish() is None
+    assert not meter.done
+
+
+def test_meter_takes_a_final_event_without_trailing_blank_line() -> None:
+    meter = ResponseMeter(streaming=True)
+    meter.feed(_sse(_chat_chunk("a")) + b"data: " + json.dumps(_usage_chunk(3, 1)).encode())
+    assert meter.usage is None
+    assert meter.finish() == Usage(3, 1, 0)
+
+
+def _chunkings(body: bytes) -> st.SearchStrategy[list[bytes]]:
+    cuts = st.lists(st.integers(0, len(body)), max_size=40).map(sorted)
+    return cuts.map(lambda points: [body[a:b] for a, b in
+                                    zip([0, *points], [*points, len(body)], strict=True)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), crlf=st.booleans())
+def test_any_chunking_of_a_stream_gives_the_same_count_and_usage(data: st.DataObject,
+                                                                   crlf: bool) -> None:
+    words = data.draw(st.lists(st.text(min_size=0, max_size=6), max_size=12), label="words")
+    events: list[dict[str, Any] | str] = [_chat_chunk(role="assistant")]
+    events += [_chat_chunk(w) for w in words]
+    events += [_usage_chunk(7, len(words), cached=2), "[DONE]"]
+    body = _sse(*events, crlf=crlf)
+    chunks = data.draw(_chunkings(body), label="chunks")
+    assert b"".join(chunks) == body
+    meter = ResponseMeter(streaming=True)
+    delivered = sum(meter.feed(chunk) for chunk in chunks)
+    expected = sum(1 for w in words if w)
+    assert delivered == meter.counted_tokens == expected
+    assert meter.finish() == Usage(7, len(words), 2)
+    assert meter.done
+
+
+# -- response metering: non-streaming --
+
+def test_non_streaming_usage_with_cached_tokens() -> None:
+    meter = ResponseMeter(streaming=False)
+    body = json.dumps({"id": "x", "choices": [{"message": {"content": "hi"}}],
+                       "usage": {"prompt_tokens": 30, "completion_tokens": 4,
+                                 "prompt_tokens_details": {"cached_tokens": 16}}}).encode()
+    assert meter.feed(body[:7]) == 0
+    assert meter.feed(body[7:]) == 0
+    assert meter.counted_tokens == 0
+    assert meter.finish() == Usage(30, 4, 16)
+
+
+def test_non_streaming_usage_without_details_has_no_cached_tokens() -> None:
+    meter = ResponseMeter(streaming=False)
+    meter.feed(json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                     "prompt_tokens_details": None}}).encode())
+    assert meter.finish() == Usage(3, 2, 0)
+
+
+@pytest.mark.parametrize("body", [b"<html>502</html>", b"\xff\xfe", b"[1]",
+                                  b'{"usage": {"prompt_tokens": "3", "completion_tokens": 2}}',
+                                  b'{"choices": []}', b""])
+def test_non_streaming_body_without_readable_usage_gives_none(body: bytes) -> None:
+    meter = ResponseMeter(streaming=False)
+    meter.feed(body)
+    assert meter.finish() is None
+
+
+def test_oversize_non_streaming_body_is_not_parsed_for_usage() -> None:
+    usage = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+    small = ResponseMeter(streaming=False)
+    small.feed(usage)
+    assert small.finish() == Usage(3, 2, 0)  # the same body, under the limit, is read
+    meter = ResponseMeter(streaming=False)
+    meter.feed(b" " * (MAX_BUFFERED_BYTES + 1))  # JSON allows leading whitespace
+    meter.feed(usage)  # the tail alone would parse: it must not be read either
+    assert meter.finish() is None
+
+
+def test_null_max_completion_tokens_falls_back_to_max_tokens() -> None:
+    body = b'{"model": "m", "prompt": "x", "max_completion_tokens": null, "max_tokens": 5}'
+    assert parse_request(body).max_tokens == 5
