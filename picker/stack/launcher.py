@@ -76,6 +76,9 @@ class Stack:
     workdir: Path
     policy: str = "vtc"
     endpoints: int = 2
+    """Simulated vLLM servers to start."""
+    external_endpoints: list[str] = field(default_factory=list)
+    """``host:port`` of model servers started elsewhere (e.g. a real engine), added to the pool."""
     server_args: list[str] = field(default_factory=list)
     """Extra flags for every ``python -m picker.sim.server``."""
     picker_config: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +138,7 @@ class Stack:
             self._spawn([sys.executable, "-m", "picker.sim.server", "--port", str(port),
                          *self.server_args], f"server{i}", "listening on")
             self.endpoint_addresses.append(f"127.0.0.1:{port}")
+        self.endpoint_addresses.extend(self.external_endpoints)
         if self.with_picker:
             self.write_picker_config(self.picker_config)
             self.grpc_port, self.metrics_port = free_port(), free_port()
