@@ -18,6 +18,8 @@ class FairnessPolicy(Protocol):
     """One lane's queue, ordered by a fairness rule."""
 
     name: str
+    counters: dict[str, float]
+    """Each tenant's virtual counter (normalized service received, plus lifts for VTC)."""
 
     def enqueue(self, request: Request, now: float) -> None:
         """Add a request (its ``seq`` is already set and increases with every call)."""

@@ -92,6 +92,14 @@ class Dispatcher:
         return Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
                          policy=policy, cost=_cost(config))
 
+    @staticmethod
+    def _carry_over(old: Scheduler, new: Scheduler) -> Scheduler:
+        """Keep tenants' counters (in lanes that remain) and service totals across a rebuild."""
+        for lane in set(old.lane_names) & set(new.lane_names):
+            new.policy(lane).counters.update(old.policy(lane).counters)
+        new.service.update(old.service)
+        return new
+
     def apply_config(self, config: PickerConfig) -> None:
         """Take a new config; tenants keep their counters, new charges use the new values.
 
@@ -105,7 +113,7 @@ class Dispatcher:
             if self._tickets:
                 raise ValueError("lanes, scheduling policy and cost can change only while no "
                                  "request is in the picker; retry when idle or restart")
-            self.scheduler = self._new_scheduler(config)
+            self.scheduler = self._carry_over(self.scheduler, self._new_scheduler(config))
         configured = {tenant.id: tenant.weight for tenant in config.tenants}
         for tenant in list(self.scheduler.weights):
             if tenant not in configured:

@@ -111,6 +111,8 @@ class _Exchange:
         self.ticket: Ticket | None = None
         self.meter: ResponseMeter | None = None
         self.response_failed = False
+        self.answered = False
+        """The request headers have been answered (routed or refused)."""
         self.done = False
 
     @property
@@ -133,7 +135,8 @@ class _Exchange:
         if kind == "request_body":
             return await self._on_request_body(message.request_body)
         if kind == "request_trailers":
-            replies = await self._dispatch() if self.ticket is None and not self.done else []
+            # Trailers end a request whose last body chunk did not say end_of_stream.
+            replies = [] if self.answered else await self._dispatch()
             return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return self._on_response_headers(message.response_headers)
@@ -146,6 +149,7 @@ class _Exchange:
 
     def _route_without_body(self) -> list[pb.ProcessingResponse]:
         # A GET such as /v1/models: no body, nothing to queue or charge; least-loaded endpoint.
+        self.answered = True
         candidates = self.dispatcher.candidates(self.subset)
         if not candidates:
             self.done = True
@@ -155,7 +159,7 @@ class _Exchange:
     async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         self.body += body.body
         if len(self.body) > self.config.limits.max_body_bytes:
-            self.done = True
+            self.done = self.answered = True
             return [self._refuse(BodyTooLarge(
                 f"request body exceeds {self.config.limits.max_body_bytes} bytes"))]
         if not body.end_of_stream:
@@ -163,6 +167,7 @@ class _Exchange:
         return await self._dispatch()
 
     async def _dispatch(self) -> list[pb.ProcessingResponse]:
+        self.answered = True
         path = self.headers.get(":path", "").split("?", 1)[0]
         try:
             if path not in INFERENCE_PATHS:

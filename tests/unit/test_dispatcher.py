@@ -580,3 +580,15 @@ async def test_a_tenant_removed_from_config_weighs_one_again() -> None:
     assert d.scheduler.weights["x"] == 5.0
     d.apply_config(_config())
     assert d.scheduler.weights["x"] == 1.0
+
+
+async def test_a_lane_change_while_idle_keeps_counters_and_service() -> None:
+    d = _dispatcher(_config())
+    ticket = await _admit(d, "t", _request(100))
+    d.complete(ticket, Usage(100, 10), "ok")
+    counter, service = d.scheduler.counter("t", LANE), d.scheduler.service["t"]
+    assert counter > 0
+    d.apply_config(_config(lanes=[{"name": LANE}, {"name": "batch", "minShare": 0.1}]))
+    assert d.scheduler.lane_names == [LANE, "batch"]
+    assert d.scheduler.counter("t", LANE) == counter
+    assert d.scheduler.service["t"] == service
