@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 1
+    except (OSError, RuntimeError) as exc:  # a port in use, an address not available
+        print(f"picker: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

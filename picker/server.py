@@ -94,7 +94,7 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
         deadline = asyncio.get_running_loop().time() + settings.grace
         while dispatcher.busy and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        await server.stop(1.0)
+        await server.stop(max(0.1, min(1.0, deadline - asyncio.get_running_loop().time())))
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

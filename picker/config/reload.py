@@ -27,6 +27,7 @@ class ConfigWatcher:
         self.interval = interval
         self.last_error: str | None = None
         self._digest = self._read_digest()
+        self._deferred: PickerConfig | None = None
 
     def _read_digest(self) -> str | None:
         try:
@@ -35,23 +36,50 @@ class ConfigWatcher:
             return None
 
     def check(self) -> str | None:
-        """Reload if the file changed: returns ``success``, ``failure``, or None (unchanged)."""
+        """Reload if the file changed: returns ``success``, ``failure``, or None (nothing new).
+
+        A config that loads but cannot be applied yet (the dispatcher refuses a lane change while
+        requests are in flight) is kept and retried at every check until it applies or the file
+        changes again; its failure is counted once.
+        """
         digest = self._read_digest()
-        if digest is None or digest == self._digest:
+        if digest is None:
             return None
+        if digest == self._digest:
+            return self._retry_deferred()
         self._digest = digest
+        self._deferred = None
         try:
             config = load_config(self.path)
-            self.apply(config)
         except Exception as exc:  # any failure keeps the last good config serving
-            self.last_error = str(exc)
-            log.error("config reload failed, keeping the last good config: %s", exc)
-            self.on_result("failure")
-            return "failure"
+            return self._failed(exc)
+        return self._apply(config, count_failure=True)
+
+    def _retry_deferred(self) -> str | None:
+        if self._deferred is None:
+            return None
+        return self._apply(self._deferred, count_failure=False)
+
+    def _apply(self, config: PickerConfig, count_failure: bool) -> str | None:
+        try:
+            self.apply(config)
+        except ValueError as exc:  # valid, but not applicable now: retry later
+            self._deferred = config
+            return self._failed(exc) if count_failure else None
+        except Exception as exc:
+            self._deferred = None
+            return self._failed(exc)
+        self._deferred = None
         self.last_error = None
         log.info("config reloaded from %s", self.path)
         self.on_result("success")
         return "success"
+
+    def _failed(self, exc: Exception) -> str:
+        self.last_error = str(exc)
+        log.error("config reload failed, keeping the last good config: %s", exc)
+        self.on_result("failure")
+        return "failure"
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

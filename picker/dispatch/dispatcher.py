@@ -317,8 +317,7 @@ class Dispatcher:
             self._tickets.pop(ticket.request, None)
             label = self.metrics.tenant_label(ticket.tenant)
             self.metrics.requests.labels(label, ticket.lane, outcome).inc()
-            if outcome == "queue_timeout":
-                self.metrics.rejections.labels(label, outcome).inc()
+            # A timeout's rejection is counted where it is refused (``reject``), not here.
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
         m, label = self.metrics, self.metrics.tenant_label(ticket.tenant)

@@ -150,3 +150,25 @@ def test_every_kind_of_bad_file_is_a_failure(tmp_path: Path, content: str) -> No
     path.write_text(content)
     assert watcher.check() == "failure"
     assert recorder.applied == []
+
+
+def test_a_config_refused_while_busy_is_applied_once_idle(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text("lanes: [{name: default}]\n")
+    busy = [True]
+    applied: list[object] = []
+    results: list[str] = []
+
+    def apply(config: object) -> None:
+        if busy[0]:
+            raise ValueError("lanes can change only while no request is in the picker")
+        applied.append(config)
+
+    watcher = ConfigWatcher(path, apply, results.append)
+    path.write_text("lanes: [{name: default}, {name: batch}]\n")
+    assert watcher.check() == "failure"
+    assert watcher.check() is None  # still busy: retried quietly, not counted again
+    busy[0] = False
+    assert watcher.check() == "success"
+    assert len(applied) == 1 and results == ["failure", "success"]
+    assert watcher.check() is None
