@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from picker.config.strict import load, load_yaml_file
+from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import ConfigError
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
@@ -162,21 +162,11 @@ class PickerConfig:
         if not self.lanes:
             raise ConfigError("lanes", "needs at least one lane")
         lane_names = [lane.name for lane in self.lanes]
-        for i, name in enumerate(lane_names):
-            if name in lane_names[:i]:
-                raise ConfigError(f"lanes[{i}].name", f"duplicate lane {name!r}")
-        addresses = [e.address for e in self.endpoints]
-        for i, address in enumerate(addresses):
-            if address in addresses[:i]:
-                raise ConfigError(f"endpoints[{i}].address", f"duplicate endpoint {address!r}")
-        ids = [t.id for t in self.tenants]
+        require_unique(lane_names, "lanes[{}].name", "lane")
+        require_unique([e.address for e in self.endpoints], "endpoints[{}].address", "endpoint")
+        require_unique([t.id for t in self.tenants], "tenants[{}].id", "tenant")
         for i, tenant in enumerate(self.tenants):
-            if tenant.id in ids[:i]:
-                raise ConfigError(f"tenants[{i}].id", f"duplicate tenant {tenant.id!r}")
-            if tenant.lane is not None and tenant.lane not in lane_names:
-                known = ", ".join(lane_names)
-                raise ConfigError(f"tenants[{i}].lane",
-                                  f"unknown lane {tenant.lane!r}; lanes are {known}")
+            require_known(tenant.lane, lane_names, f"tenants[{i}].lane", "lane")
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         """The configured entry of ``tenant_id``, if any."""

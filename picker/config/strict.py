@@ -16,6 +16,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,6 +70,19 @@ def load_yaml_file(cls: type[T], path: str | Path) -> T:
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
     return load(cls, data)
+
+
+def require_unique(values: Sequence[str], path: str, what: str) -> None:
+    """ConfigError at the first repeat: ``path`` names the field, with ``{}`` for the index."""
+    for i, value in enumerate(values):
+        if value in values[:i]:
+            raise ConfigError(path.format(i), f"duplicate {what} {value!r}")
+
+
+def require_known(value: str | None, known: Sequence[str], path: str, what: str) -> None:
+    """ConfigError unless ``value`` (when set) is one of ``known``."""
+    if value is not None and value not in known:
+        raise ConfigError(path, f"unknown {what} {value!r}; {what}s are {', '.join(known)}")
 
 
 def load(cls: type[T], data: Any, path: str = "") -> T:

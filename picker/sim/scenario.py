@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from picker.config.strict import load, load_yaml_file
+from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import ConfigError
 
 
@@ -105,17 +105,10 @@ class Scenario:
         if not self.lanes:
             raise ConfigError("lanes", "needs at least one lane")
         lane_names = [lane.name for lane in self.lanes]
-        for i, name in enumerate(lane_names):
-            if name in lane_names[:i]:
-                raise ConfigError(f"lanes[{i}].name", f"duplicate lane {name!r}")
-        names = [t.name for t in self.tenants]
+        require_unique(lane_names, "lanes[{}].name", "lane")
+        require_unique([t.name for t in self.tenants], "tenants[{}].name", "tenant")
         for i, tenant in enumerate(self.tenants):
-            if tenant.name in names[:i]:
-                raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {tenant.name!r}")
-            if tenant.lane is not None and tenant.lane not in lane_names:
-                known = ", ".join(lane_names)
-                raise ConfigError(f"tenants[{i}].lane",
-                                  f"unknown lane {tenant.lane!r}; lanes are {known}")
+            require_known(tenant.lane, lane_names, f"tenants[{i}].lane", "lane")
             if tenant.prompt_tokens[1] > self.kv_budget_tokens:
                 raise ConfigError(f"tenants[{i}].prompt_tokens",
                                   f"a prompt of {tenant.prompt_tokens[1]} can never fit "

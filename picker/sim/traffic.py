@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from picker.config.strict import load, load_yaml_file
+from picker.config.strict import load, load_yaml_file, require_unique
 from picker.errors import ConfigError
 
 DEFAULT_TENANT_HEADER = "x-gateway-inference-fairness-id"
@@ -103,11 +103,9 @@ class Traffic:
             raise ConfigError("tenants", "needs at least one tenant")
         if not self.tenant_header:
             raise ConfigError("tenant_header", "must not be empty")
-        names = [t.name for t in self.tenants]
+        require_unique([t.name for t in self.tenants], "tenants[{}].name", "tenant")
         for i, tenant in enumerate(self.tenants):
             where = f"tenants[{i}]"
-            if tenant.name in names[:i]:
-                raise ConfigError(f"{where}.name", f"duplicate tenant {tenant.name!r}")
             if tenant.start_s >= self.duration_s:
                 raise ConfigError(f"{where}.start_s",
                                   f"must be below duration_s {self.duration_s:g}")
