@@ -88,9 +88,8 @@ class Dispatcher:
     # -- configuration --
 
     def _new_scheduler(self, config: PickerConfig) -> Scheduler:
-        policy = "fcfs" if config.scheduling.policy == "fcfs" else config.scheduling.policy
         return Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
-                         policy=policy, cost=_cost(config))
+                         policy=config.scheduling.policy, cost=_cost(config))
 
     @staticmethod
     def _carry_over(old: Scheduler, new: Scheduler) -> Scheduler:
@@ -122,19 +121,16 @@ class Dispatcher:
             self.scheduler.set_weight(tenant, weight)
         self.config = config
         self.rules = _rules(config)
-        self._lane_names = {lane.name for lane in config.lanes}
-        wanted = {e.address: e for e in config.endpoints}
+        self._tenant_lanes = {t.id: t.lane for t in config.tenants if t.lane is not None}
+        pool_budget = config.capacity.kv_budget_tokens
+        wanted = {e.address: e.kv_budget_tokens or (pool_budget if isinstance(pool_budget, int)
+                                                     else None)
+                  for e in config.endpoints}
         for address, state in self.endpoints.items():
             state.draining = address not in wanted
-            if address in wanted:
-                state.configured_budget = wanted[address].kv_budget_tokens or (
-                    config.capacity.kv_budget_tokens
-                    if isinstance(config.capacity.kv_budget_tokens, int) else None)
-        for address, endpoint in wanted.items():
+            state.configured_budget = wanted.get(address, state.configured_budget)
+        for address, budget in wanted.items():
             if address not in self.endpoints:
-                budget = endpoint.kv_budget_tokens or (
-                    config.capacity.kv_budget_tokens
-                    if isinstance(config.capacity.kv_budget_tokens, int) else None)
                 self.endpoints[address] = EndpointState(address, configured_budget=budget)
         self._forget_drained()
         self.metrics.set_known_tenants(t.id for t in config.tenants)
@@ -151,10 +147,8 @@ class Dispatcher:
         return self.config.scheduling.policy != "fcfs"
 
     def lane_of(self, tenant: str) -> str:
-        entry = self.config.tenant(tenant)
-        if entry is not None and entry.lane is not None:
-            return entry.lane
-        return self.config.lanes[0].name
+        """The tenant's configured lane, else the first lane."""
+        return self._tenant_lanes.get(tenant) or self.config.lanes[0].name
 
     # -- the lifecycle --
 
