@@ -31,6 +31,11 @@ class EndpointState:
     kv_usage: float | None = None
     """Scraped ``vllm:kv_cache_usage_perc`` (0..1)."""
     scraped_at: float | None = None
+    completed_since_scrape: int = 0
+    """Requests of the picker's that finished here since the last scrape: each let the engine
+    admit one that was waiting, so the scraped waiting count is that much too high."""
+    released_since_scrape: int = 0
+    """Tokens those requests held: the scraped KV use is that much too high."""
     draining: bool = False
     """Going away: gets no new requests; its in-flight requests finish."""
 
@@ -56,18 +61,29 @@ def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> floa
     (other clients may share the server)."""
     used = float(endpoint.inflight_tokens)
     if endpoint.kv_usage is not None and endpoint.fresh(now, rules.stale_after):
-        used = max(used, endpoint.kv_usage * endpoint.budget(rules.fallback_budget))
+        scraped = endpoint.kv_usage * endpoint.budget(rules.fallback_budget)
+        used = max(used, scraped - endpoint.released_since_scrape)
     return used
 
 
-def has_room(endpoint: EndpointState, now: float, rules: CapacityRules) -> bool:
-    """Whether the endpoint should take another request now."""
+def waiting(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
+    """Requests waiting in the engine's own queue: the scraped count, less the completions
+    seen since (0 when the scrape is stale or missing)."""
+    if endpoint.waiting is None or not endpoint.fresh(now, rules.stale_after):
+        return 0.0
+    return max(0.0, endpoint.waiting - endpoint.completed_since_scrape)
+
+
+def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
+             prompt_tokens: int = 0) -> bool:
+    """Whether the endpoint should take a request with this prompt now."""
     if endpoint.draining:
         return False
-    if occupancy(endpoint, now, rules) >= endpoint.budget(rules.fallback_budget):
+    used = occupancy(endpoint, now, rules)
+    budget = endpoint.budget(rules.fallback_budget)
+    if used >= budget or (endpoint.inflight_requests and used + prompt_tokens > budget):
         return False
-    fresh = endpoint.fresh(now, rules.stale_after)
-    return not (fresh and endpoint.waiting is not None and endpoint.waiting >= rules.max_waiting)
+    return waiting(endpoint, now, rules) < rules.max_waiting
 
 
 class Scorer(Protocol):
@@ -85,14 +101,14 @@ class LeastLoaded:
               rules: CapacityRules) -> float:
         budget = endpoint.budget(rules.fallback_budget)
         free = 1.0 - occupancy(endpoint, now, rules) / budget
-        waiting = endpoint.waiting if endpoint.fresh(now, rules.stale_after) else 0.0
-        return free - (waiting or 0.0)
+        return free - waiting(endpoint, now, rules)
 
 
 def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
          scorer: Scorer, require_room: bool = True) -> list[EndpointState]:
     """Candidates, best first: those with room (``require_room=False``: all but draining)."""
     candidates = [e for e in endpoints
-                  if (has_room(e, now, rules) if require_room else not e.draining)]
+                  if (has_room(e, now, rules, prompt_tokens) if require_room
+                      else not e.draining)]
     candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
     return candidates

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 FALLBACK_ENDPOINTS = 2
 """Endpoints named after the primary in ``x-gateway-destination-endpoint``, for Envoy's retries."""
 OUTPUT_EWMA_ALPHA = 0.2
+PROMPT_SCALE_ALPHA = 0.1
+"""How fast the prompt estimate's calibration follows the engine's reported prompt counts."""
 
 
 @dataclass(eq=False)
@@ -79,6 +81,8 @@ class Dispatcher:
         self.endpoints: dict[str, EndpointState] = {}
         self._tickets: dict[Request, Ticket] = {}
         self._output_average: dict[str, float] = {}
+        self._prompt_scale: dict[str, float] = {}
+        """Per model: engine-reported prompt tokens ÷ the body estimate (tokenizers differ)."""
         self._closed = False
         self.config = config
         self.scheduler = self._new_scheduler(config)
@@ -167,7 +171,9 @@ class Dispatcher:
             raise QueueFull("the fair queue is full")
         if not self.candidates(subset, require_room=False):
             raise NoEndpoint("no endpoint is available for this request")
-        request = Request(tenant=tenant, prompt_tokens=inference.prompt_tokens, lane=lane,
+        prompt = max(1, round(inference.prompt_tokens
+                              * self._prompt_scale.get(inference.model, 1.0)))
+        request = Request(tenant=tenant, prompt_tokens=prompt, lane=lane,
                           max_output_tokens=inference.max_tokens or 0, arrival=now)
         ticket = Ticket(tenant, lane, inference, request, now, subset)
         ticket._ready = asyncio.get_running_loop().create_future()
@@ -238,6 +244,15 @@ class Dispatcher:
         if ticket.endpoint is not None:
             ticket.endpoint.inflight_tokens -= ticket.reserved_tokens
             ticket.endpoint.inflight_requests -= 1
+            ticket.endpoint.completed_since_scrape += 1
+            ticket.endpoint.released_since_scrape += ticket.reserved_tokens
+        if reported and usage.prompt_tokens > 0:
+            # Learn how the engine's tokenizer compares with the body estimate, per model.
+            model = ticket.inference.model
+            sample = usage.prompt_tokens / ticket.inference.prompt_tokens
+            scale = self._prompt_scale.get(model)
+            self._prompt_scale[model] = sample if scale is None else \
+                scale + PROMPT_SCALE_ALPHA * (sample - scale)
         if not ticket.inference.stream and outcome == "ok" and reported:
             previous = self._output_average.get(ticket.tenant)
             sample = float(usage.completion_tokens)

@@ -112,3 +112,4 @@ class Scraper:
         if figures.kv_budget_tokens:
             endpoint.learned_budget = figures.kv_budget_tokens
         endpoint.scraped_at = self.dispatcher.clock()
+        endpoint.completed_since_scrape = endpoint.released_since_scrape = 0

@@ -593,3 +593,15 @@ async def test_a_lane_change_while_idle_keeps_counters_and_service() -> None:
     assert d.scheduler.lane_names == [LANE, "batch"]
     assert d.scheduler.counter("t", LANE) == counter
     assert d.scheduler.service["t"] == service
+
+
+async def test_prompt_estimates_learn_the_engines_tokenizer_per_model() -> None:
+    d = _dispatcher(_config())
+    for _ in range(30):  # the engine keeps reporting 1.5× the body estimate
+        ticket = await _admit(d, "t", _request(100))
+        d.complete(ticket, Usage(150, 1), "ok")
+    calibrated = await _admit(d, "t", _request(100))
+    assert 140 <= calibrated.request.prompt_tokens <= 150
+    other = InferenceRequest(model="other", prompt_tokens=100, max_tokens=None, stream=True,
+                             include_usage=True, body={})
+    assert (await _admit(d, "t", other)).request.prompt_tokens == 100

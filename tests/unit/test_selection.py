@@ -131,3 +131,30 @@ def test_rank_without_room_required_keeps_full_endpoints_but_not_draining_ones()
 
 def test_rank_of_no_endpoint_is_empty() -> None:
     assert rank([], 10, NOW, RULES, LeastLoaded()) == []
+
+
+# -- the request's own size, and figures that went stale since the scrape --
+
+def test_a_prompt_must_fit_beside_what_is_in_flight() -> None:
+    busy = _endpoint(inflight_tokens=700, inflight_requests=2)
+    assert has_room(busy, NOW, RULES, prompt_tokens=300)
+    assert not has_room(busy, NOW, RULES, prompt_tokens=301)
+
+
+def test_an_empty_endpoint_takes_even_a_prompt_larger_than_its_budget() -> None:
+    assert has_room(_endpoint(), NOW, RULES, prompt_tokens=5000)
+
+
+def test_completions_since_the_scrape_discount_its_waiting_count() -> None:
+    full_queue = _endpoint(waiting=2, scraped_at=NOW)
+    assert not has_room(full_queue, NOW, RULES)
+    full_queue.completed_since_scrape = 1  # one finished: the engine admitted a waiting one
+    assert has_room(full_queue, NOW, RULES)
+
+
+def test_tokens_released_since_the_scrape_discount_its_kv_use() -> None:
+    full = _endpoint(kv_usage=1.0, scraped_at=NOW, inflight_requests=1)
+    assert not has_room(full, NOW, RULES)
+    full.released_since_scrape = 400
+    assert has_room(full, NOW, RULES, prompt_tokens=400)
+    assert not has_room(full, NOW, RULES, prompt_tokens=401)
