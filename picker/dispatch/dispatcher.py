@@ -183,6 +183,8 @@ class Dispatcher:
             self.pump()
         else:
             self._dispatch(ticket, self.candidates(subset, require_room=False), now)
+        if ticket.dispatched_at is not None:
+            return ticket  # an endpoint had room: no wait (the common, uncontended case)
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that lands
             # just after the request was dispatched, leaking its slot.
