@@ -39,6 +39,7 @@ unit: setup
 bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 	$(PY) -m bench.core_throughput --out bench/results
+	MPLBACKEND=Agg $(PY) -m bench.gateway --out bench/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
