@@ -1,9 +1,11 @@
 """Endpoint choice: which model servers have room, and which of them should take a request.
 
-Pure: the dispatcher owns the endpoint states and passes ``now``. An endpoint has room while the
-tokens in flight on it are under its KV budget and its waiting queue (scraped, when fresh) is under
-a threshold. Keeping every endpoint just saturated, and no more, is what lets the fair queue decide
-the order instead of the engine's own FCFS queue.
+Pure: the dispatcher owns the endpoint states and passes ``now``. An endpoint has room for a
+request when its prompt fits beside the tokens in flight there (an empty endpoint takes any) and
+the engine's own waiting queue is under a threshold. Scraped figures count while fresh, less what
+finished since the scrape. Keeping every endpoint just saturated, and no more, is what lets the
+fair queue decide the order instead of the engine's own FCFS queue: a request the engine cannot
+admit yet would wait in its FCFS queue, ahead of whoever the fair queue picks next.
 """
 
 from __future__ import annotations
