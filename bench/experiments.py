@@ -371,7 +371,7 @@ def goals(data: dict[str, Any]) -> list[dict[str, Any]]:
 # -- markdown -------------------------------------------------------------------------------------
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> str:
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> str:
     """A markdown table; with ``numeric``, every column but the first is right-aligned."""
     lines = ["| " + " | ".join(headers) + " |",
              "|" + "|".join("---:" if i and numeric else "---" for i in range(len(headers)))
@@ -408,7 +408,7 @@ def section_two_overloaded(data: dict[str, Any]) -> str:
         f"20 requests each, then Poisson 0.09 and 0.06 requests/step; the engine serves ~0.097) "
         f"at M = 8192, {exp['steps']:,} steps; bound 2U = {_n(exp['vtc_bound'])}.",
         "",
-        _table(["policy", "max drift", "seed 000", "drift ÷ 2U", "seed 000",
+        md_table(["policy", "max drift", "seed 000", "drift ÷ 2U", "seed 000",
                 "backlogged drift", "weighted service/step", "seed 000 tok/step",
                 "output tok/step"], rows),
     ]
@@ -434,7 +434,7 @@ def section_returning(data: dict[str, Any]) -> str:
         f"Tenant a sends under its share, goes silent at step 3000, returns overloaded at step "
         f"{start}; b is overloaded throughout. Service in steps [{start}, {end}).",
         "",
-        _table(["policy", "returning share", "seed 000", "steady tenant's service", "seed 000",
+        md_table(["policy", "returning share", "seed 000", "steady tenant's service", "seed 000",
                 "returning tenant's service", "backlogged drift (run)",
                 "weighted service/step (run)"], rows),
     ])
@@ -461,7 +461,7 @@ def section_kv_sweep(data: dict[str, Any]) -> str:
         f"Experiment 1 at KV budgets M = 2k…32k ({steps:,} steps each; arrival rates scaled "
         f"with M so both tenants stay overloaded). Bound = 2·max(w_p·L_input, w_q·M) = 4M here.",
         "",
-        _table(["M", "bound", "VTC max drift", "seed 000", "VTC backlogged drift",
+        md_table(["M", "bound", "VTC max drift", "seed 000", "VTC backlogged drift",
                 "drift ÷ bound", "drift ÷ total service", "seed 000", "LCF max drift",
                 "FCFS max drift", "VTC weighted service/step", "VTC ÷ FCFS throughput"], rows),
         "",
@@ -492,7 +492,7 @@ def section_rpm(data: dict[str, Any]) -> str:
         f"FCFS among tenants under their limit) on experiment 1's scenario, {exp['steps']:,} "
         "steps.",
         "",
-        _table(["RPM limit", "max drift", "seed 000", "backlogged drift", "drift ÷ bound",
+        md_table(["RPM limit", "max drift", "seed 000", "backlogged drift", "drift ÷ bound",
                 "weighted service/step", "seed 000 tok/step", "output tok/step",
                 "% of unlimited", "steps held by the limit"], rows),
         "",
@@ -523,13 +523,13 @@ def section_weights_and_lanes(data: dict[str, Any]) -> str:
         f"one's share of weighted service. Worst normalized backlogged drift "
         f"{_n(run['backlogged_drift'])} (bound {_n(run['vtc_bound'])}).",
         "",
-        _table(["tenant", "weight", "target share", "measured share", "absolute error",
+        md_table(["tenant", "weight", "target share", "measured share", "absolute error",
                 "relative error"], rows),
         "",
         "5b. Two lanes, interactive above batch, one overloaded tenant each: batch's share with "
         "and without min_share.",
         "",
-        _table(["batch min_share", "interactive share", "batch share",
+        md_table(["batch min_share", "interactive share", "batch share",
                 "batch share while backlogged", "steps batch backlogged",
                 "weighted service/step"], lane_rows),
     ])
@@ -556,7 +556,7 @@ def section_seeds(data: dict[str, Any]) -> str:
         f"Experiments 1 and 2 rerun with seeds {rows_data[0]['seed']}…{rows_data[-1]['seed']} "
         "(min / median / max over seeds).",
         "",
-        _table(["policy", "exp 1 max drift", "exp 1 backlogged drift",
+        md_table(["policy", "exp 1 max drift", "exp 1 backlogged drift",
                 "exp 1 weighted service/step", "exp 2 returning share",
                 "exp 2 steady tenant's service"], rows),
     ])
@@ -571,7 +571,7 @@ def section_goals(data: dict[str, Any]) -> str:
         f"The project's fairness goals, checked on the runs above: "
         f"{len(rows) - failed} of {len(rows)} pass.",
         "",
-        _table(["goal", "measured", "threshold", "result"], rows, numeric=False),
+        md_table(["goal", "measured", "threshold", "result"], rows, numeric=False),
     ])
 
 

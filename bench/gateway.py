@@ -58,7 +58,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.sim.analysis import backlogged_drift, max_drift, vtc_bound
+from bench.experiments import md_table
+from picker.sim.analysis import backlogged_drift, max_drift, vtc_bound, widest_swing
 from picker.sim.engine import simulate
 from picker.sim.load import LoadResult, RequestRecord, percentile, run_traffic
 from picker.sim.scenario import load_scenario
@@ -686,16 +687,8 @@ def gap_series(run: GatewayRun, a: str, b: str, weights: dict[str, float], end: 
 
 def _drift_from(service: list[list[float]], backlogged: list[list[bool]], start: int) -> float:
     """``backlogged_drift`` of the first two (equally weighted) tenants from step ``start`` on."""
-    worst, low, high = 0.0, None, None
-    for row, flags in zip(service[start:], backlogged[start:], strict=True):
-        if flags[0] and flags[1]:
-            gap = row[0] - row[1]
-            low = gap if low is None else min(low, gap)
-            high = gap if high is None else max(high, gap)
-            worst = max(worst, high - low)
-        else:
-            low = high = None
-    return worst
+    return widest_swing(row[0] - row[1] if flags[0] and flags[1] else None
+                        for row, flags in zip(service[start:], backlogged[start:], strict=True))
 
 
 def drift_scenario(traffic: Traffic, steps: int, seed: int) -> dict[str, Any]:
@@ -1380,14 +1373,6 @@ def goals(data: dict[str, Any]) -> list[dict[str, Any]]:
 # -- markdown -------------------------------------------------------------------------------------
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> str:
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "|".join("---:" if i and numeric else "---" for i in range(len(headers)))
-             + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _pct(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value * 100:.{digits}f} %"
 
@@ -1424,7 +1409,7 @@ def section_fairness(data: dict[str, Any]) -> str:
         "after excluded), from the engine-reported usage of each response; the picker's "
         "`fairway_weighted_service_total` (charged at completion) over the same window beside it.",
         "",
-        _table(["tenant", "weight", "target", "vtc share", "error", "picker counter share",
+        md_table(["tenant", "weight", "target", "vtc share", "error", "picker counter share",
                 "error", "held in picker", "vtc TTFT p50 ms", "fcfs share", "error",
                 "fcfs TTFT p50 ms"], rows),
         "",
@@ -1464,7 +1449,7 @@ def section_light(data: dict[str, Any]) -> str:
         "picker (engine queue + first step + response path), and the rest (client ↔ Envoy ↔ "
         "picker legs).",
         "",
-        _table(["run", "ok/sent", "TTFT p50 ms", "p95", "p99", "max", "p95 ÷ alone",
+        md_table(["run", "ok/sent", "TTFT p50 ms", "p95", "p99", "max", "p95 ÷ alone",
                 "mean held in picker ms", "mean dispatch→first byte ms", "mean outside picker ms",
                 "mean engine waiting", "flood TTFT p50 ms"], rows),
         "",
@@ -1494,7 +1479,7 @@ def section_throughput(data: dict[str, Any]) -> str:
         f"a second (nominal {1000 / POOL_STEP_MS:.0f}), so batch fill and step pace are told "
         "apart.",
         "",
-        _table(["saturating workload", "fcfs tok/s", "vtc tok/s", "vtc ÷ fcfs", "client count",
+        md_table(["saturating workload", "fcfs tok/s", "vtc tok/s", "vtc ÷ fcfs", "client count",
                 "fcfs running", "vtc running", "fcfs steps/s", "vtc steps/s", "fcfs KV use",
                 "vtc KV use", "fcfs engine waiting", "vtc engine waiting", "vtc held in picker",
                 "vtc: server queue empty while picker held"], rows),
@@ -1572,7 +1557,7 @@ def section_overhead(data: dict[str, Any]) -> str:
         f"{_pct(at['picker_hold']['over_25ms'], 1)} over 25 ms) and used "
         f"{_pct(at['picker_core_fraction'], 0)} of a core during its blocks.",
         "",
-        _table(["path", *[f"{p} ms" for p in procs]], cpu_rows),
+        md_table(["path", *[f"{p} ms" for p in procs]], cpu_rows),
     ])
     return "\n".join([
         "## 4. The picker's overhead",
@@ -1586,7 +1571,7 @@ def section_overhead(data: dict[str, Any]) -> str:
         "reading the last byte of the answer; send lag is how late the client issued requests "
         "against the schedule.",
         "",
-        _table(["path", "ok/sent", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "mean ms",
+        md_table(["path", "ok/sent", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "mean ms",
                 "achieved req/s", "send lag p99 ms"], rows),
         "",
         cpu_text,
@@ -1607,7 +1592,7 @@ def section_overhead(data: dict[str, Any]) -> str:
         "like a later admission); the proxied requests were admitted "
         f"{_offsets(streams['admission_offsets_steps'])} steps after the direct one.",
         "",
-        _table(["path", "chunks", "delay p50 ms", "delay p99 ms", "delay mean ms",
+        md_table(["path", "chunks", "delay p50 ms", "delay p99 ms", "delay mean ms",
                 "inter-arrival p50 ms", "inter-arrival p99 ms", "stream time mean ms"],
                stream_rows),
         "",
@@ -1624,7 +1609,7 @@ def section_overhead(data: dict[str, Any]) -> str:
         f"Envoy, server on the same cores) no longer keeps up or the client lags > "
         f"{CLIENT_LAG_LIMIT_MS:g} ms.",
         "",
-        _table(["req/s", "baseline p50", "baseline p99", "picker p50", "picker p99",
+        md_table(["req/s", "baseline p50", "baseline p99", "picker p50", "picker p99",
                 "p99 added ms", "achieved (base / picker)", "errors (base / picker)",
                 "client lag p99 ms", "picker CPU (of a core)", "held ≥ 5 ms in picker",
                 "mean hold ms", "verdict"], ladder_rows),
@@ -1683,7 +1668,7 @@ def section_drift(data: dict[str, Any]) -> str:
         f"2·max(1·{max(t['prompt_tokens'][1] for t in drift['scenario']['tenants'])}, "
         f"2·{e['kv_budget_tokens']}) = {g['bound']:,.0f}.",
         "",
-        _table(["setting", "backlogged drift", "bound", "drift ÷ bound",
+        md_table(["setting", "backlogged drift", "bound", "drift ÷ bound",
                 f"after {g['warmup_s']:g} s (÷ bound)", "max drift from start", "÷ bound",
                 "output tokens per step (pool)"], rows),
         "",
@@ -1838,7 +1823,7 @@ def section_goals(data: dict[str, Any]) -> str:
         "## Goals",
         f"{passed} of {len(judged)} judged goals pass.",
         "",
-        _table(["goal", "measured", "threshold", "result"], rows, numeric=False),
+        md_table(["goal", "measured", "threshold", "result"], rows, numeric=False),
     ])
 
 

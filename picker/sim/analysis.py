@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from picker.sim.engine import SimResult
 from picker.sim.scenario import Scenario
 
@@ -43,16 +45,25 @@ def backlogged_drift(result: SimResult, a: str, b: str) -> float:
     (max - min) of the cumulative normalized gap.
     """
     i, j = result.tenants.index(a), result.tenants.index(b)
+    return widest_swing(_normalized_gap(result, i, j, row) if flags[i] and flags[j] else None
+                        for row, flags in zip(result.service, result.backlogged, strict=True))
+
+
+def widest_swing(gaps: Iterable[float | None]) -> float:
+    """The largest max − min of a cumulative gap within runs of steps where it is defined.
+
+    ``None`` ends a run (a tenant was not backlogged). Within one run, the worst interval's
+    service difference is the range of the cumulative difference.
+    """
     worst = 0.0
     low = high = None
-    for row, flags in zip(result.service, result.backlogged, strict=True):
-        if flags[i] and flags[j]:
-            gap = _normalized_gap(result, i, j, row)
-            low = gap if low is None else min(low, gap)
-            high = gap if high is None else max(high, gap)
-            worst = max(worst, high - low)
-        else:
+    for gap in gaps:
+        if gap is None:
             low = high = None
+            continue
+        low = gap if low is None else min(low, gap)
+        high = gap if high is None else max(high, gap)
+        worst = max(worst, high - low)
     return worst
 
 
