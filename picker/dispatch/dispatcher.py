@@ -169,7 +169,9 @@ class Dispatcher:
         lane = self.lane_of(tenant)
         if self.scheduler.queued() >= self.config.queue.max_queued:
             raise QueueFull("the fair queue is full")
-        if not self.candidates(subset, require_room=False):
+        # Only whether one exists: ranking them here would be work pump() does again.
+        if not any(not e.draining and (subset is None or e.address in subset)
+                   for e in self.endpoints.values()):
             raise NoEndpoint("no endpoint is available for this request")
         prompt = max(1, round(inference.prompt_tokens
                               * self._prompt_scale.get(inference.model, 1.0)))

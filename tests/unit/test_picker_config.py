@@ -16,16 +16,12 @@ from picker.config.schema import (
     load_config,
 )
 from picker.errors import ConfigError
+from tests.expect import expected_message
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "config"
 GOOD = FIXTURES / "good.yaml"
 BAD = sorted((FIXTURES / "bad").glob("*.yaml"))
 
-
-def _expected_message(path: Path) -> str:
-    first = path.read_text(encoding="utf-8").splitlines()[0]
-    assert first.startswith("# expect: "), f"{path.name} must start with '# expect: <message>'"
-    return first.removeprefix("# expect: ")
 
 
 def test_good_config_loads_with_its_values() -> None:
@@ -79,7 +75,7 @@ def test_bad_fixtures_cover_every_kind_of_failure() -> None:
 def test_bad_config_is_rejected_with_its_path(path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(path)
-    assert _expected_message(path) in str(caught.value)
+    assert expected_message(path) in str(caught.value)
 
 
 def test_config_error_carries_the_path_separately() -> None:
@@ -115,7 +111,7 @@ def test_check_of_a_bad_file_exits_1_naming_the_path(path: Path,
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith(f"{path}: ")
-    assert _expected_message(path) in err
+    assert expected_message(path) in err
 
 
 def test_check_without_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,22 +8,18 @@ import pytest
 
 from picker.errors import ConfigError
 from picker.sim.scenario import Lane, Phase, Scenario, load_scenario
+from tests.expect import expected_message
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "scenarios"
 BAD = sorted((FIXTURES / "bad").glob("*.yaml"))
 
-
-def _expected_message(path: Path) -> str:
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("# expect: "), f"{path.name} must start with '# expect: <message>'"
-    return first.removeprefix("# expect: ")
 
 
 @pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
 def test_bad_scenario_is_rejected_with_its_path(path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_scenario(path)
-    assert _expected_message(path) in str(caught.value)
+    assert expected_message(path) in str(caught.value)
 
 
 def test_there_is_a_fixture_per_failure() -> None:

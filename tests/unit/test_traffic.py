@@ -27,6 +27,7 @@ from picker.sim.load import (
     summarize,
 )
 from picker.sim.traffic import Burst, TenantTraffic, Traffic, load_traffic
+from tests.expect import expected_message
 
 ROOT = Path(__file__).parent.parent.parent
 BAD_DIR = ROOT / "tests" / "fixtures" / "traffic" / "bad"
@@ -34,17 +35,12 @@ BAD = sorted(BAD_DIR.glob("*.yaml"))
 EXAMPLES = sorted((ROOT / "bench" / "traffic").glob("*.yaml"))
 
 
-def _expected_message(path: Path) -> str:
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("# expect: "), f"{path.name} must start with '# expect: <message>'"
-    return first.removeprefix("# expect: ")
-
 
 @pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
 def test_bad_traffic_is_rejected_with_its_path(path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_traffic(path)
-    assert _expected_message(path) in str(caught.value)
+    assert expected_message(path) in str(caught.value)
 
 
 def test_the_required_failures_have_fixtures() -> None:
