@@ -107,6 +107,8 @@ class Plan:
 
     quick: bool
     goals: frozenset[int]
+    response_path: str = "meter-stream"
+    """How Envoy hands responses to the picker (``picker.stack.envoy``)."""
 
     @property
     def fair_duration(self) -> float:
@@ -480,7 +482,8 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
-               server_args=POOL_SERVER_ARGS, picker_config=config) as stack, \
+               server_args=POOL_SERVER_ARGS, picker_config=config,
+               response_path=plan.response_path) as stack, \
             measured(resources, lambda: [stack]):
         result, sampler = asyncio.run(_drive(stack, traffic, plan.sample_interval))
     return GatewayRun(label, policy, traffic.duration_s, window, result, sampler.samples,
@@ -989,6 +992,7 @@ def cpu_per_request(at: dict[str, Any], own: dict[str, set[str]],
 
 
 def envoy_stats(stack: Stack, prefix: str = "http.gateway.ext_proc.") -> dict[str, float]:
+    """Envoy's ext_proc counters, keyed ``<filter>.<counter>`` (filters: picker, meter)."""
     url = f"http://127.0.0.1:{stack.admin_port}/stats?filter=ext_proc"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
@@ -1001,15 +1005,18 @@ def envoy_stats(stack: Stack, prefix: str = "http.gateway.ext_proc.") -> dict[st
 
 
 def ext_proc_messages(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """ext_proc messages Envoy sent to / received from the picker per request."""
-    streams = after.get("streams_started", 0) - before.get("streams_started", 0)
+    """ext_proc messages per request: to / from the picker's filter (answered, so waited for),
+    and sent on the meter stream (observe-only, not waited for)."""
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    streams = delta("picker.streams_started")
     if not streams:
         return {}
     return {"streams": streams,
-            "sent_per_request": (after.get("stream_msgs_sent", 0)
-                                 - before.get("stream_msgs_sent", 0)) / streams,
-            "received_per_request": (after.get("stream_msgs_received", 0)
-                                     - before.get("stream_msgs_received", 0)) / streams}
+            "sent_per_request": delta("picker.stream_msgs_sent") / streams,
+            "received_per_request": delta("picker.stream_msgs_received") / streams,
+            "meter_per_request": delta("meter.stream_msgs_sent") / streams}
 
 
 async def _warm(targets: dict[str, tuple[RawTarget, bytes]], rate: float) -> None:
@@ -1266,7 +1273,7 @@ def exp_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
         fast = base.endpoint_addresses[0]
         config = {**picker_config, "endpoints": [{"address": fast}]}
         with Stack(workdir / "ovh-picker", policy="vtc", endpoints=0,
-                   picker_config=config) as picked:
+                   picker_config=config, response_path=plan.response_path) as picked:
             stacks = [base, picked, streamer]
             probe = _client_probe(lambda: process_cpu(stacks))
             print(f"  overhead: {OVERHEAD_RATE:g} req/s ABBA, then the rate ladder", flush=True)
@@ -1551,7 +1558,9 @@ def section_overhead(data: dict[str, Any]) -> str:
         "net of what it used while the other path ran, ÷ requests; the server is shared, each "
         "path has its own Envoy). Envoy exchanged "
         f"{_fmt(ext.get('sent_per_request'), '.1f')} ext_proc messages to / "
-        f"{_fmt(ext.get('received_per_request'), '.1f')} from the picker per request. The "
+        f"{_fmt(ext.get('received_per_request'), '.1f')} from the picker per request on the "
+        f"request path, and sent {_fmt(ext.get('meter_per_request'), '.1f')} on the meter "
+        "stream (not waited for). The "
         f"picker held requests in its fair queue for {_fmt(at['picker_hold']['mean_ms'], '.2f')}"
         f" ms on average ({_pct(at['picker_hold']['over_5ms'], 1)} over 5 ms, "
         f"{_pct(at['picker_hold']['over_25ms'], 1)} over 25 ms) and used "
@@ -1598,7 +1607,9 @@ def section_overhead(data: dict[str, Any]) -> str:
         "",
         f"Envoy exchanged {_fmt(streams['ext_proc'].get('sent_per_request'), '.0f')} ext_proc "
         f"messages to / {_fmt(streams['ext_proc'].get('received_per_request'), '.0f')} from the "
-        f"picker per {streams['tokens_per_stream']}-token stream; the picker used "
+        f"picker per {streams['tokens_per_stream']}-token stream, plus "
+        f"{_fmt(streams['ext_proc'].get('meter_per_request'), '.0f')} sent on the meter stream; "
+        "the picker used "
         f"≈ {streams['picker_cpu_ms_per_chunk']:.3f} ms of CPU per streamed chunk (net of its "
         f"idle scraping). Resources: {_cpu(streams['resources'])}.",
         "",
@@ -1769,8 +1780,11 @@ def section_findings(data: dict[str, Any]) -> str | None:
             f"added {_fmt(at['added_ms']['p50'], '.2f')} ms (p50) is the ext_proc exchange "
             "itself, "
             f"{_fmt(at['ext_proc'].get('sent_per_request'), '.0f')} messages to the picker and "
-            f"{_fmt(at['ext_proc'].get('received_per_request'), '.0f')} back per request, each "
-            "waited for in turn. It cost the picker "
+            f"{_fmt(at['ext_proc'].get('received_per_request'), '.0f')} back per request on the "
+            "request path, waited for, plus "
+            f"{_fmt(at['ext_proc'].get('meter_per_request'), '.0f')} on the meter stream that "
+            "Envoy sends without waiting but still has to write (and the picker to read, on the "
+            "same cores). It cost the picker "
             f"{picker_cpu:.2f} ms of CPU per request (Python gRPC) and its Envoy "
             f"{envoy_extra:+.2f} ms more than the Envoy without ext_proc; on this machine those "
             "CPU milliseconds are most of the added latency."
@@ -1835,7 +1849,8 @@ def render(data: dict[str, Any]) -> str:
         "",
         f"Mode {mode}; goals run: {', '.join(str(g) for g in meta['goals'])}; "
         f"{meta['runtime_seconds']:.0f} s. Envoy {meta['envoy_version']}, Python "
-        f"{meta['python']}.",
+        f"{meta['python']}. Response path: {meta.get('response_path', 'inline')} "
+        "(`--response-path`; README, \"Two response paths\").",
         "",
         f"**Shared machine**: {meta['cpu_count']} cores run everything at once: Envoy (one worker "
         "thread each), the picker (one Python process), the simulated vLLM servers (one Python "
@@ -1994,6 +2009,7 @@ def run_all(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     data["meta"] = {
         "quick": plan.quick, "goals": sorted(plan.goals), "python": sys.version.split()[0],
         "envoy_version": envoy_version(), "cpu_count": os.cpu_count(),
+        "response_path": plan.response_path,
         "loadavg_start": load_start, "loadavg_end": loadavg(),
         "runtime_seconds": time.perf_counter() - started, "phase_seconds": phases,
         "note": "all processes share the machine's cores; see each run's cpu_s",
@@ -2031,8 +2047,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="short runs: a smoke run, not a measurement")
     parser.add_argument("--only", type=_goal_set, default=frozenset({1, 2, 3, 4, 5}),
                         help="comma-separated goals to run (1..5; 3 needs the runs of 1 and 2)")
+    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+                        default="meter-stream",
+                        help="how Envoy hands responses to the picker (default: meter-stream)")
     args = parser.parse_args(argv)
-    plan = Plan(args.quick, args.only)
+    plan = Plan(args.quick, args.only, args.response_path)
     print(f"bench.gateway: {'quick' if plan.quick else 'full'} run of goals "
           f"{sorted(plan.goals)} on {os.cpu_count()} shared cores, load average {loadavg()}",
           flush=True)

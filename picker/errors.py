@@ -87,3 +87,48 @@ class ShuttingDown(RequestError):
     metric_label = "shutting_down"
     error_type = "server_error"
     retry_after = 1.0
+
+
+class Unauthorized(RequestError):
+    """API-key mode: the ``Authorization`` header is missing, malformed or names no known key."""
+
+    http_status = 401
+    metric_label = "unauthorized"
+    error_type = "invalid_request_error"
+
+
+class LaneNotAllowed(RequestError):
+    """The lane header asks for a lane the tenant's policy does not allow."""
+
+    http_status = 403
+    metric_label = "lane_not_allowed"
+    error_type = "permission_error"
+
+
+class InputTooLong(RequestError):
+    """The prompt is over the tenant's ``maxInputTokens``."""
+
+    metric_label = "input_too_long"
+
+
+class OutputTooLong(RequestError):
+    """``max_tokens`` is over the tenant's ``maxOutputTokens`` (and the rule is reject)."""
+
+    metric_label = "output_too_long"
+
+
+class TenantQueueFull(RequestError):
+    """The tenant already has ``maxQueued`` requests waiting."""
+
+    http_status = 429
+    metric_label = "tenant_queue_full"
+    error_type = "rate_limit_exceeded"
+    retry_after = 1.0
+
+
+class OverBudget(RequestError):
+    """The tenant's token budget cannot cover the request (and the rule is reject)."""
+
+    http_status = 429
+    metric_label = "over_budget"
+    error_type = "rate_limit_exceeded"

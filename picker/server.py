@@ -47,6 +47,9 @@ class ServeSettings:
     """Seconds running requests get to finish after SIGTERM."""
     reload_interval: float = 1.0
     """How often the config file is checked for changes."""
+    meter_claim_timeout: float = 10.0
+    """Seconds a request routed with a meter-stream gateway waits for that stream to open (it
+    opens at dispatch) before it is settled as gone; only a misconfigured gateway hits this."""
 
 
 async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
@@ -60,7 +63,8 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
                             interval=settings.reload_interval)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config), server)
+    add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
+                                    settings.meter_claim_timeout), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")

@@ -15,6 +15,7 @@ from typing import Literal
 from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import ConfigError
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
@@ -24,16 +25,44 @@ def _camel(name: str, **rules: object) -> dict:
 
 
 @dataclass(frozen=True)
+class ApiKey:
+    """One API key, by its SHA-256 (``python -m picker.config hash-key``); never the key."""
+
+    sha256: str
+    """Lowercase hex SHA-256 of the key as sent after ``Bearer``."""
+    tenant: str = field(metadata={"min_length": 1})
+    """The tenant the key belongs to."""
+
+    def __post_init__(self) -> None:
+        if not _SHA256.match(self.sha256):
+            raise ConfigError("sha256", "must be 64 lowercase hex characters (the key's SHA-256, "
+                                        "from `python -m picker.config hash-key`)")
+
+
+@dataclass(frozen=True)
 class Tenancy:
     """How a request's tenant is found."""
 
+    mode: Literal["header", "apiKey"] = "header"
+    """``header``: a trusted header the gateway set after authenticating the caller. ``apiKey``:
+    ``Authorization: Bearer <key>`` looked up in ``apiKeys`` (401 when unknown); client-sent
+    tenant headers are then ignored."""
     header: str = "x-gateway-inference-fairness-id"
     """Trusted header the gateway sets to the caller's tenant id."""
     also_accept: tuple[str, ...] = field(default=("x-llm-d-inference-fairness-id",),
                                          metadata=_camel("also_accept"))
     """Further trusted headers, tried in order when ``header`` is absent."""
     default_tenant: str = field(default="anonymous", metadata=_camel("default_tenant"))
-    """Tenant of requests that carry none of the headers."""
+    """Tenant of requests that carry none of the headers (header mode)."""
+    api_keys: tuple[ApiKey, ...] = field(default=(), metadata=_camel("api_keys"))
+    """The keys of API-key mode."""
+    lane_header: str = field(default="x-fairway-lane", metadata=_camel("lane_header"))
+    """Application header choosing a lane among the tenant's ``allowedLanes``."""
+
+    def __post_init__(self) -> None:
+        require_unique([k.sha256 for k in self.api_keys], "apiKeys[{}].sha256", "key")
+        if self.mode == "apiKey" and not self.api_keys:
+            raise ConfigError("apiKeys", "apiKey mode needs at least one key")
 
 
 @dataclass(frozen=True)
@@ -79,6 +108,10 @@ class Queue:
     """Requests held at once, all tenants; beyond it new requests get 429."""
     max_wait: float = field(default=60.0, metadata=_camel("max_wait", gt=0, duration=True))
     """Longest a request may wait for its turn; then 503 with Retry-After."""
+    overload: Literal["shedLowerLanes", "refuseNew"] = "shedLowerLanes"
+    """When ``maxQueued`` is reached: ``shedLowerLanes`` refuses the lowest lane first (an
+    arrival in a higher lane takes the place of the newest queued request of the lowest lane that
+    has one, which gets 429); ``refuseNew`` refuses every arrival alike."""
 
 
 @dataclass(frozen=True)
@@ -126,14 +159,89 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A token bucket: holds up to ``tokens``, refilled evenly over ``per``."""
+
+    tokens: int = field(metadata={"ge": 1})
+    """Capacity: prompt + output tokens."""
+    per: float = field(metadata={"gt": 0, "duration": True})
+    """Time to refill from empty (``60s``, ``1h``, ``24h``)."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Token budgets, charged with the estimate at admission and settled to actual use."""
+
+    burst: Budget | None = None
+    """Short window (seconds to minutes): smooths bursts."""
+    sustained: Budget | None = None
+    """Long window (hours to a day): the tenant's quota."""
+
+
+@dataclass(frozen=True)
+class OverBudget:
+    """What happens to a request its tenant's budget cannot cover."""
+
+    action: Literal["reject", "demote"] = "reject"
+    """``reject``: 429 with ``Retry-After`` from the bucket. ``demote``: admitted into ``lane``."""
+    lane: str | None = None
+    """The lower lane demoted requests go to (required for ``demote``)."""
+
+    def __post_init__(self) -> None:
+        if self.action == "demote" and not self.lane:
+            raise ConfigError("lane", "demote needs the lane to demote to")
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Hard caps; unset means no cap."""
+
+    max_queued: int | None = field(default=None, metadata=_camel("max_queued", ge=1))
+    """Requests of the tenant held in the queue at once; beyond it 429."""
+    max_concurrent: int | None = field(default=None, metadata=_camel("max_concurrent", ge=1))
+    """Requests of the tenant running at once; more wait in the queue."""
+    max_input_tokens: int | None = field(default=None, metadata=_camel("max_input_tokens", ge=1))
+    """Longest prompt (estimated from the body); longer gets 400."""
+    max_output_tokens: int | None = field(default=None,
+                                          metadata=_camel("max_output_tokens", ge=1))
+    """Largest ``max_tokens``; larger is refused or clamped (``outputLimit``)."""
+    output_limit: Literal["reject", "clamp"] = field(default="reject",
+                                                     metadata=_camel("output_limit"))
+    """``clamp``: ``max_tokens`` is lowered to ``maxOutputTokens`` (and set when absent)."""
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Budgets, caps and the over-budget rule; per tenant, or as ``tenantDefaults``."""
+
+    budgets: Budgets = Budgets()
+    over_budget: OverBudget = field(default=OverBudget(), metadata=_camel("over_budget"))
+    limits: TenantLimits = TenantLimits()
+
+
+@dataclass(frozen=True)
 class Tenant:
-    """A tenant's share and lane."""
+    """A tenant's share, lanes, budgets and caps."""
 
     id: str = field(metadata={"min_length": 1})
     weight: float = field(default=1.0, metadata={"gt": 0})
     """Share relative to other tenants in the same lane."""
     lane: str | None = None
     """Lane of the tenant's requests (default: the first lane)."""
+    allowed_lanes: tuple[str, ...] = field(default=(), metadata=_camel("allowed_lanes"))
+    """Further lanes the ``laneHeader`` may choose for a request."""
+    budgets: Budgets | None = None
+    """Unset: ``tenantDefaults.budgets``."""
+    over_budget: OverBudget | None = field(default=None, metadata=_camel("over_budget"))
+    """Unset: ``tenantDefaults.overBudget``."""
+    limits: TenantLimits | None = None
+    """Unset: ``tenantDefaults.limits``."""
+
+    def policy(self, defaults: TenantPolicy) -> TenantPolicy:
+        """This tenant's rules, each part falling back to ``defaults``."""
+        return TenantPolicy(self.budgets or defaults.budgets,
+                            self.over_budget or defaults.over_budget,
+                            self.limits or defaults.limits)
 
 
 @dataclass(frozen=True)
@@ -142,6 +250,15 @@ class Limits:
 
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_camel("max_body_bytes", ge=1))
     """Larger request bodies get 413."""
+
+
+@dataclass(frozen=True)
+class Metering:
+    """Where the per-request usage records go."""
+
+    output: str = "none"
+    """``stdout``, ``none``, or a file path (appended to): one JSON object per finished
+    request."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +274,10 @@ class PickerConfig:
     capacity: Capacity = Capacity()
     limits: Limits = Limits()
     tenants: tuple[Tenant, ...] = ()
+    tenant_defaults: TenantPolicy = field(default=TenantPolicy(),
+                                          metadata=_camel("tenant_defaults"))
+    """Budgets, caps and over-budget rule of tenants without their own (and of unknown ones)."""
+    metering: Metering = Metering()
 
     def __post_init__(self) -> None:
         if not self.lanes:
@@ -167,6 +288,13 @@ class PickerConfig:
         require_unique([t.id for t in self.tenants], "tenants[{}].id", "tenant")
         for i, tenant in enumerate(self.tenants):
             require_known(tenant.lane, lane_names, f"tenants[{i}].lane", "lane")
+            for j, lane in enumerate(tenant.allowed_lanes):
+                require_known(lane, lane_names, f"tenants[{i}].allowedLanes[{j}]", "lane")
+            if tenant.over_budget is not None:
+                require_known(tenant.over_budget.lane, lane_names,
+                              f"tenants[{i}].overBudget.lane", "lane")
+        require_known(self.tenant_defaults.over_budget.lane, lane_names,
+                      "tenantDefaults.overBudget.lane", "lane")
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         """The configured entry of ``tenant_id``, if any."""

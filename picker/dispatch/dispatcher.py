@@ -16,11 +16,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from picker.config.schema import PickerConfig
+from picker.config.schema import Budget, PickerConfig, TenantPolicy
 from picker.core import ComputedTokenCost, ContextAwareCost, LaneSpec, LinearCost, Request, Usage
+from picker.core.admission import (
+    INPUT_TOO_LONG,
+    OUTPUT_TOO_LONG,
+    OVER_BUDGET,
+    Admission,
+    BucketRule,
+    Refused,
+    Reservation,
+    TenantRules,
+)
 from picker.core.lanes import Scheduler
 from picker.core.selection import CapacityRules, EndpointState, LeastLoaded, Scorer, rank
-from picker.errors import NoEndpoint, QueueFull, QueueTimeout, RequestError, ShuttingDown
+from picker.errors import (
+    ConfigError,
+    InputTooLong,
+    LaneNotAllowed,
+    NoEndpoint,
+    OutputTooLong,
+    OverBudget,
+    QueueFull,
+    QueueTimeout,
+    RequestError,
+    ShuttingDown,
+    TenantQueueFull,
+)
+from picker.identity import Identity, KeyEntry
+from picker.metering import MeteringRecord, MeteringSink, open_sink
 from picker.metrics import PickerMetrics
 from picker.openai import InferenceRequest
 
@@ -31,6 +55,8 @@ FALLBACK_ENDPOINTS = 2
 OUTPUT_EWMA_ALPHA = 0.2
 PROMPT_SCALE_ALPHA = 0.1
 """How fast the prompt estimate's calibration follows the engine's reported prompt counts."""
+PRUNE_INTERVAL = 30.0
+"""Seconds between sweeps that forget tenants whose budgets have refilled."""
 
 
 @dataclass(eq=False)
@@ -50,6 +76,20 @@ class Ticket:
     reserved_tokens: int = 0
     """Tokens this request adds to its endpoint's in-flight count."""
     outcome: str | None = None
+    reservation: Reservation | None = None
+    """Its hold on the tenant's budgets and caps (admission)."""
+    max_tokens: int | None = None
+    """The output limit the engine must get, when admission clamped or set it."""
+    demoted: bool = False
+    finish_reason: str | None = None
+    """As the engine reported it (``stop``, ``length``), when the response said."""
+    ratelimit_headers: dict[str, str] = field(default_factory=dict)
+    """``x-ratelimit-*`` for the response, as admission saw the tenant's budgets."""
+    parked: bool = False
+    """Held outside the fair queue because its tenant is at its concurrency cap."""
+    request_id: str = ""
+    error: RequestError | None = None
+    """Set when the request was shed from the queue for a higher lane."""
     _ready: asyncio.Future[None] | None = None
 
 
@@ -60,6 +100,50 @@ def _cost(config: PickerConfig) -> Any:
     if not c.charge_cached_prompt:
         return ComputedTokenCost(c.prefill_weight, c.decode_weight)
     return LinearCost(c.prefill_weight, c.decode_weight)
+
+
+def _bucket(budget: Budget | None) -> BucketRule | None:
+    return None if budget is None else BucketRule(budget.tokens, budget.per)
+
+
+def _tenant_rules(policy: TenantPolicy) -> TenantRules:
+    limits = policy.limits
+    return TenantRules(
+        burst=_bucket(policy.budgets.burst), sustained=_bucket(policy.budgets.sustained),
+        over_budget=policy.over_budget.action, demote_lane=policy.over_budget.lane,
+        max_queued=limits.max_queued, max_concurrent=limits.max_concurrent,
+        max_input_tokens=limits.max_input_tokens, max_output_tokens=limits.max_output_tokens,
+        output_limit_action=limits.output_limit)
+
+
+def _admission_rules(config: PickerConfig) -> tuple[dict[str, TenantRules], TenantRules]:
+    defaults = config.tenant_defaults
+    return ({t.id: _tenant_rules(t.policy(defaults)) for t in config.tenants},
+            _tenant_rules(defaults))
+
+
+def _identity(config: PickerConfig) -> Identity:
+    tenancy = config.tenancy
+    if tenancy.mode == "apiKey":
+        return Identity.api_keys([KeyEntry(k.sha256, k.tenant) for k in tenancy.api_keys])
+    return Identity.trusted_header([tenancy.header, *tenancy.also_accept], tenancy.default_tenant)
+
+
+def _open_metering(config: PickerConfig) -> MeteringSink:
+    try:
+        return open_sink(config.metering.output)
+    except ConfigError as exc:
+        raise exc.under("metering.output") from None
+
+
+_REFUSALS: dict[str, type[RequestError]] = {
+    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget}
+
+
+def _refusal(refused: Refused) -> RequestError:
+    """The error a client gets for an admission refusal (one mapping, here)."""
+    kind = _REFUSALS.get(refused.reason, TenantQueueFull)
+    return kind(refused.message, retry_after=refused.retry_after)
 
 
 def _rules(config: PickerConfig) -> CapacityRules:
@@ -74,8 +158,10 @@ class Dispatcher:
     """The fair queue in front of the pool. One per picker process."""
 
     def __init__(self, config: PickerConfig, *, clock: Callable[[], float] = time.monotonic,
-                 metrics: PickerMetrics | None = None, scorer: Scorer | None = None) -> None:
+                 metrics: PickerMetrics | None = None, scorer: Scorer | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        self.wall_clock = wall_clock
         self.metrics = metrics if metrics is not None else PickerMetrics()
         self.scorer: Scorer = scorer if scorer is not None else LeastLoaded()
         self.endpoints: dict[str, EndpointState] = {}
@@ -84,6 +170,13 @@ class Dispatcher:
         self._prompt_scale: dict[str, float] = {}
         """Per model: engine-reported prompt tokens ÷ the body estimate (tokenizers differ)."""
         self._closed = False
+        self._parked: dict[str, list[Ticket]] = {}
+        """Per tenant, requests waiting for the tenant to drop under its concurrency cap."""
+        self._in_queue: dict[str, int] = {}
+        """Per tenant, requests in the fair queue (parked ones not counted)."""
+        self.admission = Admission(*_admission_rules(config))
+        self._next_prune = clock() + PRUNE_INTERVAL
+        self.metering: MeteringSink = _open_metering(config)
         self.config = config
         self.scheduler = self._new_scheduler(config)
         self.apply_config(config)
@@ -112,10 +205,12 @@ class Dispatcher:
         old = self.config
         structural = (config.lanes != old.lanes or config.scheduling != old.scheduling
                       or config.cost != old.cost)
+        if structural and config is not old and self._tickets:
+            raise ValueError("lanes, scheduling policy and cost can change only while no "
+                             "request is in the picker; retry when idle or restart")
+        if config.metering != old.metering and config is not old:
+            sink = _open_metering(config)  # a bad path raises before anything changed
         if structural and config is not old:
-            if self._tickets:
-                raise ValueError("lanes, scheduling policy and cost can change only while no "
-                                 "request is in the picker; retry when idle or restart")
             self.scheduler = self._carry_over(self.scheduler, self._new_scheduler(config))
         configured = {tenant.id: tenant.weight for tenant in config.tenants}
         for tenant in list(self.scheduler.weights):
@@ -123,9 +218,17 @@ class Dispatcher:
                 self.scheduler.set_weight(tenant, 1.0)  # back to the default weight
         for tenant, weight in configured.items():
             self.scheduler.set_weight(tenant, weight)
+        if config.metering != old.metering and config is not old:
+            self.metering.close()
+            self.metering = sink
+        self.admission.update(*_admission_rules(config), self.clock())
+        self.identity = _identity(config)
         self.config = config
         self.rules = _rules(config)
         self._tenant_lanes = {t.id: t.lane for t in config.tenants if t.lane is not None}
+        self._allowed_lanes = {t.id: frozenset((t.lane or config.lanes[0].name,
+                                                *t.allowed_lanes)) for t in config.tenants}
+        self._lane_rank = {lane.name: i for i, lane in enumerate(config.lanes)}
         pool_budget = config.capacity.kv_budget_tokens
         wanted = {e.address: e.kv_budget_tokens or (pool_budget if isinstance(pool_budget, int)
                                                      else None)
@@ -154,37 +257,73 @@ class Dispatcher:
         """The tenant's configured lane, else the first lane."""
         return self._tenant_lanes.get(tenant) or self.config.lanes[0].name
 
+    def choose_lane(self, tenant: str, asked: str | None) -> str:
+        """The lane a request runs in: the tenant's own, or one its policy allows it to ask for.
+
+        Raises LaneNotAllowed for any other lane.
+        """
+        default = self.lane_of(tenant)
+        if not asked or asked == default:
+            return default
+        if asked not in self._allowed_lanes.get(tenant, ()):
+            raise LaneNotAllowed(f"lane {asked!r} is not allowed for this tenant")
+        return asked
+
+    def engine_priority(self, lane: str) -> int | None:
+        """The vLLM ``priority`` the lane's requests carry (``None``: the lane sets none)."""
+        return self.config.lanes[self._lane_rank[lane]].engine_priority
+
     # -- the lifecycle --
 
     async def admit(self, tenant: str, inference: InferenceRequest,
-                    subset: frozenset[str] | None = None) -> Ticket:
-        """Queue a request and wait for its turn; returns it dispatched, with its destinations.
+                    subset: frozenset[str] | None = None, lane: str | None = None,
+                    request_id: str = "") -> Ticket:
+        """Admit a request, queue it and wait for its turn; returns it dispatched.
 
-        Raises a RequestError subclass when the request is refused; cancellation (the client went
-        away) removes it from the queue uncharged.
+        ``lane``: the lane asked for (already checked with ``choose_lane``); default the
+        tenant's. Raises a RequestError subclass when the request is refused; cancellation (the
+        client went away) removes it from the queue uncharged.
         """
         if self._closed:
             raise ShuttingDown("the picker is shutting down")
         now = self.clock()
-        lane = self.lane_of(tenant)
-        if self.scheduler.queued() >= self.config.queue.max_queued:
-            raise QueueFull("the fair queue is full")
+        lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(not e.draining and (subset is None or e.address in subset)
                    for e in self.endpoints.values()):
             raise NoEndpoint("no endpoint is available for this request")
         prompt = max(1, round(inference.prompt_tokens
                               * self._prompt_scale.get(inference.model, 1.0)))
+        expected = self._expected_output(tenant, inference.max_tokens)
+        decision = self.admission.admit(tenant, lane, prompt, inference.max_tokens, expected, now)
+        if isinstance(decision, Refused):
+            raise _refusal(decision)
+        if self._queued_total() >= self.config.queue.max_queued \
+                and not self._shed_for(decision.lane):
+            self.admission.finish(decision.reservation, 0, now)
+            raise QueueFull("the fair queue is full")
+        if decision.demoted:
+            label = self.metrics.tenant_label(tenant)
+            self.metrics.demotions.labels(label, lane, decision.lane).inc()
+        lane = decision.lane
+        max_tokens = decision.max_output_tokens
         request = Request(tenant=tenant, prompt_tokens=prompt, lane=lane,
-                          max_output_tokens=inference.max_tokens or 0, arrival=now)
-        ticket = Ticket(tenant, lane, inference, request, now, subset)
+                          max_output_tokens=max_tokens or 0, arrival=now)
+        ticket = Ticket(tenant, lane, inference, request, now, subset,
+                        reservation=decision.reservation, demoted=decision.demoted,
+                        max_tokens=max_tokens if max_tokens != inference.max_tokens else None,
+                        request_id=request_id)
         ticket._ready = asyncio.get_running_loop().create_future()
-        self.scheduler.enqueue(request, now)
         self._tickets[request] = ticket
-        if self.holding:
-            self.pump()
+        if self._may_queue(tenant) or not self.holding:
+            self._enqueue(ticket, now)
         else:
+            ticket.parked = True
+            self._parked.setdefault(tenant, []).append(ticket)
+        if not self.holding:
             self._dispatch(ticket, self.candidates(subset, require_room=False), now)
+        elif not ticket.parked:
+            self.pump()
         if ticket.dispatched_at is not None:
             return ticket  # an endpoint had room: no wait (the common, uncontended case)
         try:
@@ -206,8 +345,54 @@ class Dispatcher:
                 self.complete(ticket, None, "cancelled")
             raise
         if ticket.outcome is not None and ticket.dispatched_at is None:
-            raise ShuttingDown("the picker is shutting down")
+            raise ticket.error or ShuttingDown("the picker is shutting down")
         return ticket
+
+    def _expected_output(self, tenant: str, max_tokens: int | None) -> int:
+        average = self._output_average.get(tenant,
+                                           float(self.config.capacity.default_output_tokens))
+        return max(1, round(min(average, max_tokens) if max_tokens else average))
+
+    def _queued_total(self) -> int:
+        return sum(1 for t in self._tickets.values() if t.dispatched_at is None)
+
+    def _enqueue(self, ticket: Ticket, now: float) -> None:
+        ticket.parked = False
+        self.scheduler.enqueue(ticket.request, now)
+        self._in_queue[ticket.tenant] = self._in_queue.get(ticket.tenant, 0) + 1
+
+    def _shed_for(self, lane: str) -> bool:
+        """Make room in a full queue for a request of ``lane``: refuse the newest queued request
+        of the lowest lane below it (``shedLowerLanes``). False when there is none."""
+        if self.config.queue.overload != "shedLowerLanes":
+            return False
+        rank = self._lane_rank.get(lane, 0)
+        lower = [t for t in self._tickets.values() if t.dispatched_at is None
+                 and self._lane_rank.get(t.lane, 0) > rank]
+        if not lower:
+            return False
+        victim = max(lower, key=lambda t: (self._lane_rank.get(t.lane, 0), t.arrived_at))
+        victim.error = QueueFull(f"shed from the full queue for a request of lane {lane!r}")
+        self._drop_queued(victim, "shed")
+        self.reject(victim.tenant, victim.error)
+        if victim._ready is not None and not victim._ready.done():
+            victim._ready.set_result(None)
+        return True
+
+    def _may_queue(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may enter the fair queue: every request there may be
+        dispatched, so queued plus running stays within the tenant's concurrency cap."""
+        if tenant in self._parked:
+            return False  # first in, first out among the tenant's own requests
+        cap = self.admission.rules_for(tenant).max_concurrent
+        return cap is None or self._in_queue.get(tenant, 0) + self.admission.running(tenant) < cap
+
+    def _unpark(self, tenant: str, now: float) -> None:
+        parked = self._parked.pop(tenant, None)
+        while parked and self._may_queue(tenant):
+            self._enqueue(parked.pop(0), now)
+        if parked:
+            self._parked[tenant] = parked
 
     def on_first_byte(self, ticket: Ticket) -> None:
         if ticket.first_byte_at is None:
@@ -262,9 +447,22 @@ class Dispatcher:
             sample = float(usage.completion_tokens)
             self._output_average[ticket.tenant] = sample if previous is None else \
                 previous + OUTPUT_EWMA_ALPHA * (sample - previous)
+        now = self.clock()
+        if ticket.reservation is not None and ticket.reservation.state != "done":
+            self.admission.finish(ticket.reservation,
+                                  usage.prompt_tokens + usage.completion_tokens, now)
+        self._unpark(ticket.tenant, now)
         self._record_done(ticket, usage, outcome)
+        self._meter(ticket, usage, outcome, now, estimated=not reported)
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_INTERVAL
+            self.admission.prune(now)
         self._forget_drained()
         self.pump()
+
+    def ratelimit_headers(self, tenant: str) -> dict[str, str]:
+        """``x-ratelimit-*`` headers for ``tenant`` now (empty without budgets or caps)."""
+        return self.admission.headers(tenant, self.clock())
 
     def reject(self, tenant: str, error: RequestError) -> None:
         """Count a request refused before it was queued."""
@@ -300,6 +498,14 @@ class Dispatcher:
     def _dispatch(self, ticket: Ticket, candidates: list[EndpointState], now: float) -> None:
         request = ticket.request
         self.scheduler.dispatch(request, now)
+        self._in_queue[ticket.tenant] -= 1
+        if not self._in_queue[ticket.tenant]:
+            del self._in_queue[ticket.tenant]
+        # Past its concurrency cap only in pass-through mode, which dispatches at once.
+        if ticket.reservation is not None and (self.holding or
+                                               self.admission.may_start(ticket.tenant)):
+            self.admission.start(ticket.reservation)
+        ticket.ratelimit_headers = self.admission.headers(ticket.tenant, now)
         primary = candidates[0]
         ticket.endpoint = primary
         ticket.destinations = [e.address for e in candidates[: 1 + FALLBACK_ENDPOINTS]]
@@ -318,19 +524,51 @@ class Dispatcher:
 
     def output_estimate(self, ticket: Ticket) -> int:
         """Expected output of a non-streaming request: the tenant's moving average, capped."""
-        average = self._output_average.get(ticket.tenant,
-                                           float(self.config.capacity.default_output_tokens))
-        cap = ticket.inference.max_tokens
-        return max(1, round(min(average, cap) if cap else average))
+        return self._expected_output(ticket.tenant, ticket.max_tokens or
+                                     ticket.inference.max_tokens)
 
     def _drop_queued(self, ticket: Ticket, outcome: str) -> None:
-        if ticket.outcome is None:
-            ticket.outcome = outcome
+        if ticket.outcome is not None:
+            return
+        ticket.outcome = outcome
+        now = self.clock()
+        if ticket.parked:
+            self._parked[ticket.tenant].remove(ticket)
+            if not self._parked[ticket.tenant]:
+                del self._parked[ticket.tenant]
+        else:
             self.scheduler.cancel(ticket.request)
-            self._tickets.pop(ticket.request, None)
-            label = self.metrics.tenant_label(ticket.tenant)
-            self.metrics.requests.labels(label, ticket.lane, outcome).inc()
-            # A timeout's rejection is counted where it is refused (``reject``), not here.
+            self._in_queue[ticket.tenant] -= 1
+            if not self._in_queue[ticket.tenant]:
+                del self._in_queue[ticket.tenant]
+        self._tickets.pop(ticket.request, None)
+        if ticket.reservation is not None:
+            self.admission.finish(ticket.reservation, 0, now)  # nothing was served
+        self._unpark(ticket.tenant, now)
+        label = self.metrics.tenant_label(ticket.tenant)
+        self.metrics.requests.labels(label, ticket.lane, outcome).inc()
+        self._meter(ticket, Usage(0, 0, 0), outcome, now)
+        # A timeout's rejection is counted where it is refused (``reject``), not here.
+
+    def _meter(self, ticket: Ticket, usage: Usage, outcome: str, now: float,
+               estimated: bool = False) -> None:
+        """One metering record for a request that got into the queue."""
+        if not self.metering.enabled:
+            return
+        end_ms = (now - ticket.arrived_at) * 1000
+        self.metering.write(MeteringRecord(
+            request_id=ticket.request_id, timestamp=self.wall_clock(), tenant_id=ticket.tenant,
+            model=ticket.inference.model, priority_lane=ticket.lane, outcome=outcome,
+            finish_reason=ticket.finish_reason or outcome,
+            endpoint=ticket.endpoint.address if ticket.endpoint is not None else None,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens, estimated=estimated,
+            cost=max(0.0, ticket.request.charged), demoted=ticket.demoted,
+            queue_ms=((ticket.dispatched_at if ticket.dispatched_at is not None else now)
+                      - ticket.arrived_at) * 1000,
+            ttft_ms=None if ticket.first_byte_at is None else
+            (ticket.first_byte_at - ticket.arrived_at) * 1000,
+            e2e_ms=end_ms))
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
         m, label = self.metrics, self.metrics.tenant_label(ticket.tenant)
@@ -345,15 +583,32 @@ class Dispatcher:
         """Live state for metrics and the admin view."""
         queued: dict[tuple[str, str], int] = {}
         running: dict[tuple[str, str], int] = {}
+        queued_tokens: dict[tuple[str, str], int] = {}
+        running_tokens: dict[tuple[str, str], int] = {}
         for ticket in self._tickets.values():
             key = (ticket.tenant, ticket.lane)
-            target = running if ticket.dispatched_at is not None else queued
-            target[key] = target.get(key, 0) + 1
+            if ticket.dispatched_at is not None:
+                running[key] = running.get(key, 0) + 1
+                running_tokens[key] = running_tokens.get(key, 0) + ticket.reserved_tokens
+            else:
+                queued[key] = queued.get(key, 0) + 1
+                queued_tokens[key] = queued_tokens.get(key, 0) + ticket.request.prompt_tokens
         counters = {}
         for tenant in set(self.scheduler.service) | {t.tenant for t in self._tickets.values()}:
             lane = self.lane_of(tenant)
             counters[(tenant, lane)] = self.scheduler.counter(tenant, lane)
+        for tenant, lane in set(queued) | set(running):
+            counters[(tenant, lane)] = self.scheduler.counter(tenant, lane)
+        # Debt: how far ahead of the lane's most-owed backlogged tenant a tenant's counter is.
+        floor: dict[str, float] = {}
+        for (tenant, lane) in queued:
+            value = counters[(tenant, lane)]
+            floor[lane] = min(floor.get(lane, value), value)
+        debt = {key: max(0.0, value - floor[key[1]]) for key, value in counters.items()
+                if key[1] in floor}
         return {"queued": queued, "running": running, "counters": counters,
+                "queued_tokens": queued_tokens, "running_tokens": running_tokens, "debt": debt,
+                "budgets": self.admission.budget_state(self.clock()),
                 "endpoints": list(self.endpoints.values()),
                 "service": dict(self.scheduler.service)}
 

@@ -1,13 +1,30 @@
-"""The picker's Prometheus metrics, on an injected registry so tests read the values.
+"""The picker's Prometheus metrics: who is being served, who is waiting, and who is owed.
 
-Names carry the ``fairway_`` prefix and their unit. Tenant labels are capped: configured tenants
-by name, every other tenant as ``other``, so random tenant ids cannot blow up the series count.
+They answer, per tenant and lane: how many requests ended and how (``fairway_requests_total``),
+why some were refused or demoted, how many tokens were served, waiting and in flight, how far
+each tenant is ahead of its fair share (``fairway_fairness_debt``) and how much of its token
+budget is left; and, per endpoint, how loaded it is. Everything is on an injected registry so
+tests read the values.
+
+Names carry the ``fairway_`` prefix and their unit (seconds, tokens, ratio; ``_total`` on
+counters). Tenant labels are capped so random tenant ids cannot blow up the series count:
+configured tenants (``set_known_tenants``) keep their name, and every other tenant is
+
+- summed into ``other`` where a sum means something: request counts, token counts, waits and
+  latencies (the event metrics, and the queued/running gauges);
+- left out where it does not: ``fairway_virtual_counter``, ``fairway_fairness_debt`` and the
+  ``fairway_budget_*`` gauges are per-tenant positions, and the sum of many tenants' positions
+  is no tenant's position.
+
+Folding happens here, on every event metric's ``labels()``, so a caller cannot forget it. A
+configured tenant literally named ``other`` shares its series with the unknown tenants. A tenant
+dropped from the config on reload keeps its past counter series; its new events go to ``other``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
@@ -19,6 +36,31 @@ disable_created_metrics()
 OTHER_TENANT = "other"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+_Metric = TypeVar("_Metric", Counter, Histogram)
+
+
+class TenantCapped(Generic[_Metric]):
+    """A metric whose first label is ``tenant``, folded through the cap on every ``labels()``.
+
+    Folding is idempotent (``other`` folds to ``other``), so callers that already pass
+    ``tenant_label(...)`` get the same series. Other attributes reach the wrapped metric.
+    """
+
+    def __init__(self, metric: _Metric, fold: Callable[[str], str]) -> None:
+        self.metric = metric
+        self._fold = fold
+
+    def labels(self, *values: Any, **named: Any) -> _Metric:
+        """The child for these label values, with the tenant folded."""
+        if named:
+            if "tenant" in named:
+                named["tenant"] = self._fold(str(named["tenant"]))
+            return self.metric.labels(**named)
+        return self.metric.labels(self._fold(str(values[0])), *values[1:])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
+
 
 class PickerMetrics:
     """Event metrics (counters, histograms) plus a collector for live state (gauges)."""
@@ -26,21 +68,29 @@ class PickerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._known_tenants: frozenset[str] = frozenset()
-        r = self.registry
-        self.requests = Counter("fairway_requests", "Requests by final outcome.",
-                                ["tenant", "lane", "outcome"], registry=r)
-        self.rejections = Counter("fairway_rejections", "Requests refused, by reason.",
-                                  ["tenant", "reason"], registry=r)
-        self.service_tokens = Counter("fairway_service_tokens", "Tokens served, by kind.",
-                                      ["tenant", "lane", "kind"], registry=r)
-        self.weighted_service = Counter(
+        r, fold = self.registry, self.tenant_label
+        self.requests = TenantCapped(Counter(
+            "fairway_requests", "Requests by final outcome.",
+            ["tenant", "lane", "outcome"], registry=r), fold)
+        self.rejections = TenantCapped(Counter(
+            "fairway_rejections", "Requests refused, by reason.",
+            ["tenant", "reason"], registry=r), fold)
+        self.demotions = TenantCapped(Counter(
+            "fairway_demotions",
+            "Requests admitted into a lower lane because their tenant was over budget.",
+            ["tenant", "from_lane", "to_lane"], registry=r), fold)
+        self.service_tokens = TenantCapped(Counter(
+            "fairway_service_tokens", "Tokens served, by kind.",
+            ["tenant", "lane", "kind"], registry=r), fold)
+        self.weighted_service = TenantCapped(Counter(
             "fairway_weighted_service", "Weighted service charged (cost units, not ÷ weight).",
-            ["tenant", "lane"], registry=r)
-        self.queue_wait = Histogram("fairway_queue_wait_seconds", "Time held in the fair queue.",
-                                    ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("fairway_ttft_seconds",
-                              "Arrival at the picker to the first response byte.",
-                              ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r)
+            ["tenant", "lane"], registry=r), fold)
+        self.queue_wait = TenantCapped(Histogram(
+            "fairway_queue_wait_seconds", "Time held in the fair queue.",
+            ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r), fold)
+        self.ttft = TenantCapped(Histogram(
+            "fairway_ttft_seconds", "Arrival at the picker to the first response byte.",
+            ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r), fold)
         self.config_reloads = Counter("fairway_config_reloads", "Config reloads by result.",
                                       ["result"], registry=r)
 
@@ -48,51 +98,117 @@ class PickerMetrics:
         """Tenants that get their own label value; all others are counted as ``other``."""
         self._known_tenants = frozenset(tenants)
 
+    @property
+    def known_tenants(self) -> frozenset[str]:
+        """The tenants labelled by name."""
+        return self._known_tenants
+
     def tenant_label(self, tenant: str) -> str:
+        """The ``tenant`` label value for ``tenant``: its name if configured, else ``other``."""
         return tenant if tenant in self._known_tenants else OTHER_TENANT
+
+    def tenant_lane(self, tenant: str, lane: str) -> tuple[str, str]:
+        """``(tenant label, lane)``, for the metrics labelled by both."""
+        return self.tenant_label(tenant), lane
 
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Register gauges read from ``snapshot()`` at scrape time."""
-        self.registry.register(_StateCollector(snapshot, self.tenant_label))
+        self.registry.register(_StateCollector(snapshot, self))
 
 
 class _StateCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]],
-                 tenant_label: Callable[[str], str]) -> None:
+    """Gauges computed from the dispatcher's snapshot at each scrape: one pass over each map."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], metrics: PickerMetrics) -> None:
         self._snapshot = snapshot
-        self._tenant_label = tenant_label
+        self._metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         state = self._snapshot()
-        queued = GaugeMetricFamily("fairway_queued_requests", "Requests held in the fair queue.",
-                                   labels=["tenant", "lane"])
-        running = GaugeMetricFamily("fairway_running_requests",
-                                    "Requests dispatched and not finished.",
-                                    labels=["tenant", "lane"])
-        counter = GaugeMetricFamily("fairway_virtual_counter",
-                                    "VTC counter: weighted service ÷ weight, with lifts.",
-                                    labels=["tenant", "lane"])
-        for family, key in ((queued, "queued"), (running, "running")):
-            totals: dict[tuple[str, str], float] = {}
-            for (tenant, lane), value in state[key].items():
-                label = (self._tenant_label(tenant), lane)
-                totals[label] = totals.get(label, 0) + value
-            for labels, value in totals.items():
-                family.add_metric(list(labels), value)
-        for (tenant, lane), value in state["counters"].items():
-            if self._tenant_label(tenant) == tenant:
-                counter.add_metric([tenant, lane], value)
-        inflight = GaugeMetricFamily("fairway_endpoint_inflight_tokens",
-                                     "Tokens the picker has in flight on each endpoint.",
-                                     labels=["endpoint"])
-        waiting = GaugeMetricFamily("fairway_endpoint_waiting_requests",
-                                    "Scraped vllm:num_requests_waiting.", labels=["endpoint"])
-        kv = GaugeMetricFamily("fairway_endpoint_kv_usage_ratio",
-                               "Scraped vllm:kv_cache_usage_perc (0..1).", labels=["endpoint"])
-        for endpoint in state["endpoints"]:
-            inflight.add_metric([endpoint.address], endpoint.inflight_tokens)
-            if endpoint.waiting is not None:
-                waiting.add_metric([endpoint.address], endpoint.waiting)
-            if endpoint.kv_usage is not None:
-                kv.add_metric([endpoint.address], endpoint.kv_usage)
-        yield from (queued, running, counter, inflight, waiting, kv)
+        # Read once per scrape: a reload mid-scrape must not mix two tenant sets.
+        known = self._metrics.known_tenants
+        yield _summed(state.get("queued", {}), known, "fairway_queued_requests",
+                      "Requests held in the fair queue.")
+        yield _summed(state.get("running", {}), known, "fairway_running_requests",
+                      "Requests dispatched and not finished.")
+        yield _summed(state.get("queued_tokens", {}), known, "fairway_queued_tokens",
+                      "Estimated prompt tokens of the requests held in the fair queue.")
+        yield _summed(state.get("running_tokens", {}), known, "fairway_running_tokens",
+                      "Tokens in flight: prompt plus output so far (or reserved).")
+        yield _known_only(state.get("counters", {}), known, "fairway_virtual_counter",
+                          "VTC counter: weighted service ÷ weight, with lifts. Configured "
+                          "tenants only.")
+        yield _known_only(state.get("debt", {}), known, "fairway_fairness_debt",
+                          "Virtual counter minus the smallest among the lane's backlogged "
+                          "tenants: 0 for the most owed, large for a tenant served more than "
+                          "its share. Configured tenants only.")
+        yield from _budgets(state.get("budgets", {}), known)
+        yield from _endpoints(state.get("endpoints", []))
+
+
+def _summed(values: Mapping[tuple[str, str], float], known: frozenset[str], name: str,
+            documentation: str) -> GaugeMetricFamily:
+    """A ``{tenant, lane}`` gauge with unknown tenants summed into ``other``."""
+    family = GaugeMetricFamily(name, documentation, labels=["tenant", "lane"])
+    totals: dict[tuple[str, str], float] = {}
+    for (tenant, lane), value in values.items():
+        label = (tenant if tenant in known else OTHER_TENANT, lane)
+        totals[label] = totals.get(label, 0) + value
+    for labels, value in totals.items():
+        family.add_metric(list(labels), value)
+    return family
+
+
+def _known_only(values: Mapping[tuple[str, str], float], known: frozenset[str], name: str,
+                documentation: str) -> GaugeMetricFamily:
+    """A ``{tenant, lane}`` gauge for configured tenants; the rest are left out, not summed."""
+    family = GaugeMetricFamily(name, documentation, labels=["tenant", "lane"])
+    for (tenant, lane), value in values.items():
+        if tenant in known:
+            family.add_metric([tenant, lane], value)
+    return family
+
+
+def _budgets(budgets: Mapping[str, Mapping[str, tuple[float, int]]],
+             known: frozenset[str]) -> Iterator[GaugeMetricFamily]:
+    """Remaining tokens and utilisation of each configured tenant's budget windows."""
+    remaining_family = GaugeMetricFamily(
+        "fairway_budget_remaining_tokens",
+        "Tokens left in the tenant's budget bucket; negative when the bucket is in debt. "
+        "Configured tenants only.", labels=["tenant", "window"])
+    utilisation_family = GaugeMetricFamily(
+        "fairway_budget_utilisation_ratio",
+        "Share of the budget bucket used: (capacity − remaining) ÷ capacity. Above 1 when the "
+        "bucket is in debt (settled use exceeded the estimate). Configured tenants only.",
+        labels=["tenant", "window"])
+    # Walk the smaller side: usually the configured tenants, but a snapshot may hold only a few.
+    tenants: Iterable[str] = known if len(known) < len(budgets) else budgets
+    for tenant in tenants:
+        windows = budgets.get(tenant)
+        if windows is None or tenant not in known:
+            continue
+        for window, (remaining, capacity) in windows.items():
+            remaining_family.add_metric([tenant, window], remaining)
+            if capacity > 0:  # a zero-capacity bucket has no meaningful ratio
+                used = max(0.0, (capacity - remaining) / capacity)
+                utilisation_family.add_metric([tenant, window], used)
+    yield remaining_family
+    yield utilisation_family
+
+
+def _endpoints(endpoints: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
+    """Per-endpoint load: the picker's own in-flight tokens and what the engine last reported."""
+    inflight = GaugeMetricFamily("fairway_endpoint_inflight_tokens",
+                                 "Tokens the picker has in flight on each endpoint.",
+                                 labels=["endpoint"])
+    waiting = GaugeMetricFamily("fairway_endpoint_waiting_requests",
+                                "Scraped vllm:num_requests_waiting.", labels=["endpoint"])
+    kv = GaugeMetricFamily("fairway_endpoint_kv_usage_ratio",
+                           "Scraped vllm:kv_cache_usage_perc (0..1).", labels=["endpoint"])
+    for endpoint in endpoints:
+        inflight.add_metric([endpoint.address], endpoint.inflight_tokens)
+        if endpoint.waiting is not None:
+            waiting.add_metric([endpoint.address], endpoint.waiting)
+        if endpoint.kv_usage is not None:
+            kv.add_metric([endpoint.address], endpoint.kv_usage)
+    yield from (inflight, waiting, kv)

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV budget of each simulated server")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="decode step time of each simulated server")
+    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+                        default="meter-stream",
+                        help="how Envoy hands responses to the picker (see README)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where configs and logs go (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fairway-stack-") as tmp:
         workdir = args.workdir or Path(tmp)
         stack = Stack(workdir, policy=args.policy, endpoints=args.endpoints,
-                      gateway_port=args.port,
+                      gateway_port=args.port, response_path=args.response_path,
                       server_args=["--kv-budget-tokens", str(args.kv_budget_tokens),
                                    "--step-ms", str(args.step_ms)])
         with stack:

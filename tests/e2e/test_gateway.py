@@ -1,7 +1,9 @@
 """The product's main path through real Envoy: client → Envoy → ext_proc picker → model server.
 
 One stack serves the module: two simulated vLLM servers with a small KV budget (so the pool is
-easily saturated), the picker with VTC, and Envoy routing on the picker's answer.
+easily saturated), the picker with VTC, and Envoy routing on the picker's answer, the response
+reaching the picker on a meter stream. The tests of the response path run again against a second
+stack whose Envoy streams the response through the picker inline (the GIE way).
 """
 
 from __future__ import annotations
@@ -22,17 +24,34 @@ from tests.e2e.conftest import TENANT_HEADER, chat_body, metric
 TENANTS = ["a", "b", "light", "noisy", "meter", "quitter", "streamer", "bad"]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def _stack(tmp_path_factory: pytest.TempPathFactory, response_path: str) -> Stack:
     config = {
         "tenants": [{"id": t, "weight": 2 if t == "b" else 1} for t in TENANTS],
         "limits": {"maxBodyBytes": 20000},
         "queue": {"maxWait": "60s"},
     }
-    with Stack(tmp_path_factory.mktemp("stack"), policy="vtc", endpoints=2,
-               server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
-               picker_config=config) as running:
+    return Stack(tmp_path_factory.mktemp("stack"), policy="vtc", endpoints=2,
+                 server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
+                 picker_config=config, response_path=response_path)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with _stack(tmp_path_factory, "meter-stream") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def inline_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with _stack(tmp_path_factory, "inline") as running:
+        yield running
+
+
+@pytest.fixture(params=["meter-stream", "inline"])
+def any_stack(request: pytest.FixtureRequest) -> Stack:
+    """Each response path in turn: the tests of routing, streaming and charging run on both."""
+    return request.getfixturevalue("stack" if request.param == "meter-stream" else
+                                   "inline_stack")
 
 
 async def _post(session: aiohttp.ClientSession, stack: Stack, tenant: str, body: bytes,
@@ -64,7 +83,8 @@ def _inflight(stack: Stack) -> float:
     return metric(stack.metrics_url, "fairway_endpoint_inflight_tokens")
 
 
-def test_request_is_routed_and_answered_intact(stack: Stack) -> None:
+def test_request_is_routed_and_answered_intact(any_stack: Stack) -> None:
+    stack = any_stack
     status, _, body = _post_sync(stack, "a", chat_body(max_tokens=6))
     assert status == 200, body
     answer = json.loads(body)
@@ -81,7 +101,8 @@ def test_request_is_routed_and_answered_intact(stack: Stack) -> None:
     assert len(listed) == 2  # primary, then the other endpoint as fallback
 
 
-def test_streaming_response_arrives_chunk_by_chunk(stack: Stack) -> None:
+def test_streaming_response_arrives_chunk_by_chunk(any_stack: Stack) -> None:
+    stack = any_stack
     status, headers, body = _post_sync(stack, "a", chat_body(max_tokens=5, stream=True))
     assert status == 200
     assert headers["Content-Type"].startswith("text/event-stream")
@@ -93,8 +114,9 @@ def test_streaming_response_arrives_chunk_by_chunk(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(("stream", "usage"), [(False, False), (True, True), (True, False)])
-def test_tenant_is_charged_what_the_engine_served(stack: Stack, stream: bool,
+def test_tenant_is_charged_what_the_engine_served(any_stack: Stack, stream: bool,
                                                   usage: bool) -> None:
+    stack = any_stack
     def engine_tokens() -> tuple[float, float]:
         return (sum(metric(f"http://{a}/metrics", "vllm:prompt_tokens_total")
                     for a in stack.endpoint_addresses),
@@ -204,7 +226,8 @@ def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
     assert _wait_until(lambda: _inflight(stack) == 0)
 
 
-def test_client_leaving_mid_stream_settles_to_what_was_delivered(stack: Stack) -> None:
+def test_client_leaving_mid_stream_settles_to_what_was_delivered(any_stack: Stack) -> None:
+    stack = any_stack
     async def scenario() -> int:
         async with aiohttp.ClientSession() as session, session.post(
                 stack.gateway_url + "/v1/chat/completions",

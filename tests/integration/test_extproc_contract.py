@@ -158,8 +158,9 @@ def refusal(reply: pb.ProcessingResponse) -> Refusal:
 class Stream:
     """One HTTP request's ext_proc stream, as Envoy holds it; replies are read in the background."""
 
-    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
-        self.call = stub.Process()
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.call = stub.Process(metadata=metadata)
         self.replies: asyncio.Queue[pb.ProcessingResponse | None] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
 
@@ -293,8 +294,8 @@ class Picker:
     channel: grpc.aio.Channel
     streams: list[Stream] = field(default_factory=list)
 
-    def open(self) -> Stream:
-        stream = Stream(pb_grpc.ExternalProcessorStub(self.channel))
+    def open(self, metadata: tuple[tuple[str, str], ...] = ()) -> Stream:
+        stream = Stream(pb_grpc.ExternalProcessorStub(self.channel), metadata)
         self.streams.append(stream)
         return stream
 
@@ -320,7 +321,7 @@ class Picker:
 
 
 @contextlib.asynccontextmanager
-async def running_picker(tmp_path: Path, *, endpoints: int = 1,
+async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_timeout: float = 10.0,
                          **config: Any) -> AsyncIterator[Picker]:
     """serve() in-process over ``endpoints`` simulated servers; ``config`` keys are merged in."""
     async with contextlib.AsyncExitStack() as stack:
@@ -336,8 +337,9 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1,
         path.write_text(json.dumps(document))  # JSON is YAML
         stop = asyncio.Event()
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(serve(ServeSettings(path, grpc_port=0, metrics_port=0,
-                                                       grace=1.0), stop, ready))
+        settings = ServeSettings(path, grpc_port=0, metrics_port=0, grace=1.0,
+                                 meter_claim_timeout=meter_claim_timeout)
+        task = asyncio.create_task(serve(settings, stop, ready))
         try:
             grpc_port, metrics_port = await asyncio.wait_for(
                 asyncio.shield(ready), TIMEOUT)
@@ -713,6 +715,84 @@ async def test_stream_closed_mid_response_settles_to_what_was_delivered(pool: Pi
                              kind="prompt") == estimated_prompt(content)
     assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
     assert await pool.metric("fairway_running_requests") == 0
+
+
+# -- the meter stream: the response on a second, observe-only filter --
+
+METERED = (("fairway-response-path", "meter-stream"),)
+
+
+def meter_id(reply: pb.ProcessingResponse) -> str:
+    return reply.dynamic_metadata.fields["fairway"].struct_value.fields["request"].string_value
+
+
+def observed(message: pb.ProcessingRequest, request_id: str) -> pb.ProcessingRequest:
+    """``message`` as the observability-mode filter sends it: flagged, the request named."""
+    message.observability_mode = True
+    name = struct_pb2.Struct()
+    name.update({"request": request_id})
+    message.metadata_context.filter_metadata["fairway"].CopyFrom(name)
+    return message
+
+
+async def routed_for_meter(picker: Picker, body: bytes, tenant: str) -> tuple[Routed, str]:
+    """Route on a metered stream, which Envoy then half-closes; returns the route and the id."""
+    stream = picker.open(METERED)
+    await send_request(stream, body, headers={TENANT_HEADER: tenant})
+    first = await stream.reply()
+    request_id = meter_id(first)
+    await stream.reply()  # the body, echoed
+    await stream.call.done_writing()
+    assert await stream.ended()
+    return Routed([first.request_headers.response.header_mutation.set_headers[0].header
+                   .raw_value.decode()], ""), request_id
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["complete", "client-left"])
+async def test_meter_stream_charges_without_answering(pool: Picker, finished: bool) -> None:
+    body = chat_body("tell me a story", max_tokens=12, stream=True)
+    routed, request_id = await routed_for_meter(pool, body, "a")
+    assert request_id
+    # Envoy half-closed the picker's stream after the route: the request is still running.
+    await pool.eventually("fairway_running_requests", 1, tenant="a")
+    upstream = await fetch(routed.destinations[0], CHAT, body)
+    events = upstream.data.split(b"\n\n")
+    sent = upstream.data if finished else b"\n\n".join(events[:6]) + b"\n\n"
+    meter = pool.open()
+    await meter.send(observed(request_headers(headers={TENANT_HEADER: "a"}), request_id),
+                     observed(response_headers(200, upstream.content_type), request_id))
+    pieces = split(sent, 3)
+    for i, piece in enumerate(pieces):
+        await meter.send(observed(response_body(piece, finished and i == len(pieces) - 1),
+                                  request_id))
+    await meter.call.done_writing()
+    assert await meter.ended()  # observe-only: the picker never answers
+
+    outcome = "ok" if finished else "cancelled"
+    await pool.eventually("fairway_requests_total", 1, tenant="a", outcome=outcome)
+    assert await pool.metric("fairway_service_tokens_total", tenant="a",
+                             kind="completion") == content_events(sent)
+    assert content_events(sent) == (12 if finished else 5)
+    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+    assert await pool.metric("fairway_running_requests") == 0
+
+
+async def test_meter_stream_naming_no_request_is_ignored(pool: Picker) -> None:
+    meter = pool.open()
+    await meter.send(observed(response_headers(200, "application/json"), "not-a-request"),
+                     observed(response_body(b"{}", True), "not-a-request"))
+    await meter.call.done_writing()
+    assert await meter.ended()
+    stream = pool.open()
+    await route(stream, chat_body(), headers={TENANT_HEADER: "b"})  # still serving
+
+
+async def test_request_whose_meter_stream_never_comes_is_released(tmp_path: Path) -> None:
+    async with running_picker(tmp_path, meter_claim_timeout=0.3,
+                              tenants=[{"id": "a"}]) as picker:
+        await routed_for_meter(picker, chat_body(max_tokens=3), "a")
+        await picker.eventually("fairway_requests_total", 1, tenant="a", outcome="cancelled")
+        assert await picker.metric("fairway_endpoint_inflight_tokens") == 0
 
 
 # -- health --

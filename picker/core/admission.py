@@ -1,0 +1,525 @@
+"""Admission: may this tenant's request enter the queue now, in which lane, with what output limit?
+
+Admission sits in front of the fair queue: it decides *whether* a request may wait for service;
+the fair queue (``lanes``, ``vtc``) then decides *when*. Per tenant it enforces caps on each
+request (prompt size, ``max_tokens``), a cap on the tenant's queued requests, and two token
+buckets: a **burst** budget that absorbs short spikes and a **sustained** budget over a long
+period. The concurrency cap is applied at dispatch, not here (``may_start``): a tenant at its cap
+stays queued and the dispatcher serves someone else meanwhile.
+
+Budgets work on estimates and settle on actuals. Output length is unknown at admission, so
+``admit`` **reserves** ``prompt + expected output`` from every bucket at once and ``finish``
+refunds (or charges) the difference from what the request actually used. The reservation is taken
+before the next admission looks at the bucket, so concurrent requests cannot overshoot a budget
+together: the overshoot is bounded by how far estimates fell short, never by how many requests
+were in flight.
+
+Choices made on purpose:
+
+- Buckets start full and refill continuously at ``capacity / refill_seconds`` tokens a second.
+- A bucket may go negative: a demoted request is charged although the bucket was short (otherwise
+  demotion would be free and a tenant could flood the demote lane at no cost to its budget), a
+  request may use more than it reserved, and an estimate larger than a bucket's capacity is
+  admitted on a full bucket (it could never find that much in it: waiting forever would not
+  help). The debt delays the tenant's next admissions, which is the point, but it is capped at one
+  capacity: whatever happened, refill brings any bucket back to full within twice its period.
+- State is per tenant, created at its first admission and forgotten once it is indistinguishable
+  from fresh state (nothing queued or running and every bucket full), so forgetting loses nothing.
+  ``finish`` forgets at once when it can, which covers every tenant without budgets; ``prune``
+  sweeps tenants whose buckets have refilled since. Call ``prune`` periodically: memory is then
+  bounded by the tenants active within the longest refill period.
+- ``update`` keeps each bucket's absolute level (clamped to a smaller capacity) and refills at the
+  new rate from then on; queued and running counts are kept.
+
+Time is passed in as ``now`` (monotonic seconds); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+BURST = "burst"
+SUSTAINED = "sustained"
+
+OverBudgetAction = Literal["reject", "demote"]
+OutputLimitAction = Literal["reject", "clamp"]
+
+# Refusal reasons (metric labels). The first two are the client's fault and will not pass on retry.
+INPUT_TOO_LONG = "input_too_long"
+OUTPUT_TOO_LONG = "output_too_long"
+TENANT_QUEUE_FULL = "tenant_queue_full"
+OVER_BUDGET = "over_budget"
+
+# Bucket comparisons allow this many tokens of float error, so that a client retrying exactly
+# ``retry_after`` seconds later is admitted whatever rounding the refill arithmetic did.
+_EPSILON = 1e-6
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_positive(name: str, value: int | None) -> None:
+    if value is not None and not (_is_int(value) and value > 0):
+        raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+
+
+def _count(name: str, value: int) -> None:
+    if not (_is_int(value) and value >= 0):
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketRule:
+    """A token bucket: holds up to ``capacity_tokens``, refilling completely in ``refill_seconds``.
+
+    Refill is continuous, at ``capacity_tokens / refill_seconds`` tokens a second: 20,000 tokens
+    per 60 s gives back 333⅓ tokens every second, not 20,000 at the top of each minute.
+    """
+
+    capacity_tokens: int
+    refill_seconds: float
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.capacity_tokens) and self.capacity_tokens > 0):
+            raise ValueError(
+                f"capacity_tokens must be a positive integer, not {self.capacity_tokens!r}")
+        seconds = self.refill_seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                or not 0 < seconds < math.inf):
+            raise ValueError(f"refill_seconds must be a positive finite number, not {seconds!r}")
+
+    @property
+    def rate(self) -> float:
+        """Tokens given back per second."""
+        return self.capacity_tokens / self.refill_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRules:
+    """A tenant's budgets and caps; ``None`` means no limit.
+
+    ``over_budget`` says what happens to a request a budget cannot cover: ``reject`` refuses it
+    with the time until it would fit, ``demote`` admits it into ``demote_lane``.
+    ``output_limit_action`` says what happens to a ``max_tokens`` above ``max_output_tokens``:
+    ``reject`` refuses the request, ``clamp`` lowers it to the limit.
+    """
+
+    burst: BucketRule | None = None
+    sustained: BucketRule | None = None
+    over_budget: OverBudgetAction = "reject"
+    demote_lane: str | None = None
+    max_queued: int | None = None
+    max_concurrent: int | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    output_limit_action: OutputLimitAction = "reject"
+
+    def __post_init__(self) -> None:
+        # The config loader reports errors by path; this only stops a bad rule from reaching the
+        # arithmetic below.
+        for name in (BURST, SUSTAINED):
+            rule = getattr(self, name)
+            if rule is not None and not isinstance(rule, BucketRule):
+                raise ValueError(f"{name} must be a BucketRule or None, not {rule!r}")
+        if self.over_budget not in ("reject", "demote"):
+            raise ValueError(f"over_budget must be 'reject' or 'demote', not {self.over_budget!r}")
+        if self.demote_lane is not None and not (
+                isinstance(self.demote_lane, str) and self.demote_lane):
+            raise ValueError(f"demote_lane must be a lane name, not {self.demote_lane!r}")
+        if self.over_budget == "demote" and self.demote_lane is None:
+            raise ValueError("over_budget 'demote' needs a demote_lane")
+        for name in ("max_queued", "max_concurrent", "max_input_tokens", "max_output_tokens"):
+            _optional_positive(name, getattr(self, name))
+        if self.output_limit_action not in ("reject", "clamp"):
+            raise ValueError("output_limit_action must be 'reject' or 'clamp', "
+                             f"not {self.output_limit_action!r}")
+
+    @property
+    def budgets(self) -> tuple[tuple[str, BucketRule], ...]:
+        """The token buckets that apply, as ``(window, rule)``, burst first."""
+        return tuple((name, rule) for name, rule in ((BURST, self.burst),
+                                                     (SUSTAINED, self.sustained))
+                     if rule is not None)
+
+
+class _Bucket:
+    __slots__ = ("level", "rule", "updated")
+
+    def __init__(self, rule: BucketRule, now: float) -> None:
+        self.rule = rule
+        self.level = float(rule.capacity_tokens)
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        # A clock that steps back (it should not: time is monotonic) gives nothing and takes
+        # nothing.
+        if now > self.updated:
+            capacity = float(self.rule.capacity_tokens)
+            if self.level < capacity:
+                self.level = min(capacity, self.level + self.rule.rate * (now - self.updated))
+            self.updated = now
+
+    def add(self, tokens: float) -> None:
+        capacity = float(self.rule.capacity_tokens)
+        self.level = max(-capacity, min(capacity, self.level + tokens))
+
+    def full(self) -> bool:
+        return self.level >= self.rule.capacity_tokens
+
+    def seconds_until(self, level: float) -> float:
+        return max(0.0, (level - self.level) / self.rule.rate)
+
+
+class _TenantState:
+    __slots__ = ("buckets", "queued", "running")
+
+    def __init__(self, rules: TenantRules, now: float) -> None:
+        self.buckets: dict[str, _Bucket] = {w: _Bucket(r, now) for w, r in rules.budgets}
+        self.queued = 0
+        self.running = 0
+
+    def refilled(self, now: float) -> Iterator[tuple[str, _Bucket]]:
+        for window, bucket in self.buckets.items():
+            bucket.refill(now)
+            yield window, bucket
+
+    def forgettable(self, now: float) -> bool:
+        return (self.queued == 0 and self.running == 0
+                and all(bucket.full() for _, bucket in self.refilled(now)))
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """An admitted request's hold on its tenant's budgets, until ``finish`` settles it.
+
+    Identity is the object (``eq=False``). ``state`` goes ``queued`` → ``running`` → ``done``
+    (or straight from ``queued`` to ``done`` when the request is cancelled while it waits).
+    """
+
+    tenant: str
+    reserved_tokens: int
+    """The estimate taken from every bucket at admission: prompt + expected output."""
+    state: str = "queued"
+    _holder: _TenantState | None = field(default=None, repr=False)
+    # The buckets the estimate was taken from: a bucket that ``update`` added later was not
+    # charged, so settling must not refund it.
+    _charged: tuple[_Bucket, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request may queue: in ``lane``, asking the engine for at most ``max_output_tokens``."""
+
+    reservation: Reservation
+    lane: str
+    """The lane asked for, or the tenant's demote lane when it was over budget."""
+    max_output_tokens: int | None
+    """The output limit to send to the engine: the request's own, clamped to the tenant's limit,
+    or the tenant's limit when the request set none (``None``: no limit on either side)."""
+    expected_output_tokens: int
+    """The output estimate that was reserved (capped by ``max_output_tokens``)."""
+    demoted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request may not queue, and why."""
+
+    reason: str
+    """A short snake_case label for metrics: ``input_too_long``, ``output_too_long``,
+    ``tenant_queue_full`` or ``over_budget``."""
+    message: str
+    """Human text for an OpenAI-style error body."""
+    retry_after: float | None = None
+    """Seconds after which the same request would pass this check; ``None``: it never will."""
+    window: str | None = None
+    """The budget that refused it (``burst`` or ``sustained``), for ``over_budget``."""
+
+    @property
+    def status(self) -> str:
+        """``bad_request`` (400) when the request is at fault, else ``rate_limited`` (429)."""
+        return "bad_request" if self.reason in (INPUT_TOO_LONG, OUTPUT_TOO_LONG) else "rate_limited"
+
+
+class Admission:
+    """Per-tenant budgets and caps; tenants not named in ``rules`` get ``default``.
+
+    ``queue_full_retry_after`` is the wait suggested to a tenant whose queue is full: how fast a
+    queue drains is not known here.
+    """
+
+    def __init__(self, rules: Mapping[str, TenantRules], default: TenantRules, *,
+                 queue_full_retry_after: float = 1.0) -> None:
+        if not 0 < queue_full_retry_after < math.inf:
+            raise ValueError("queue_full_retry_after must be a positive finite number")
+        self.queue_full_retry_after = float(queue_full_retry_after)
+        self._rules: dict[str, TenantRules] = {}
+        self._default = default
+        self._set_rules(rules, default)
+        self._tenants: dict[str, _TenantState] = {}
+
+    def _set_rules(self, rules: Mapping[str, TenantRules], default: TenantRules) -> None:
+        for tenant, rule in (*rules.items(), ("(default)", default)):
+            if not isinstance(rule, TenantRules):
+                raise ValueError(f"tenant {tenant!r}: rules must be TenantRules, not {rule!r}")
+        self._rules = dict(rules)
+        self._default = default
+
+    def rules_for(self, tenant: str) -> TenantRules:
+        """The rules that apply to ``tenant``."""
+        return self._rules.get(tenant, self._default)
+
+    # -- the request lifecycle --
+
+    def admit(self, tenant: str, lane: str, prompt_tokens: int, max_output_tokens: int | None,
+              expected_output_tokens: int, now: float) -> Admitted | Refused:
+        """Decide whether a request may queue; when it may, reserve its estimate.
+
+        ``max_output_tokens`` is the request's ``max_tokens`` (``None`` when it set none);
+        ``expected_output_tokens`` is the caller's guess of the output it will produce. Checks run
+        in order: prompt size, output limit, the tenant's queued requests, then the budgets.
+        """
+        _count("prompt_tokens", prompt_tokens)
+        _count("expected_output_tokens", expected_output_tokens)
+        _optional_positive("max_output_tokens", max_output_tokens)
+        rules = self.rules_for(tenant)
+
+        if rules.max_input_tokens is not None and prompt_tokens > rules.max_input_tokens:
+            return Refused(INPUT_TOO_LONG,
+                           f"the prompt has {prompt_tokens} tokens, more than the "
+                           f"{rules.max_input_tokens} allowed")
+        limit = rules.max_output_tokens
+        if limit is not None:
+            if max_output_tokens is None:
+                # Unbounded output would make the estimate meaningless: the engine gets the limit.
+                max_output_tokens = limit
+            elif max_output_tokens > limit:
+                if rules.output_limit_action == "reject":
+                    return Refused(OUTPUT_TOO_LONG,
+                                   f"max_tokens is {max_output_tokens}, more than the {limit} "
+                                   "allowed")
+                max_output_tokens = limit
+        expected = expected_output_tokens
+        if max_output_tokens is not None:
+            expected = min(expected, max_output_tokens)
+
+        state = self._tenants.get(tenant)
+        if (rules.max_queued is not None and state is not None
+                and state.queued >= rules.max_queued):
+            return Refused(TENANT_QUEUE_FULL,
+                           f"{state.queued} requests are already queued for this tenant, the "
+                           f"most allowed", retry_after=self.queue_full_retry_after)
+        if state is None:
+            state = self._tenants[tenant] = _TenantState(rules, now)
+
+        estimate = prompt_tokens + expected
+        refusal = self._check_budgets(state, estimate, now)
+        demoted = False
+        if refusal is not None:
+            if rules.over_budget == "reject":
+                self._forget_if_idle(tenant, state, now)
+                return refusal
+            assert rules.demote_lane is not None  # TenantRules guarantees it
+            lane, demoted = rules.demote_lane, True
+        for bucket in state.buckets.values():
+            bucket.add(-estimate)
+        state.queued += 1
+        reservation = Reservation(tenant, estimate, "queued", state,
+                                  tuple(state.buckets.values()))
+        return Admitted(reservation, lane, max_output_tokens, expected, demoted)
+
+    def _check_budgets(self, state: _TenantState, estimate: int, now: float) -> Refused | None:
+        worst: tuple[float, str, _Bucket, bool] | None = None
+        for window, bucket in state.refilled(now):
+            capacity = bucket.rule.capacity_tokens
+            # An estimate above the capacity can never fit: it waits for a full bucket instead.
+            oversized = estimate > capacity
+            needed = min(estimate, capacity)
+            if bucket.level + _EPSILON < needed:
+                wait = bucket.seconds_until(needed)
+                if worst is None or wait > worst[0]:
+                    worst = (wait, window, bucket, oversized)
+        if worst is None:
+            return None
+        wait, window, bucket, oversized = worst
+        capacity = bucket.rule.capacity_tokens
+        if oversized:
+            message = (f"this request's estimated {estimate} tokens exceed the {window} token "
+                       f"budget of {capacity}: it can only be admitted on a full budget, in "
+                       f"{format_duration(wait)}")
+        else:
+            left = max(0, math.floor(bucket.level))
+            message = (f"over the {window} token budget: {left} of {capacity} tokens left, this "
+                       f"request needs an estimated {estimate}; retry in {format_duration(wait)}")
+        return Refused(OVER_BUDGET, message, retry_after=wait, window=window)
+
+    def may_start(self, tenant: str) -> bool:
+        """Whether ``tenant`` is under its concurrency cap, so one of its requests may start."""
+        cap = self.rules_for(tenant).max_concurrent
+        return cap is None or self.running(tenant) < cap
+
+    def start(self, reservation: Reservation) -> None:
+        """The request was dispatched: it moves from queued to running.
+
+        Raises ValueError when it is not queued, or when its tenant is at its concurrency cap
+        (check ``may_start`` first and leave the tenant's requests queued).
+        """
+        if reservation.state != "queued":
+            raise ValueError(f"reservation is {reservation.state}, not queued")
+        if not self.may_start(reservation.tenant):
+            raise ValueError(f"tenant {reservation.tenant!r} is at its concurrency cap")
+        holder = self._holder(reservation)
+        holder.queued -= 1
+        holder.running += 1
+        reservation.state = "running"
+
+    def finish(self, reservation: Reservation, actual_tokens: int, now: float) -> None:
+        """Settle a request on the tokens it actually used (prompt + output) and release it.
+
+        Every bucket gets back what was reserved less ``actual_tokens`` (or loses the excess when
+        the request used more). Cancelling a queued request is ``finish`` with 0: nothing is
+        charged. Finishing twice raises ValueError.
+        """
+        if reservation.state not in ("queued", "running"):
+            raise ValueError(f"reservation is {reservation.state}: it was already finished")
+        _count("actual_tokens", actual_tokens)
+        holder = self._holder(reservation)
+        for _, bucket in holder.refilled(now):
+            reserved = reservation.reserved_tokens if bucket in reservation._charged else 0
+            bucket.add(reserved - actual_tokens)
+        if reservation.state == "queued":
+            holder.queued -= 1
+        else:
+            holder.running -= 1
+        reservation.state = "done"
+        self._forget_if_idle(reservation.tenant, holder, now)
+
+    @staticmethod
+    def _holder(reservation: Reservation) -> _TenantState:
+        if reservation._holder is None:
+            raise ValueError("reservation was not made by Admission.admit")
+        return reservation._holder
+
+    # -- configuration and memory --
+
+    def update(self, rules: Mapping[str, TenantRules], default: TenantRules, now: float) -> None:
+        """Replace the rules. Each bucket keeps its absolute level (clamped to a smaller
+        capacity) and refills at the new rate from ``now``; a new budget starts full, a removed
+        one is dropped; queued and running counts are kept."""
+        self._set_rules(rules, default)
+        for tenant, state in list(self._tenants.items()):
+            buckets: dict[str, _Bucket] = {}
+            for window, rule in self.rules_for(tenant).budgets:
+                bucket = state.buckets.get(window)
+                if bucket is None:
+                    bucket = _Bucket(rule, now)
+                else:
+                    # Time up to now refills at the old rate, after it at the new one.
+                    bucket.refill(now)
+                    bucket.rule = rule
+                    bucket.add(0)
+                buckets[window] = bucket
+            state.buckets = buckets
+            self._forget_if_idle(tenant, state, now)
+
+    def prune(self, now: float) -> int:
+        """Forget every tenant with nothing queued or running and full buckets; returns how many.
+
+        O(tenants tracked). Forgetting loses nothing: such a tenant's state is what a fresh one
+        would be.
+        """
+        idle = [tenant for tenant, state in self._tenants.items() if state.forgettable(now)]
+        for tenant in idle:
+            del self._tenants[tenant]
+        return len(idle)
+
+    def _forget_if_idle(self, tenant: str, state: _TenantState, now: float) -> None:
+        if self._tenants.get(tenant) is state and state.forgettable(now):
+            del self._tenants[tenant]
+
+    def tracked_tenants(self) -> int:
+        """How many tenants have state (memory use)."""
+        return len(self._tenants)
+
+    # -- reading --
+
+    def queued(self, tenant: str) -> int:
+        """Admitted requests of ``tenant`` not yet started."""
+        state = self._tenants.get(tenant)
+        return 0 if state is None else state.queued
+
+    def running(self, tenant: str) -> int:
+        """Started requests of ``tenant`` not yet finished."""
+        state = self._tenants.get(tenant)
+        return 0 if state is None else state.running
+
+    def _levels(self, tenant: str, now: float) -> list[tuple[str, float, BucketRule]]:
+        state = self._tenants.get(tenant)
+        if state is None:
+            # Untracked means full: nothing to create just to read.
+            return [(w, float(r.capacity_tokens), r) for w, r in self.rules_for(tenant).budgets]
+        return [(w, b.level, b.rule) for w, b in state.refilled(now)]
+
+    def headers(self, tenant: str, now: float) -> dict[str, str]:
+        """OpenAI-style ``x-ratelimit-*`` headers for ``tenant``.
+
+        The token headers describe the tightest budget (lowest fraction remaining; burst on a
+        tie): its capacity, the whole tokens left, and the time until it is full again. The
+        request headers describe the concurrency cap and what is left of it. Empty when the
+        tenant has neither budgets nor a concurrency cap.
+        """
+        out: dict[str, str] = {}
+        levels = self._levels(tenant, now)
+        if levels:
+            _, level, rule = min(levels, key=lambda item: item[1] / item[2].capacity_tokens)
+            reset = max(0.0, (rule.capacity_tokens - level) / rule.rate)
+            out["x-ratelimit-limit-tokens"] = str(rule.capacity_tokens)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(level)))
+            out["x-ratelimit-reset-tokens"] = format_duration(reset)
+        cap = self.rules_for(tenant).max_concurrent
+        if cap is not None:
+            out["x-ratelimit-limit-requests"] = str(cap)
+            out["x-ratelimit-remaining-requests"] = str(max(0, cap - self.running(tenant)))
+        return out
+
+    def budget_state(self, now: float) -> dict[str, dict[str, tuple[float, int]]]:
+        """``{tenant: {window: (remaining, capacity)}}`` for metrics, tracked tenants only.
+
+        ``remaining`` is negative while the tenant is in debt. A tenant absent from the answer is
+        at full budget.
+        """
+        out: dict[str, dict[str, tuple[float, int]]] = {}
+        for tenant, state in self._tenants.items():
+            if state.buckets:
+                out[tenant] = {w: (b.level, b.rule.capacity_tokens)
+                               for w, b in state.refilled(now)}
+        return out
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``6m0s``, ``1.5s``, ``20ms``, ``0s``.
+
+    That is Go's duration format at millisecond resolution, rounded up so that a client waiting
+    the time shown is not early.
+    """
+    if not seconds > 0:
+        return "0s"
+    # The small allowance keeps float noise (20.000000000004 ms) from adding a millisecond.
+    millis = math.ceil(seconds * 1000 - 1e-6)
+    if millis <= 0:
+        return "0s"
+    if millis < 1000:
+        return f"{millis}ms"
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    whole, fraction = divmod(rest, 1000)
+    secs = str(whole) if fraction == 0 else f"{whole}.{fraction:03d}".rstrip("0")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"

@@ -1,0 +1,156 @@
+"""Who sent this request? The tenant a request is scheduled and charged as.
+
+Two modes:
+
+* **trusted header** (``"header"``): the gateway in front of the picker has already authenticated
+  the caller and names its tenant in a header. The first non-empty header of a configured list
+  wins; a request with none of them belongs to the default tenant.
+* **API key** (``"apiKey"``): the picker authenticates the caller itself. ``Authorization: Bearer
+  <key>`` is mapped to a tenant by the SHA-256 of the key; the config holds only those hashes, never
+  a key in clear. Tenant headers sent by the client are ignored, since anyone can set them, and a
+  missing, malformed or unknown key is refused with ``Unauthorized`` (HTTP 401).
+
+API keys are high-entropy random strings, so an unsalted fast hash is the accepted way to store
+them (as GitHub and Stripe do): a salt or a slow KDF protects low-entropy secrets such as passwords
+from dictionary attacks, and no dictionary covers 128+ random bits. Produce the hashes with
+``python -m picker.config hash-key`` (reads keys on stdin, so they stay out of shell history).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from picker.errors import Unauthorized
+
+Mode = Literal["header", "apiKey"]
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def hash_api_key(key: str) -> str:
+    """The lowercase SHA-256 hex digest of the UTF-8 ``key``: what the config stores for it."""
+    if not key:
+        raise ValueError("an API key must not be empty")
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One accepted API key, known only by its hash, and the tenant it authenticates as."""
+
+    sha256: str
+    """Lowercase SHA-256 hex of the key (``hash_api_key``)."""
+    tenant: str
+
+
+class Identity:
+    """Finds a request's tenant from its headers, by trusted header or by API key.
+
+    Build it with ``Identity.trusted_header`` or ``Identity.api_keys``; it does not change after.
+    """
+
+    __slots__ = ("_default_tenant", "_headers", "_keys", "_mode")
+
+    def __init__(
+        self,
+        mode: Mode,
+        headers: tuple[str, ...],
+        default_tenant: str,
+        keys: Mapping[str, str],
+    ) -> None:
+        # Private: the two constructors below validate; this only stores.
+        self._mode: Mode = mode
+        self._headers = headers
+        self._default_tenant = default_tenant
+        self._keys = MappingProxyType(dict(keys))
+
+    @classmethod
+    def trusted_header(cls, headers: Sequence[str], default_tenant: str) -> Identity:
+        """Tenant from the first non-empty of ``headers`` (tried in order), else ``default_tenant``.
+
+        Header names are matched lower-cased, as HTTP/2 and Envoy present them.
+        """
+        if isinstance(headers, str):
+            # A bare string is a Sequence[str] of its characters: certainly a mistake.
+            raise ValueError("headers must be a list of header names, not a string")
+        names = tuple(name.strip().lower() for name in headers)
+        if not names:
+            raise ValueError("trusted-header mode needs at least one header name")
+        for i, name in enumerate(names):
+            if not name:
+                raise ValueError(f"headers[{i}]: header name must not be empty")
+            if name in names[:i]:
+                raise ValueError(f"headers[{i}]: duplicate header {name!r}")
+        if not default_tenant:
+            raise ValueError("default_tenant must not be empty")
+        return cls("header", names, default_tenant, {})
+
+    @classmethod
+    def api_keys(cls, entries: Sequence[KeyEntry]) -> Identity:
+        """Tenant from ``Authorization: Bearer <key>``, looked up by the key's SHA-256.
+
+        Raises ValueError if a hash is not 64 lowercase hex characters, a hash appears twice, or a
+        tenant is empty. One tenant may have several keys (e.g. while rotating).
+        """
+        keys: dict[str, str] = {}
+        for i, entry in enumerate(entries):
+            if not isinstance(entry.sha256, str) or not _SHA256_HEX.fullmatch(entry.sha256):
+                raise ValueError(
+                    f"entries[{i}].sha256: must be 64 lowercase hex characters "
+                    "(the output of python -m picker.config hash-key)"
+                )
+            if not entry.tenant:
+                raise ValueError(f"entries[{i}].tenant: must not be empty")
+            if entry.sha256 in keys:
+                raise ValueError(f"entries[{i}].sha256: duplicate key hash")
+            keys[entry.sha256] = entry.tenant
+        if not keys:
+            # With no keys every request would be refused: surely a config mistake.
+            raise ValueError("API-key mode needs at least one key")
+        return cls("apiKey", (), "", keys)
+
+    @property
+    def mode(self) -> Mode:
+        """``"header"`` (trusted header) or ``"apiKey"``."""
+        return self._mode
+
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a request whose ``headers`` have lower-cased names.
+
+        Raises ``Unauthorized`` in API-key mode when the key is missing, malformed or unknown.
+        """
+        if self._mode == "apiKey":
+            return self._tenant_by_key(headers.get("authorization"))
+        for name in self._headers:
+            value = headers.get(name, "").strip()
+            if value:
+                return value
+        return self._default_tenant
+
+    def _tenant_by_key(self, authorization: str | None) -> str:
+        # Messages never echo the header: it may hold a real key sent to the wrong place.
+        if authorization is None:
+            raise Unauthorized("missing Authorization header; send 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
+            raise Unauthorized("malformed Authorization header; send 'Authorization: Bearer <key>'")
+        # A plain dict lookup on the digest is safe against timing attacks: the comparisons it
+        # makes depend only on the digest of the presented key, and since nobody can choose a key
+        # whose digest shares a prefix with a stored one (that needs SHA-256 preimages), timing
+        # them teaches an attacker nothing about any stored hash or key. hmac.compare_digest
+        # against every entry would cost O(keys) and protect nothing more.
+        tenant = self._keys.get(hash_api_key(token))
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return tenant
+
+    def __repr__(self) -> str:
+        if self._mode == "apiKey":
+            return f"Identity.api_keys(<{len(self._keys)} keys>)"
+        return f"Identity.trusted_header({list(self._headers)!r}, {self._default_tenant!r})"
