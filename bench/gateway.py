@@ -117,6 +117,8 @@ class Plan:
     goals: frozenset[int]
     response_path: str = "meter-stream"
     """How Envoy hands responses to the picker (``picker.stack.envoy``)."""
+    idle_tenant_reserve: str = "0s"
+    """The picker's ``capacity.idleTenantReserve`` in the contended-pool runs."""
 
     @property
     def fair_duration(self) -> float:
@@ -483,10 +485,14 @@ async def _drive(stack: Stack, traffic: Traffic, interval: float) -> tuple[LoadR
 
 
 def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, float],
-                window: tuple[float, float], workdir: Path, plan: Plan) -> GatewayRun:
-    """``traffic`` through a fresh stack (Envoy, picker with ``policy``, the contended pool)."""
+                window: tuple[float, float], workdir: Path, plan: Plan,
+                idle_tenant_reserve: str | None = None) -> GatewayRun:
+    """``traffic`` through a fresh stack (Envoy, picker with ``policy``, the contended pool);
+    ``idle_tenant_reserve`` overrides the plan's."""
     tenants = [{"id": t.name, "weight": weights.get(t.name, 1.0)} for t in traffic.tenants]
-    config = {"tenants": tenants, "queue": {"maxWait": "60s"}}
+    reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
+    config = {"tenants": tenants, "queue": {"maxWait": "60s"},
+              "capacity": {"idleTenantReserve": reserve}}
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
@@ -642,6 +648,10 @@ def exp_light(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Gate
         "flood_vtc": run_gateway("flood-vtc", "vtc", flood, {}, window, workdir, plan),
         "flood_fcfs": run_gateway("flood-fcfs", "fcfs", flood, {}, window, workdir, plan),
     }
+    if plan.idle_tenant_reserve not in ("0", "0s"):
+        # The same flood with the picker strictly work-conserving, to show what the reserve buys.
+        runs["flood_vtc_strict"] = run_gateway("flood-vtc-strict", "vtc", flood, {}, window,
+                                               workdir, plan, idle_tenant_reserve="0s")
     data = {"traffic": "bench/traffic/gateway_flood.yaml",
             "flood_backlog": flood.tenant("flood").backlog,
             "light_rate": flood.tenant("light").rate,
@@ -1442,7 +1452,9 @@ def section_fairness(data: dict[str, Any]) -> str:
 def section_light(data: dict[str, Any]) -> str:
     light = data["light"]
     rows = []
-    names = {"alone": "alone (vtc)", "flood_vtc": "flood, vtc", "flood_fcfs": "flood, fcfs"}
+    reserve = data["meta"].get("idle_tenant_reserve", "0s")
+    names = {"alone": "alone (vtc)", "flood_vtc": f"flood, vtc (idleTenantReserve {reserve})",
+             "flood_fcfs": "flood, fcfs", "flood_vtc_strict": "flood, vtc (idleTenantReserve 0s)"}
     for key, run in light["runs"].items():
         ttft = run["ttft_ms"]
         rows.append([names[key], f"{run['ok']}/{run['sent']}", _fmt(ttft["p50"], ".1f"),
@@ -1465,6 +1477,12 @@ def section_light(data: dict[str, Any]) -> str:
         "histograms: time held in the picker's queue, dispatch → first response byte at the "
         "picker (engine queue + first step + response path), and the rest (client ↔ Envoy ↔ "
         "picker legs).",
+        "",
+        f"The picker ran with `capacity.idleTenantReserve: {reserve}`"
+        + (": for 2 s after a tenant's last request, while it is not backlogged, one endpoint "
+           "keeps room for its typical request, and backlogged tenants may not take that room "
+           "(README, \"Light tenants\"). The strict run shows the same flood without it."
+           if reserve not in ("0", "0s") else " (strictly work-conserving)."),
         "",
         md_table(["run", "ok/sent", "TTFT p50 ms", "p95", "p99", "max", "p95 ÷ alone",
                 "mean held in picker ms", "mean dispatch→first byte ms", "mean outside picker ms",
@@ -2020,6 +2038,7 @@ def run_all(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "quick": plan.quick, "goals": sorted(plan.goals), "python": sys.version.split()[0],
         "envoy_version": envoy_version(), "cpu_count": os.cpu_count(),
         "response_path": plan.response_path,
+        "idle_tenant_reserve": plan.idle_tenant_reserve,
         "loadavg_start": load_start, "loadavg_end": loadavg(),
         "runtime_seconds": time.perf_counter() - started, "phase_seconds": phases,
         "note": "all processes share the machine's cores; see each run's cpu_s",
@@ -2060,8 +2079,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-path", choices=("meter-stream", "inline"),
                         default="meter-stream",
                         help="how Envoy hands responses to the picker (default: meter-stream)")
+    parser.add_argument("--idle-tenant-reserve", default="0s", metavar="DURATION",
+                        help="the picker's capacity.idleTenantReserve in the pool runs "
+                             "(default 0s: strictly work-conserving)")
     args = parser.parse_args(argv)
-    plan = Plan(args.quick, args.only, args.response_path)
+    plan = Plan(args.quick, args.only, args.response_path, args.idle_tenant_reserve)
     print(f"bench.gateway: {'quick' if plan.quick else 'full'} run of goals "
           f"{sorted(plan.goals)} on {os.cpu_count()} shared cores, load average {loadavg()}",
           flush=True)

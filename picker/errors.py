@@ -44,6 +44,8 @@ class RequestError(FairwayError):
     metric_label = "bad_request"
     error_type = "invalid_request_error"
     retry_after: float | None = None
+    metered = False
+    """The request already has its metering record (it was refused after it had queued)."""
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)

@@ -136,6 +136,16 @@ class Capacity:
     default_output_tokens: int = field(default=256,
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
+    idle_tenant_reserve: float = field(default=0.0, metadata=_camel("idle_tenant_reserve", ge=0,
+                                                                    duration=True))
+    """Headroom for light tenants. For this long after a tenant's last request, while it is not
+    backlogged (at most one request waiting in the picker), one endpoint keeps room for its
+    typical request: backlogged tenants may not take that room (a light tenant's queued request
+    may, out of fair order). Room is
+    judged by what running requests will hold once their output has grown. The light tenant's
+    next request then starts at once instead of waiting for a long request to finish, at the cost
+    of a little throughput while such tenants exist. ``0s`` (default): strictly work-conserving,
+    no request is ever held while an endpoint has room."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_budget_tokens, int) and self.kv_budget_tokens < 1:

@@ -163,9 +163,12 @@ class _Bucket:
                 self.level = min(capacity, self.level + self.rule.rate * (now - self.updated))
             self.updated = now
 
-    def add(self, tokens: float) -> None:
+    def add(self, tokens: float) -> float:
+        """Change the level by ``tokens`` within ±capacity; returns the change made."""
         capacity = float(self.rule.capacity_tokens)
+        before = self.level
         self.level = max(-capacity, min(capacity, self.level + tokens))
+        return self.level - before
 
     def full(self) -> bool:
         return self.level >= self.rule.capacity_tokens
@@ -207,7 +210,9 @@ class Reservation:
     _holder: _TenantState | None = field(default=None, repr=False)
     # The buckets the estimate was taken from: a bucket that ``update`` added later was not
     # charged, so settling must not refund it.
-    _charged: tuple[_Bucket, ...] = field(default=(), repr=False)
+    _charged: tuple[tuple[_Bucket, float], ...] = field(default=(), repr=False)
+    # With what each was charged: less than the estimate where the debt cap clipped it, so that
+    # settling gives back only what was taken and the actual use is always charged.
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,11 +330,9 @@ class Admission:
                 return refusal
             assert rules.demote_lane is not None  # TenantRules guarantees it
             lane, demoted = rules.demote_lane, True
-        for bucket in state.buckets.values():
-            bucket.add(-estimate)
+        charged = tuple((bucket, -bucket.add(-estimate)) for bucket in state.buckets.values())
         state.queued += 1
-        reservation = Reservation(tenant, estimate, "queued", state,
-                                  tuple(state.buckets.values()))
+        reservation = Reservation(tenant, estimate, "queued", state, charged)
         return Admitted(reservation, lane, max_output_tokens, expected, demoted)
 
     def _check_budgets(self, state: _TenantState, estimate: int, now: float) -> Refused | None:
@@ -388,9 +391,9 @@ class Admission:
             raise ValueError(f"reservation is {reservation.state}: it was already finished")
         _count("actual_tokens", actual_tokens)
         holder = self._holder(reservation)
+        taken = dict(reservation._charged)
         for _, bucket in holder.refilled(now):
-            reserved = reservation.reserved_tokens if bucket in reservation._charged else 0
-            bucket.add(reserved - actual_tokens)
+            bucket.add(taken.get(bucket, 0.0) - actual_tokens)
         if reservation.state == "queued":
             holder.queued -= 1
         else:

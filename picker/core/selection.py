@@ -26,6 +26,9 @@ class EndpointState:
     inflight_tokens: int = 0
     """The picker's own accounting: prompt + output so far of requests it sent here."""
     inflight_requests: int = 0
+    projected_tokens: int = 0
+    """What the requests in flight here will hold at their end: prompt + expected output each
+    (streamed output grows ``inflight_tokens`` up to about this)."""
     waiting: float | None = None
     """Scraped ``vllm:num_requests_waiting``."""
     running: float | None = None
@@ -86,6 +89,32 @@ def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
     if used >= budget or (endpoint.inflight_requests and used + prompt_tokens > budget):
         return False
     return waiting(endpoint, now, rules) < rules.max_waiting
+
+
+def free_tokens(endpoint: EndpointState, now: float, rules: CapacityRules,
+                projected: bool = True) -> float:
+    """Tokens the endpoint will still have free once its running requests have grown to their
+    expected size (``projected=False``: free now); 0 when it takes nothing (draining, engine
+    queue full)."""
+    if endpoint.draining or waiting(endpoint, now, rules) >= rules.max_waiting:
+        return 0.0
+    used = occupancy(endpoint, now, rules)
+    if projected:
+        used = max(used, endpoint.projected_tokens)
+    return max(0.0, endpoint.budget(rules.fallback_budget) - used)
+
+
+def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,
+                  reserve: float, now: float, rules: CapacityRules) -> bool:
+    """Whether, with a request expected to grow to ``tokens`` on ``chosen``, some endpoint will
+    still have ``reserve`` tokens free."""
+    for endpoint in endpoints:
+        free = free_tokens(endpoint, now, rules)
+        if endpoint is chosen:
+            free -= tokens
+        if free >= reserve:
+            return True
+    return False
 
 
 class Scorer(Protocol):

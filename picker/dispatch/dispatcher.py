@@ -29,7 +29,15 @@ from picker.core.admission import (
     TenantRules,
 )
 from picker.core.lanes import Scheduler
-from picker.core.selection import CapacityRules, EndpointState, LeastLoaded, Scorer, rank
+from picker.core.selection import (
+    CapacityRules,
+    EndpointState,
+    LeastLoaded,
+    Scorer,
+    free_tokens,
+    keeps_reserve,
+    rank,
+)
 from picker.errors import (
     ConfigError,
     InputTooLong,
@@ -75,6 +83,8 @@ class Ticket:
     first_byte_at: float | None = None
     reserved_tokens: int = 0
     """Tokens this request adds to its endpoint's in-flight count."""
+    projected_tokens: int = 0
+    """Tokens it is expected to hold at its end (prompt + expected output)."""
     outcome: str | None = None
     reservation: Reservation | None = None
     """Its hold on the tenant's budgets and caps (admission)."""
@@ -172,8 +182,13 @@ class Dispatcher:
         self._closed = False
         self._parked: dict[str, list[Ticket]] = {}
         """Per tenant, requests waiting for the tenant to drop under its concurrency cap."""
-        self._in_queue: dict[str, int] = {}
-        """Per tenant, requests in the fair queue (parked ones not counted)."""
+        self._in_queue: dict[str, list[Ticket]] = {}
+        """Per tenant, its requests in the fair queue (parked ones not counted)."""
+        self._single: dict[str, Ticket] = {}
+        """Tenants with exactly one request in the fair queue (and none parked): the requests that
+        may go ahead of a head that has to wait (see ``pump``)."""
+        self._recent: dict[str, tuple[float, float]] = {}
+        """Per tenant: last arrival and typical footprint (tokens), for ``idleTenantReserve``."""
         self.admission = Admission(*_admission_rules(config))
         self._next_prune = clock() + PRUNE_INTERVAL
         self.metering: MeteringSink = _open_metering(config)
@@ -295,6 +310,10 @@ class Dispatcher:
         prompt = max(1, round(inference.prompt_tokens
                               * self._prompt_scale.get(inference.model, 1.0)))
         expected = self._expected_output(tenant, inference.max_tokens)
+        if self.config.capacity.idle_tenant_reserve:
+            _, footprint = self._recent.get(tenant, (now, float(prompt + expected)))
+            self._recent[tenant] = (now, footprint + OUTPUT_EWMA_ALPHA
+                                    * (prompt + expected - footprint))
         decision = self.admission.admit(tenant, lane, prompt, inference.max_tokens, expected, now)
         if isinstance(decision, Refused):
             raise _refusal(decision)
@@ -320,6 +339,7 @@ class Dispatcher:
         else:
             ticket.parked = True
             self._parked.setdefault(tenant, []).append(ticket)
+            self._single.pop(tenant, None)
         if not self.holding:
             self._dispatch(ticket, self.candidates(subset, require_room=False), now)
         elif not ticket.parked:
@@ -335,8 +355,9 @@ class Dispatcher:
             if ticket.dispatched_at is None:
                 self._drop_queued(ticket, "queue_timeout")
                 self.pump()  # it may have been the head that blocked others
-                raise QueueTimeout(
-                    f"waited {self.config.queue.max_wait:g}s for capacity") from None
+                timeout = QueueTimeout(f"waited {self.config.queue.max_wait:g}s for capacity")
+                timeout.metered = True
+                raise timeout from None
         except asyncio.CancelledError:
             if ticket.dispatched_at is None:
                 self._drop_queued(ticket, "cancelled")
@@ -345,7 +366,9 @@ class Dispatcher:
                 self.complete(ticket, None, "cancelled")
             raise
         if ticket.outcome is not None and ticket.dispatched_at is None:
-            raise ticket.error or ShuttingDown("the picker is shutting down")
+            error = ticket.error or ShuttingDown("the picker is shutting down")
+            error.metered = True
+            raise error
         return ticket
 
     def _expected_output(self, tenant: str, max_tokens: int | None) -> int:
@@ -359,7 +382,7 @@ class Dispatcher:
     def _enqueue(self, ticket: Ticket, now: float) -> None:
         ticket.parked = False
         self.scheduler.enqueue(ticket.request, now)
-        self._in_queue[ticket.tenant] = self._in_queue.get(ticket.tenant, 0) + 1
+        self._queue_add(ticket)
 
     def _shed_for(self, lane: str) -> bool:
         """Make room in a full queue for a request of ``lane``: refuse the newest queued request
@@ -374,7 +397,6 @@ class Dispatcher:
         victim = max(lower, key=lambda t: (self._lane_rank.get(t.lane, 0), t.arrived_at))
         victim.error = QueueFull(f"shed from the full queue for a request of lane {lane!r}")
         self._drop_queued(victim, "shed")
-        self.reject(victim.tenant, victim.error)
         if victim._ready is not None and not victim._ready.done():
             victim._ready.set_result(None)
         return True
@@ -385,7 +407,26 @@ class Dispatcher:
         if tenant in self._parked:
             return False  # first in, first out among the tenant's own requests
         cap = self.admission.rules_for(tenant).max_concurrent
-        return cap is None or self._in_queue.get(tenant, 0) + self.admission.running(tenant) < cap
+        return cap is None or \
+            len(self._in_queue.get(tenant, ())) + self.admission.running(tenant) < cap
+
+    def _queue_add(self, ticket: Ticket) -> None:
+        queued = self._in_queue.setdefault(ticket.tenant, [])
+        queued.append(ticket)
+        self._update_single(ticket.tenant, queued)
+
+    def _queue_remove(self, ticket: Ticket) -> None:
+        queued = self._in_queue[ticket.tenant]
+        queued.remove(ticket)
+        if not queued:
+            del self._in_queue[ticket.tenant]
+        self._update_single(ticket.tenant, queued)
+
+    def _update_single(self, tenant: str, queued: list[Ticket]) -> None:
+        if len(queued) == 1 and tenant not in self._parked:
+            self._single[tenant] = queued[0]
+        else:
+            self._single.pop(tenant, None)
 
     def _unpark(self, tenant: str, now: float) -> None:
         parked = self._parked.pop(tenant, None)
@@ -393,6 +434,7 @@ class Dispatcher:
             self._enqueue(parked.pop(0), now)
         if parked:
             self._parked[tenant] = parked
+            self._single.pop(tenant, None)
 
     def on_first_byte(self, ticket: Ticket) -> None:
         if ticket.first_byte_at is None:
@@ -432,6 +474,7 @@ class Dispatcher:
         del self._tickets[request]
         if ticket.endpoint is not None:
             ticket.endpoint.inflight_tokens -= ticket.reserved_tokens
+            ticket.endpoint.projected_tokens -= ticket.projected_tokens
             ticket.endpoint.inflight_requests -= 1
             ticket.endpoint.completed_since_scrape += 1
             ticket.endpoint.released_since_scrape += ticket.reserved_tokens
@@ -464,10 +507,19 @@ class Dispatcher:
         """``x-ratelimit-*`` headers for ``tenant`` now (empty without budgets or caps)."""
         return self.admission.headers(tenant, self.clock())
 
-    def reject(self, tenant: str, error: RequestError) -> None:
-        """Count a request refused before it was queued."""
+    def reject(self, tenant: str, error: RequestError, *, model: str | None = None,
+               lane: str | None = None, request_id: str = "") -> None:
+        """Count a refused request, and meter it unless it already was (it had queued)."""
         self.metrics.rejections.labels(self.metrics.tenant_label(tenant),
                                        error.metric_label).inc()
+        if error.metered or not self.metering.enabled:
+            return
+        self.metering.write(MeteringRecord(
+            request_id=request_id, timestamp=self.wall_clock(), tenant_id=tenant, model=model,
+            priority_lane=lane or self.lane_of(tenant), outcome=error.metric_label,
+            finish_reason="rejected",
+            endpoint=None, prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0,
+            estimated=False, cost=0.0, demoted=False, queue_ms=0.0, ttft_ms=None, e2e_ms=0.0))
 
     # -- dispatching --
 
@@ -484,9 +536,62 @@ class Dispatcher:
             ticket = self._tickets[request]
             candidates = self.candidates(ticket.subset, require_room=True, now=now,
                                           prompt_tokens=request.prompt_tokens)
+            if candidates and self._backlogged(ticket.tenant):
+                reserve = self._idle_reserve(now, ticket.tenant)
+                if reserve and not keeps_reserve(list(self.endpoints.values()), candidates[0],
+                                                 self._projected(ticket), reserve, now,
+                                                 self.rules):
+                    candidates = []  # the room left is kept for a light tenant's next request
             if not candidates:
-                return
+                # The head waits for room. A light tenant's request that fits need not wait
+                # behind it: light tenants have one request queued at most, so they cannot
+                # starve the head, and holding them would leave room unused.
+                light = self._light_request(now, ticket)
+                if light is None:
+                    return
+                ticket, candidates = light
             self._dispatch(ticket, candidates, now)
+
+    def _projected(self, ticket: Ticket) -> int:
+        return ticket.request.prompt_tokens + self._expected_output(
+            ticket.tenant, ticket.max_tokens or ticket.inference.max_tokens)
+
+    def _backlogged(self, tenant: str) -> bool:
+        """More than one request of the tenant is waiting: it keeps the pool busy by itself.
+        (A light tenant has at most the one that just arrived.)"""
+        return len(self._in_queue.get(tenant, ())) > 1 or tenant in self._parked
+
+    def _idle_reserve(self, now: float, exclude: str) -> float:
+        """Tokens to keep free for recently active tenants that are not backlogged."""
+        window = self.config.capacity.idle_tenant_reserve
+        if not window:
+            return 0.0
+        reserve = 0.0
+        for tenant, (last, footprint) in list(self._recent.items()):
+            if now - last > window:
+                del self._recent[tenant]
+            elif tenant != exclude and not self._backlogged(tenant):
+                reserve = max(reserve, footprint)
+        return reserve
+
+    def _light_request(self, now: float,
+                       head: Ticket) -> tuple[Ticket, list[EndpointState]] | None:
+        """The earliest queued request of a light tenant, in the head's lane or a higher one,
+        that has room."""
+        free = max((free_tokens(e, now, self.rules, projected=False)
+                    for e in self.endpoints.values()), default=0.0)
+        if free <= 0:
+            return None
+        head_rank = self._lane_rank.get(head.lane, 0)
+        for ticket in self._single.values():  # about arrival order; no sort on this hot path
+            if ticket is head or ticket.request.prompt_tokens > free \
+                    or self._lane_rank.get(ticket.lane, 0) > head_rank:
+                continue
+            candidates = self.candidates(ticket.subset, require_room=True, now=now,
+                                         prompt_tokens=ticket.request.prompt_tokens)
+            if candidates:
+                return ticket, candidates
+        return None
 
     def candidates(self, subset: frozenset[str] | None = None, *, require_room: bool = False,
                    now: float | None = None, prompt_tokens: int = 0) -> list[EndpointState]:
@@ -498,9 +603,7 @@ class Dispatcher:
     def _dispatch(self, ticket: Ticket, candidates: list[EndpointState], now: float) -> None:
         request = ticket.request
         self.scheduler.dispatch(request, now)
-        self._in_queue[ticket.tenant] -= 1
-        if not self._in_queue[ticket.tenant]:
-            del self._in_queue[ticket.tenant]
+        self._queue_remove(ticket)
         # Past its concurrency cap only in pass-through mode, which dispatches at once.
         if ticket.reservation is not None and (self.holding or
                                                self.admission.may_start(ticket.tenant)):
@@ -517,6 +620,8 @@ class Dispatcher:
             ticket.reserved_tokens += estimate
         primary.inflight_tokens += ticket.reserved_tokens
         primary.inflight_requests += 1
+        ticket.projected_tokens = self._projected(ticket)
+        primary.projected_tokens += ticket.projected_tokens
         self.metrics.queue_wait.labels(self.metrics.tenant_label(ticket.tenant), ticket.lane) \
             .observe(now - ticket.arrived_at)
         if ticket._ready is not None and not ticket._ready.done():
@@ -536,11 +641,10 @@ class Dispatcher:
             self._parked[ticket.tenant].remove(ticket)
             if not self._parked[ticket.tenant]:
                 del self._parked[ticket.tenant]
+                self._update_single(ticket.tenant, self._in_queue.get(ticket.tenant, []))
         else:
             self.scheduler.cancel(ticket.request)
-            self._in_queue[ticket.tenant] -= 1
-            if not self._in_queue[ticket.tenant]:
-                del self._in_queue[ticket.tenant]
+            self._queue_remove(ticket)
         self._tickets.pop(ticket.request, None)
         if ticket.reservation is not None:
             self.admission.finish(ticket.reservation, 0, now)  # nothing was served

@@ -95,15 +95,13 @@ def immediate(error: RequestError,
 
 
 def route(destinations: list[str], meter_id: str | None = None,
-          headers: dict[str, str] | None = None,
           response_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     """The answer to the request headers: where Envoy sends the request.
 
     The header names the primary only: Envoy's ``ORIGINAL_DST`` cluster routes on it and refuses
     a list (503, "no original_dst", seen with Envoy 1.40). The ``envoy.lb`` metadata carries the
     primary and the fallbacks, comma-separated, which Envoy's ``override_host`` load-balancing
-    policy reads for retries. ``meter_id`` names the request for its meter stream; ``headers``
-    are further request headers to set (``content-length`` of a rewritten body);
+    policy reads for retries. ``meter_id`` names the request for its meter stream;
     ``response_headers`` go into the ``fairway`` metadata, from which a meter-stream gateway adds
     them to the response.
     """
@@ -116,11 +114,10 @@ def route(destinations: list[str], meter_id: str | None = None,
     if fairway:
         namespaces[METER_NAMESPACE] = fairway
     metadata.update(namespaces)
-    set_headers = [_set_header(DESTINATION_HEADER, destinations[0])]
-    set_headers.extend(_set_header(k, v) for k, v in (headers or {}).items())
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=set_headers),
+            header_mutation=pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER,
+                                                                       destinations[0])]),
             clear_route_cache=True,
         )),
         dynamic_metadata=metadata,
@@ -173,6 +170,7 @@ class _Exchange:
         self.meter_id = meter_id
         """Set when the response comes on a separate meter stream (named by this id)."""
         self.headers: dict[str, str] = {}
+        self.model: str | None = None
         self.tenant = config.tenancy.default_tenant
         self.lane: str | None = None
         self.body = bytearray()
@@ -266,6 +264,7 @@ class _Exchange:
             if not self.body:
                 raise BadRequest("request body is empty")
             inference = parse_request(bytes(self.body))
+            self.model = inference.model
             self.ticket = await self.dispatcher.admit(
                 self.tenant, inference, self.subset, self.lane,
                 self.meter_id or self.headers.get("x-request-id", ""))
@@ -273,16 +272,18 @@ class _Exchange:
             self.done = True
             return [self._refuse(error)]
         ticket = self.ticket
-        body, extra = bytes(self.body), {}
+        body = bytes(self.body)
         if rewrite_body(inference.body, self.dispatcher.engine_priority(ticket.lane),
                         ticket.max_tokens):
+            # No content-length to fix: with a streamed body Envoy drops it and sends the
+            # upstream request chunked.
             body = json.dumps(inference.body, separators=(",", ":")).encode()
-            extra["content-length"] = str(len(body))
-        return [route(ticket.destinations, self.meter_id, extra, ticket.ratelimit_headers),
+        return [route(ticket.destinations, self.meter_id, ticket.ratelimit_headers),
                 _body("request_body", body, True)]
 
     def _refuse(self, error: RequestError) -> pb.ProcessingResponse:
-        self.dispatcher.reject(self.tenant, error)
+        self.dispatcher.reject(self.tenant, error, model=self.model, lane=self.lane,
+                               request_id=self.meter_id or self.headers.get("x-request-id", ""))
         log.info("refused tenant=%s status=%d reason=%s: %s", self.tenant, error.http_status,
                  error.metric_label, error.message)
         limits = self.dispatcher.ratelimit_headers(self.tenant) if error.http_status == 429 \
@@ -314,6 +315,8 @@ class _Exchange:
             return
         usage = self.meter.finish() if self.meter is not None and not self.response_failed \
             else None
+        if self.meter is not None:
+            ticket.finish_reason = self.meter.finish_reason
         self.dispatcher.complete(ticket, usage, "error" if self.response_failed else "ok")
 
     def abandon(self) -> None:

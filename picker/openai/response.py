@@ -52,6 +52,8 @@ class ResponseMeter:
         self.streaming = streaming
         self.counted_tokens = 0
         self.usage: Usage | None = None
+        self.finish_reason: str | None = None
+        """The last ``finish_reason`` the response gave (``stop``, ``length``, ...)."""
         self.done = False
         """The stream's ``data: [DONE]`` was seen."""
         self._buffer = bytearray()
@@ -86,6 +88,7 @@ class ResponseMeter:
                 data = None
             if isinstance(data, dict):
                 self.usage = _usage(data)
+                self._take_finish_reason(data)
             self._buffer.clear()
         elif self.streaming and self._buffer.strip():
             self._take_event(bytes(self._buffer))
@@ -113,6 +116,15 @@ class ResponseMeter:
                 continue
             if isinstance(data, dict):
                 self.counted_tokens += _content_tokens(data)
+                self._take_finish_reason(data)
                 usage = _usage(data)
                 if usage is not None:
                     self.usage = usage
+
+    def _take_finish_reason(self, data: dict) -> None:
+        choices = data.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+                if isinstance(reason, str) and reason:
+                    self.finish_reason = reason

@@ -514,3 +514,15 @@ def test_overshoot_is_bounded_by_estimation_error_not_by_concurrency(
                 overrun = sum(o for t, o in overruns if t <= end)
                 assert window <= capacity + rate * (end - start) + overrun + 1e-6 * len(charges)
         assert settled_actual <= capacity + rate * now + sum(o for _, o in overruns) + 1e-3
+
+
+def test_oversized_estimate_is_settled_to_actual_use_not_forgiven() -> None:
+    """An estimate larger than the bucket is clipped by the debt cap when reserved; settling must
+    give back only what was taken, so the tokens actually used stay charged."""
+    admission = Admission({"t": TenantRules(burst=BucketRule(40, 3600))}, TenantRules())
+    admitted = admission.admit("t", "lane", 7, 100, 100, now=0.0)
+    assert isinstance(admitted, Admitted)
+    admission.start(admitted.reservation)
+    admission.finish(admitted.reservation, 15, now=0.0)
+    remaining, capacity = admission.budget_state(0.0)["t"]["burst"]
+    assert (remaining, capacity) == (pytest.approx(40 - 15), 40)

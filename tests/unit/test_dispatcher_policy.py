@@ -260,3 +260,71 @@ async def test_weight_change_on_reload_moves_no_tenant_ahead_or_behind() -> None
     for task in [*held["a"], *held["b"]]:
         task.cancel()
     await asyncio.gather(*held["a"], *held["b"], return_exceptions=True)
+
+
+# -- light tenants: not stuck behind a head that waits, and (opt-in) room kept for them --
+
+
+async def test_light_request_goes_ahead_of_a_head_that_does_not_fit() -> None:
+    d = _dispatcher(_config([A], budget=1000, tenants=[{"id": "flood"}, {"id": "light"}]))
+    running = await _admit(d, "flood", _request(800))
+    heads = [await _hold(d, "flood", 400) for _ in range(2)]  # neither fits beside 800
+    light = await _hold(d, "light", 50)
+    assert light.done()  # it fits: holding it would leave the room unused
+    assert not any(task.done() for task in heads)
+    d.complete(running, Usage(800, 0), "ok")
+    d.complete(light.result(), Usage(50, 0), "ok")
+    await _spin()
+    assert all(task.done() for task in heads)
+
+
+async def test_a_backlogged_tenants_small_request_keeps_its_fair_place() -> None:
+    d = _dispatcher(_config([A], budget=1000, tenants=[{"id": "flood"}]))
+    await _admit(d, "flood", _request(800))
+    big = await _hold(d, "flood", 400)
+    small = await _hold(d, "flood", 50)  # fits, but its tenant is backlogged: no jumping
+    assert not big.done() and not small.done()
+    for task in (big, small):
+        task.cancel()
+    await asyncio.gather(big, small, return_exceptions=True)
+
+
+async def test_light_request_of_a_lower_lane_does_not_pass_a_higher_lanes_head() -> None:
+    d = _dispatcher(_config([A], budget=1000, lanes=LANES,
+                            tenants=[{"id": "flood", "lane": "online"},
+                                     {"id": "light", "lane": "batch"}]))
+    await _admit(d, "flood", _request(800))
+    head = await _hold(d, "flood", 400)
+    light = await _hold(d, "light", 50)
+    assert not light.done() and not head.done()
+    for task in (head, light):
+        task.cancel()
+    await asyncio.gather(head, light, return_exceptions=True)
+
+
+@pytest.mark.parametrize("reserve", ["2s", "0s"])
+async def test_idle_tenant_reserve_keeps_room_for_a_light_tenants_next_request(
+        reserve: str) -> None:
+    clock = FakeClock()
+    d = _dispatcher(_config([A], budget=1000, tenants=[{"id": "flood"}, {"id": "light"}],
+                            capacity={"idleTenantReserve": reserve}), clock)
+    served = await _admit(d, "light", _request(60, max_tokens=20))  # light is now "recent"
+    d.complete(served, Usage(60, 20), "ok")
+    filling = await _admit(d, "flood", _request(900))
+    # Three queued: the flood is backlogged. Each will grow to 400 + 100 tokens.
+    queued = [await _hold(d, "flood", 400, max_tokens=100) for _ in range(3)]
+    d.complete(filling, Usage(900, 0), "ok")
+    await _spin()
+    assert queued[0].done()
+    if reserve == "0s":
+        assert queued[1].done()  # strictly work-conserving: its prompt fits, so it goes
+    else:
+        assert not queued[1].done()  # it would take the room kept for light's next request
+        nxt = await _hold(d, "light", 60, max_tokens=20)
+        assert nxt.done()  # light's request starts at once
+        clock.now += 3  # the reserve lapses once light has been quiet for the window
+        d.complete(nxt.result(), Usage(60, 20), "ok")
+        await _spin()
+        assert queued[1].done()
+    queued[2].cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
