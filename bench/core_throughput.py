@@ -13,6 +13,10 @@ Two loops are timed with ``time.perf_counter``:
 * ``bare``: peek + dispatch only, over queues filled beforehand deep enough that no tenant runs
   dry: the decision alone, without the work around it.
 
+A third timing, ``admission``, is the per-request cost of the tenant policy the picker runs
+before the fair queue (``picker.core.admission``): admit (caps, two token buckets, reservation),
+start, the rate-limit headers and finish (settlement), for tenants that all have budgets and caps.
+
 ``python -m bench.core_throughput --out bench/results`` prints a table and writes
 ``core_throughput.md`` and ``core_throughput.json``; ``--profile`` adds a cProfile breakdown.
 """
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from picker.core import Request, Scheduler
+from picker.core.admission import Admission, Admitted, BucketRule, TenantRules
 
 GOAL_TENANTS = 1000
 GOAL_DECISIONS_PER_SECOND = 100_000
@@ -113,7 +118,29 @@ def time_bare(tenants: int, decisions: int, seed: int = 0) -> float:
     return elapsed
 
 
-BENCHMARKS: dict[str, Callable[[int, int, int], float]] = {"loop": time_loop, "bare": time_bare}
+def time_admission(tenants: int, requests: int, seed: int = 0) -> float:
+    """Seconds for ``requests`` requests through admission: admit, start, headers, finish."""
+    rules = TenantRules(burst=BucketRule(10**9, 60), sustained=BucketRule(10**10, 86_400),
+                        max_queued=10_000, max_concurrent=10_000, max_input_tokens=100_000,
+                        max_output_tokens=100_000)
+    names = _tenants(tenants)
+    admission = Admission({name: rules for name in names}, rules)
+    prompts, outputs = _sizes(4096, seed)
+    started = time.perf_counter()
+    for i in range(requests):
+        now = i * 1e-4
+        tenant = names[i % tenants]
+        decision = admission.admit(tenant, "default", prompts[i % 4096], outputs[i % 4096],
+                                   outputs[i % 4096], now)
+        assert isinstance(decision, Admitted)
+        admission.start(decision.reservation)
+        admission.headers(tenant, now)
+        admission.finish(decision.reservation, prompts[i % 4096] + outputs[i % 4096], now)
+    return time.perf_counter() - started
+
+
+BENCHMARKS: dict[str, Callable[[int, int, int], float]] = {
+    "loop": time_loop, "bare": time_bare, "admission": time_admission}
 
 
 def measure(kind: str, tenants: int, decisions: int, repeats: int) -> dict[str, Any]:
@@ -182,7 +209,9 @@ def render(data: dict[str, Any]) -> str:
         f"one lane under vtc. `loop` also re-enqueues a request per decision, charges "
         f"{OUTPUT_TOKENS} output tokens to {OUTPUT_CHARGES} running requests and finishes one of "
         f"{RUNNING} running (the goal's measure); `bare` is peek + dispatch alone over pre-filled "
-        f"queues. Python {meta['python']} ({meta['implementation']}), {meta['cpu_count']} CPUs, "
+        f"queues; `admission` counts requests through the tenant policy instead (admit with caps "
+        f"and two token buckets, start, rate-limit headers, settle). "
+        f"Python {meta['python']} ({meta['implementation']}), {meta['cpu_count']} CPUs, "
         f"{meta['platform']}.",
         "",
         _table(["benchmark", "tenants", "decisions × repeats", "best decisions/s",
@@ -220,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_before = _load()
     results = [measure(kind, tenants, args.decisions, args.repeats)
-               for tenants in args.tenants for kind in ("loop", "bare")]
+               for tenants in args.tenants for kind in ("loop", "bare", "admission")]
     load_after = _load()
     goal_row = next((r for r in results
                      if r["benchmark"] == "loop" and r["tenants"] == GOAL_TENANTS), None)

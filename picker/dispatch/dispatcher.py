@@ -500,6 +500,8 @@ class Dispatcher:
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_INTERVAL
             self.admission.prune(now)
+            window = self.config.capacity.idle_tenant_reserve
+            self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
         self._forget_drained()
         self.pump()
 

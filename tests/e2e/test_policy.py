@@ -911,3 +911,59 @@ def test_random_tenant_ids_are_counted_as_other(sim_stack: Stack) -> None:
     labels = {dict(labels).get("tenant") for _, labels in metric_samples(m)} - {None}
     assert len(labels) <= len(SIM_TENANTS) + 1, labels
     assert not labels & set(tenants)
+
+
+@pytest.fixture(scope="module")
+def overload_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A global queue of 3 requests, lanes online and batch."""
+    config = {"lanes": [{"name": "online"}, {"name": "batch"}],
+              "queue": {"maxQueued": 3, "maxWait": "30s"},
+              "tenants": [{"id": "hog", "lane": "online"}, {"id": "hi", "lane": "online"},
+                          {"id": "lo", "lane": "batch"}]}
+    with Stack(tmp_path_factory.mktemp("overload"), policy="vtc", endpoints=2,
+               server_args=["--kv-budget-tokens", str(SERVER_KV), "--step-ms", "5"],
+               picker_config=config) as running:
+        yield running
+
+
+def test_full_queue_sheds_the_lowest_lane_first(overload_stack: Stack) -> None:
+    stack, m = overload_stack, overload_stack.metrics_url
+
+    def saturated() -> bool:
+        samples = metric_samples(m)
+        return all(_sum(samples, "fairway_endpoint_inflight_tokens", endpoint=a) >= SERVER_KV
+                   for a in stack.endpoint_addresses)
+
+    async def scenario() -> tuple[list[Response], Response, Response]:
+        async with aiohttp.ClientSession() as session:
+            def send(tenant: str) -> asyncio.Task[Response]:
+                return asyncio.create_task(_send(session, stack.gateway_url, _exact_body(4),
+                                                 {TENANT_HEADER: tenant}))
+            hog = [asyncio.create_task(_send(session, stack.gateway_url, _exact_body(
+                1000, stream=True, prompt_tokens=460), {TENANT_HEADER: "hog"}))
+                for _ in range(4)]
+            try:
+                assert await _until(saturated), "the hog did not fill the pool"
+                lows = []
+                for queued in (1, 2, 3):  # one at a time, so "newest" is well defined
+                    lows.append(send("lo"))
+                    assert await _until(lambda q=queued: metric(
+                        m, "fairway_queued_requests", tenant="lo") == q)
+                high = send("hi")  # the queue is full: the newest batch request makes room
+                assert await _until(lambda: metric(m, "fairway_queued_requests",
+                                                   tenant="hi") == 1)
+                refused_low = await send("lo")  # nothing lower to shed for a batch request
+            finally:
+                for task in hog:
+                    task.cancel()
+                await asyncio.gather(*hog, return_exceptions=True)
+            return list(await asyncio.gather(*lows)), await high, refused_low
+
+    lows, high, refused_low = asyncio.run(scenario())
+    assert [status for status, _, _ in lows] == [200, 200, 429]  # the newest low was shed
+    assert "shed" in _error(lows[2][2])["message"]
+    assert high[0] == 200
+    assert refused_low[0] == 429 and _error(refused_low[2])["type"] == "rate_limit_exceeded"
+    assert metric(m, "fairway_requests_total", tenant="lo", outcome="shed") == 1
+    assert metric(m, "fairway_rejections_total", tenant="lo", reason="queue_full") == 2
+    assert _wait_until(lambda: _engines_idle(stack), timeout=15)

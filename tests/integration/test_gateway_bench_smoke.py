@@ -102,7 +102,8 @@ def test_fairness_numbers_are_sane(quick: tuple[Path, dict[str, Any], str]) -> N
 def test_light_and_throughput_numbers_are_sane(quick: tuple[Path, dict[str, Any], str]) -> None:
     data = quick[1]
     runs = data["light"]["runs"]
-    assert set(runs) == {"alone", "flood_vtc", "flood_fcfs"}
+    assert set(runs) == {"alone", "flood_vtc", "flood_fcfs", "flood_vtc_other"}
+    assert data["light"]["other_reserve"] == "2s"  # the judged runs use the default, 0s
     for run in runs.values():
         assert run["ok"] > 0
         ttft = run["ttft_ms"]
@@ -112,6 +113,7 @@ def test_light_and_throughput_numbers_are_sane(quick: tuple[Path, dict[str, Any]
     assert runs["alone"]["p95_over_alone"] == pytest.approx(1.0, abs=1e-4)
     rows = data["throughput"]["rows"]
     assert len(rows) == 2
+    assert _positive(data["throughput"]["other_reserve_ratio"])
     for row in rows:
         assert _positive(row["ratio"]) and _positive(row["client_ratio"])
         assert _positive(row["vtc"]["server_output_tokens_per_s"])
