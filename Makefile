@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint unit bench experiments clean
+.PHONY: setup demo test lint unit bench experiments clean proto
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ lint: setup
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
+
+proto: setup
+	$(PY) scripts/gen_proto.py
 
 bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results

@@ -1,0 +1,1 @@
+"""fairway's Kubernetes operator: TenantPolicy resources into the picker's config."""
