@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--grpc-port", type=int, default=9002)
     run.add_argument("--metrics-port", type=int, default=9090)
+    run.add_argument("--admin-port", type=int, default=9003,
+                     help="read-only admin API, fairway.v1.Admin (0: any free port)")
     run.add_argument("--grace", type=float, default=10.0,
                      help="seconds running requests get to finish on SIGTERM")
     run.add_argument("--log-level", default="INFO")
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServeSettings(config_path=args.config, host=args.host, grpc_port=args.grpc_port,
-                             metrics_port=args.metrics_port, grace=args.grace)
+                             metrics_port=args.metrics_port, admin_port=args.admin_port,
+                             grace=args.grace)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:

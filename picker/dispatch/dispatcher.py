@@ -540,10 +540,12 @@ class Dispatcher:
                                           prompt_tokens=request.prompt_tokens)
             if candidates and self._backlogged(ticket.tenant):
                 reserve = self._idle_reserve(now, ticket.tenant)
-                if reserve and not keeps_reserve(list(self.endpoints.values()), candidates[0],
-                                                 self._projected(ticket), reserve, now,
-                                                 self.rules):
-                    candidates = []  # the room left is kept for a light tenant's next request
+                if reserve:
+                    # Only endpoints that leave the room kept for a light tenant's next request
+                    # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
+                    pool, size = list(self.endpoints.values()), self._projected(ticket)
+                    candidates = [c for c in candidates
+                                  if keeps_reserve(pool, c, size, reserve, now, self.rules)]
             if not candidates:
                 # The head waits for room. A light tenant's request that fits need not wait
                 # behind it: light tenants have one request queued at most, so they cannot

@@ -7,6 +7,7 @@ stopped (SIGTERM, then SIGKILL) by ``Stack.stop`` or on leaving the ``with`` blo
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import socket
@@ -29,8 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> None:
+def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> str:
     """Read the process's stdout until a line containing ``marker``; copy all of it to ``log``.
+
+    Returns what it read (the marker's line and everything before it, at least).
 
     Reads the raw descriptor (no Python buffering), so nothing sits unseen in a buffer while
     ``select`` says there is nothing to read.
@@ -52,7 +55,7 @@ def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: 
             sink.write(data)
             seen += data
             if marker.encode() in seen:
-                return
+                return seen.decode(errors="replace")
     raise RuntimeError(f"{process.args[:4]} did not print {marker!r} within {timeout}s; "
                        f"see {log}")
 
@@ -93,6 +96,11 @@ class Stack:
     grpc_port: int = 0
     metrics_port: int = 0
     admin_port: int = 0
+    """Envoy's admin port."""
+    admin_grpc_port: int = 0
+    """The picker's admin API (``fairway.v1.Admin``), as the picker reported it."""
+    _startup_output: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    """Each waited-for process's stdout up to its ready line, by name."""
 
     @property
     def gateway_url(self) -> str:
@@ -101,6 +109,11 @@ class Stack:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def admin_address(self) -> str:
+        """``host:port`` of the picker's admin API, for ``python -m picker.ctl --admin``."""
+        return f"127.0.0.1:{self.admin_grpc_port}"
 
     @property
     def access_log(self) -> Path:
@@ -119,7 +132,7 @@ class Stack:
                                    start_new_session=True)
         self.processes.append(process)
         if marker:
-            _wait_for_line(process, marker, timeout, log)
+            self._startup_output[name] = _wait_for_line(process, marker, timeout, log)
             # Keep draining stdout into the log so the process never blocks on a full pipe.
             drain = subprocess.Popen(["cat"], stdin=process.stdout, stdout=log.open("a"))
             self.processes.append(drain)
@@ -144,10 +157,16 @@ class Stack:
         if self.with_picker:
             self.write_picker_config(self.picker_config)
             self.grpc_port, self.metrics_port = free_port(), free_port()
+            self.admin_grpc_port = free_port()
             self._spawn([sys.executable, "-m", "picker", "serve", "--config",
                          str(self.config_path), "--grpc-port", str(self.grpc_port),
-                         "--metrics-port", str(self.metrics_port), "--grace", "2"],
+                         "--metrics-port", str(self.metrics_port),
+                         "--admin-port", str(self.admin_grpc_port), "--grace", "2"],
                         "picker", "picker listening")
+            # The port it actually bound, as it printed it (the line comes before the marker's).
+            found = re.search(r"\badmin=\S+:(\d+)", self._startup_output["picker"])
+            if found:
+                self.admin_grpc_port = int(found.group(1))
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = free_port()
         envoy_yaml = write_envoy_config(

@@ -337,7 +337,7 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_time
         path.write_text(json.dumps(document))  # JSON is YAML
         stop = asyncio.Event()
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        settings = ServeSettings(path, grpc_port=0, metrics_port=0, grace=1.0,
+        settings = ServeSettings(path, grpc_port=0, metrics_port=0, admin_port=0, grace=1.0,
                                  meter_claim_timeout=meter_claim_timeout)
         task = asyncio.create_task(serve(settings, stop, ready))
         try:

@@ -104,7 +104,8 @@ async def spawn(config_path: Path, *extra: str) -> Process:
     grpc_port, metrics_port = free_port(), free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "picker", "serve", "--config", str(config_path),
-        "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *extra,
+        "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--admin-port", "0",
+        *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     running = Process(process, grpc_port, metrics_port)

@@ -1,0 +1,135 @@
+"""What is the picker doing right now: which tenants does it know, what is each owed, queued,
+running and left of its budget, and how loaded is each endpoint?
+
+``AdminService`` serves ``fairway.v1.Admin`` (``proto/fairway/v1/admin.proto``) from the
+dispatcher's live state. It only reads: nothing here changes a queue, a counter or a budget, and
+it does no I/O but answering gRPC. Its methods run on the event loop that runs the dispatcher, so
+they see consistent state without locks.
+
+Which tenants are listed: the configured ones, every tenant with a request in the picker now, and
+every tenant served within the window. The last set is what keeps unconfigured tenants visible
+without listing every id ever seen: random tenant ids drop out once their window has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Collection, Mapping
+
+import grpc
+
+from picker.admin.v1 import admin_pb2, admin_pb2_grpc
+from picker.admin.window import DEFAULT_INTERVAL, DEFAULT_WINDOW, ServiceWindow
+from picker.dispatch import Dispatcher
+
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+"""``fairway.v1.Admin``: the service name, for gRPC health."""
+
+
+def _per_tenant(values: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """Sum a ``{(tenant, lane): n}`` map over lanes."""
+    out: dict[str, int] = {}
+    for (tenant, _), value in values.items():
+        out[tenant] = out.get(tenant, 0) + value
+    return out
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """The admin API over one dispatcher (read-only)."""
+
+    def __init__(self, dispatcher: Dispatcher, *, window: float = DEFAULT_WINDOW,
+                 interval: float = DEFAULT_INTERVAL) -> None:
+        self.dispatcher = dispatcher
+        self.window = ServiceWindow(window, interval)
+        # The baseline: service charged before now is not counted in any window.
+        self.sample()
+
+    def sample(self) -> None:
+        """Record the tenants' service totals now (at most one kept sample per interval)."""
+        d = self.dispatcher
+        # Read the scheduler anew each time: a config reload may have replaced it.
+        self.window.observe(d.clock(), d.scheduler.service)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample every interval until ``stop`` is set, so the window's edges are sharp even when
+        nobody asks for a while."""
+        while not stop.is_set():
+            self.sample()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.window.interval)
+
+    # -- the RPCs --
+
+    async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
+                          context: grpc.aio.ServicerContext | None
+                          ) -> admin_pb2.ListTenantsResponse:
+        """Every tenant the picker knows now (or those of ``request.tenants`` among them)."""
+        return self.list_tenants(request.tenants)
+
+    async def ListEndpoints(self, request: admin_pb2.ListEndpointsRequest,
+                            context: grpc.aio.ServicerContext | None
+                            ) -> admin_pb2.ListEndpointsResponse:
+        """The pool's endpoints as the picker sees them, in config order."""
+        return self.list_endpoints()
+
+    # -- the answers --
+
+    def list_tenants(self, only: Collection[str] = ()) -> admin_pb2.ListTenantsResponse:
+        """The ``ListTenants`` answer; ``only`` restricts it to those tenants (empty: all)."""
+        d = self.dispatcher
+        now = d.clock()
+        state = d.snapshot()
+        windowed = self.window.service(now, d.scheduler.service)
+        window_total = sum(windowed.values())
+        configured = {tenant.id for tenant in d.config.tenants}
+        queued, running = _per_tenant(state["queued"]), _per_tenant(state["running"])
+        queued_tokens = _per_tenant(state["queued_tokens"])
+        running_tokens = _per_tenant(state["running_tokens"])
+        names = configured | set(queued) | set(running) | set(windowed)
+        if only:
+            names &= set(only)
+        tenants = []
+        for tenant in sorted(names):
+            lane = d.lane_of(tenant)
+            key = (tenant, lane)
+            counter = state["counters"].get(key)
+            served = windowed.get(tenant, 0.0)
+            tenants.append(admin_pb2.TenantState(
+                tenant=tenant, lane=lane, weight=d.scheduler.weights.get(tenant, 1.0),
+                configured=tenant in configured,
+                virtual_counter=d.scheduler.counter(tenant, lane) if counter is None else counter,
+                fairness_debt=state["debt"].get(key, 0.0),
+                service_share=served / window_total if window_total > 0 else 0.0,
+                window_service=served,
+                total_service=d.scheduler.service.get(tenant, 0.0),
+                queued_requests=queued.get(tenant, 0), queued_tokens=queued_tokens.get(tenant, 0),
+                running_requests=running.get(tenant, 0),
+                running_tokens=running_tokens.get(tenant, 0),
+                budgets=self._budgets(tenant, state["budgets"])))
+        return admin_pb2.ListTenantsResponse(tenants=tenants, window_seconds=self.window.window,
+                                             taken_at_unix=d.wall_clock())
+
+    def _budgets(self, tenant: str, tracked: Mapping[str, Mapping[str, tuple[float, int]]]
+                 ) -> list[admin_pb2.BudgetWindow]:
+        levels = tracked.get(tenant)
+        if levels is None:
+            # Admission forgets a tenant whose buckets are full: report them full, not missing.
+            rules = self.dispatcher.admission.rules_for(tenant)
+            levels = {window: (float(rule.capacity_tokens), rule.capacity_tokens)
+                      for window, rule in rules.budgets}
+        return [admin_pb2.BudgetWindow(window=window, remaining_tokens=remaining,
+                                       capacity_tokens=capacity)
+                for window, (remaining, capacity) in levels.items()]
+
+    def list_endpoints(self) -> admin_pb2.ListEndpointsResponse:
+        """The ``ListEndpoints`` answer."""
+        d = self.dispatcher
+        fallback = d.rules.fallback_budget
+        return admin_pb2.ListEndpointsResponse(endpoints=[
+            admin_pb2.EndpointState(
+                address=e.address, budget_tokens=e.budget(fallback),
+                inflight_tokens=e.inflight_tokens, inflight_requests=e.inflight_requests,
+                waiting=-1.0 if e.waiting is None else e.waiting,
+                kv_usage=-1.0 if e.kv_usage is None else e.kv_usage, draining=e.draining)
+            for e in d.endpoints.values()])
