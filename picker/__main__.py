@@ -16,7 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m picker")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="run the Endpoint Picker (ext_proc gRPC)")
-    run.add_argument("--config", type=Path, required=True, help="picker config YAML")
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="picker config YAML (watched)")
+    source.add_argument("--config-map", metavar="NAMESPACE/NAME",
+                        help="a ConfigMap whose picker.yaml is the config, watched through the "
+                             "Kubernetes API")
+    run.add_argument("--pool", metavar="NAMESPACE/NAME",
+                     help="InferencePool whose ready pods are the endpoints")
+    run.add_argument("--lease", metavar="NAMESPACE/NAME",
+                     help="leader election on this Lease: only the leader serves")
+    run.add_argument("--kube-server", metavar="URL",
+                     help="Kubernetes API URL (default: in-cluster, else kubeconfig)")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--grpc-port", type=int, default=9002)
     run.add_argument("--metrics-port", type=int, default=9090)
@@ -30,12 +40,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServeSettings(config_path=args.config, host=args.host, grpc_port=args.grpc_port,
                              metrics_port=args.metrics_port, admin_port=args.admin_port,
-                             grace=args.grace)
+                             grace=args.grace, config_map=args.config_map, pool=args.pool,
+                             lease=args.lease, kube_server=args.kube_server)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+        print(f"{args.config or args.config_map}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a malformed namespace/name
+        print(f"picker: {exc}", file=sys.stderr)
+        return 2
     except (OSError, RuntimeError) as exc:  # a port in use, an address not available
         print(f"picker: cannot start: {exc}", file=sys.stderr)
         return 1

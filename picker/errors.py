@@ -134,3 +134,12 @@ class OverBudget(RequestError):
     http_status = 429
     metric_label = "over_budget"
     error_type = "rate_limit_exceeded"
+
+
+class NotLeader(RequestError):
+    """This picker replica is a standby (leader election): the gateway should use the leader."""
+
+    http_status = 503
+    metric_label = "not_leader"
+    error_type = "server_error"
+    retry_after = 1.0

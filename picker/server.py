@@ -5,6 +5,10 @@ ext_proc and gRPC health on one port, Prometheus metrics on another, the read-on
 watcher and the admin API's service sampler as background tasks. SIGTERM drains: ext_proc health
 turns NOT_SERVING, queued requests are refused with a retryable 503, running requests get
 ``--grace`` seconds to finish; the admin API answers until the drain is over.
+
+In a cluster (``picker.k8s``) the config comes from a ConfigMap watched through the API, the
+endpoints from an InferencePool's ready pods, and with a Lease only the elected leader reports
+SERVING and takes requests (a standby refuses them with a retryable 503).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,9 +29,17 @@ from prometheus_client import start_http_server
 from picker.admin.service import ADMIN_SERVICE, AdminService
 from picker.admin.v1 import admin_pb2_grpc
 from picker.config.reload import ConfigWatcher
-from picker.config.schema import load_config
+from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
 from picker.extproc import ExternalProcessor, add_to_server
+from picker.k8s import (
+    ConfigMapWatcher,
+    KubeClient,
+    LeaderElector,
+    LiveConfig,
+    PoolDiscovery,
+    fetch_config,
+)
 from picker.metrics import PickerMetrics
 from picker.scrape import Scraper
 
@@ -39,8 +52,8 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 class ServeSettings:
     """Process settings: flags, not config."""
 
-    config_path: Path
-    """The picker config (YAML); watched and hot-reloaded."""
+    config_path: Path | None = None
+    """The picker config (YAML); watched and hot-reloaded. Unused with ``config_map``."""
     host: str = "127.0.0.1"
     """Address to listen on."""
     grpc_port: int = 9002
@@ -57,7 +70,37 @@ class ServeSettings:
     meter_claim_timeout: float = 10.0
     """Seconds a request routed with a meter-stream gateway waits for that stream to open (it
     opens at dispatch) before it is settled as gone; only a misconfigured gateway hits this."""
+    config_map: str | None = None
+    """``namespace/name`` of a ConfigMap whose ``picker.yaml`` is the config, watched through the
+    Kubernetes API (changes apply within seconds)."""
+    pool: str | None = None
+    """``namespace/name`` of the InferencePool whose ready pods are the endpoints (they replace
+    the config's static ones)."""
+    lease: str | None = None
+    """``namespace/name`` of a coordination.k8s.io Lease: leader election among replicas; only
+    the leader serves. Unset: no election, this picker serves."""
+    identity: str | None = None
+    """This replica's name in the Lease; unset: ``$POD_NAME``, else hostname and pid."""
+    lease_duration: float = 15.0
+    """Seconds a leader's Lease lasts without renewal (a standby takes over about this long after
+    the leader dies; renewed every third of it)."""
+    kube_server: str | None = None
+    """Kubernetes API URL; unset: in-cluster service account, else kubeconfig."""
 
+    @property
+    def uses_kubernetes(self) -> bool:
+        return bool(self.config_map or self.pool or self.lease)
+
+
+class _Runner(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+def _split(reference: str, what: str) -> tuple[str, str]:
+    namespace, _, name = reference.partition("/")
+    if not namespace or not name:
+        raise ValueError(f"{what} must be namespace/name, got {reference!r}")
+    return namespace, name
 
 async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
                 ready: asyncio.Future[tuple[int, int]] | None = None,
@@ -67,12 +110,53 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
     Once serving, ``admin_ready`` gets the admin API's port, then ``ready`` gets
     ``(grpc_port, metrics_port)`` (the ports bound, useful with port 0).
     """
-    config = load_config(settings.config_path)
+    client = KubeClient.from_environment(settings.kube_server) \
+        if settings.uses_kubernetes else None
+    try:
+        await _serve(settings, client, stop, ready, admin_ready)
+    finally:
+        if client is not None:
+            await client.close()
+
+
+async def _initial_config(settings: ServeSettings, client: KubeClient | None) -> PickerConfig:
+    if settings.config_map:
+        assert client is not None
+        return await fetch_config(client, *_split(settings.config_map, "--config-map"))
+    if settings.config_path is None:
+        raise ValueError("a config file or a ConfigMap is needed")
+    return load_config(settings.config_path)
+
+
+def _sources(settings: ServeSettings, client: KubeClient | None, live: LiveConfig,
+             metrics: PickerMetrics) -> list[_Runner]:
+    """What keeps the config and the endpoints current: each has ``run(stop)``."""
+    def count(result: str) -> None:
+        metrics.config_reloads.labels(result).inc()
+
+    sources: list[_Runner] = []
+    if settings.config_map:
+        assert client is not None
+        namespace, name = _split(settings.config_map, "--config-map")
+        sources.append(ConfigMapWatcher(client, namespace, name, live.set_config, count))
+    else:
+        assert settings.config_path is not None
+        sources.append(ConfigWatcher(settings.config_path, live.set_config, count,
+                                     interval=settings.reload_interval))
+    if settings.pool:
+        assert client is not None
+        sources.append(PoolDiscovery(client, *_split(settings.pool, "--pool"),
+                                     live.set_endpoints))
+    return sources
+
+
+async def _serve(settings: ServeSettings, client: KubeClient | None,
+                 stop: asyncio.Event | None, ready: asyncio.Future[tuple[int, int]] | None,
+                 admin_ready: asyncio.Future[int] | None) -> None:
+    config = await _initial_config(settings, client)
     metrics = PickerMetrics()
     dispatcher = Dispatcher(config, metrics=metrics)
-    watcher = ConfigWatcher(settings.config_path, dispatcher.apply_config,
-                            lambda result: metrics.config_reloads.labels(result).inc(),
-                            interval=settings.reload_interval)
+    live = LiveConfig(dispatcher.apply_config, config)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
@@ -91,8 +175,31 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
     metrics_port = http_server.server_port
     await server.start()
     await admin_server.start()
-    for service in ("", EXT_PROC_SERVICE):
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_serving(serving: bool) -> None:
+        dispatcher.standby = not serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", EXT_PROC_SERVICE):
+            await health.set(service, status)
+
+    elector = None
+    if settings.lease:
+        assert client is not None
+
+        changes: set[asyncio.Task[None]] = set()
+
+        def on_leading(leading: bool) -> None:
+            log.info("leadership %s", "acquired: serving" if leading else "lost: standing by")
+            task = asyncio.get_running_loop().create_task(set_serving(leading))
+            changes.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(changes.discard)
+
+        elector = LeaderElector(client, *_split(settings.lease, "--lease"), on_leading,
+                                identity=settings.identity,
+                                lease_duration=settings.lease_duration,
+                                retry_period=settings.lease_duration / 3)
+    await set_serving(elector is None)
     for service in ("", ADMIN_SERVICE):
         await admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
@@ -101,9 +208,11 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(Scraper(dispatcher).run(stop)),
-             asyncio.create_task(watcher.run(stop)),
-             asyncio.create_task(admin.run(stop))]
+    runners: list[_Runner] = [Scraper(dispatcher), admin,
+                              *_sources(settings, client, live, metrics)]
+    if elector is not None:
+        runners.append(elector)
+    tasks = [asyncio.create_task(runner.run(stop)) for runner in runners]
     log.info("picker serving ext_proc on %s:%d, metrics on %s:%d, admin on %s:%d, policy %s",
              settings.host, grpc_port, settings.host, metrics_port, settings.host, admin_port,
              config.scheduling.policy)

@@ -43,6 +43,7 @@ from picker.errors import (
     InputTooLong,
     LaneNotAllowed,
     NoEndpoint,
+    NotLeader,
     OutputTooLong,
     OverBudget,
     QueueFull,
@@ -180,6 +181,8 @@ class Dispatcher:
         self._prompt_scale: dict[str, float] = {}
         """Per model: engine-reported prompt tokens ÷ the body estimate (tokenizers differ)."""
         self._closed = False
+        self.standby = False
+        """A replica that is not the elected leader: it refuses requests (retryable 503)."""
         self._parked: dict[str, list[Ticket]] = {}
         """Per tenant, requests waiting for the tenant to drop under its concurrency cap."""
         self._in_queue: dict[str, list[Ticket]] = {}
@@ -301,6 +304,8 @@ class Dispatcher:
         """
         if self._closed:
             raise ShuttingDown("the picker is shutting down")
+        if self.standby:
+            raise NotLeader("this picker replica is a standby; the leader serves")
         now = self.clock()
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.

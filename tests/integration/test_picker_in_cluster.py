@@ -1,0 +1,182 @@
+"""The whole picker process (``serve()``) in an emulated cluster: config from a ConfigMap,
+endpoints from an InferencePool's ready pods, and leader election between two replicas.
+
+kmock's emulator serves the Kubernetes API over real HTTP on 127.0.0.1; the model servers are
+simulated vLLM servers; requests are played as Envoy plays them on the ext_proc stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import kmock
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from picker.admin.v1 import admin_pb2, admin_pb2_grpc
+from picker.k8s import KubeClient
+from picker.server import EXT_PROC_SERVICE, ServeSettings, serve
+from picker.sim.server import SimServer, SimServerConfig
+from tests.integration.test_extproc_contract import (
+    TENANT_HEADER,
+    Picker,
+    chat_body,
+    expect_route,
+    refusal,
+    send_request,
+)
+
+pytestmark = pytest.mark.integration
+
+NS = "inference"
+RESOURCES = ("v1/namespaces", "v1/configmaps", "v1/pods",
+             "inference.networking.k8s.io/v1/inferencepools", "coordination.k8s.io/v1/leases")
+CONFIGMAPS = f"/api/v1/namespaces/{NS}/configmaps"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+
+
+def _configmap(weight: float) -> dict[str, Any]:
+    config = {"tenants": [{"id": "a", "weight": weight}], "capacity": {"scrapeInterval": "50ms"}}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "fairway-picker-config", "namespace": NS},
+            "data": {"picker.yaml": json.dumps(config)}}
+
+
+def _pod(name: str, ready: bool = True) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app": "llm"}},
+            "status": {"podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+async def _until(predicate: Callable[[], Any], timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def cluster() -> AsyncIterator[tuple[str, KubeClient]]:
+    emulator = kmock.KubernetesEmulator()
+    for resource in RESOURCES:
+        emulator.resources[resource] = {"namespaced": resource != "v1/namespaces"}
+    async with emulator, kmock.Server(emulator) as server:
+        client = KubeClient(str(server.url))
+        try:
+            yield str(server.url), client
+        finally:
+            await client.close()
+
+
+@contextlib.asynccontextmanager
+async def picker(url: str, **settings: Any) -> AsyncIterator[tuple[int, int]]:
+    """serve() in-process; yields (ext_proc port, admin port)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[tuple[int, int]] = loop.create_future()
+    admin_ready: asyncio.Future[int] = loop.create_future()
+    task = asyncio.create_task(serve(ServeSettings(
+        grpc_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
+        config_map=f"{NS}/fairway-picker-config", **settings), stop, ready, admin_ready))
+    try:
+        (grpc_port, _), admin_port = await asyncio.wait_for(
+            asyncio.gather(asyncio.shield(ready), asyncio.shield(admin_ready)), 10)
+        yield grpc_port, admin_port
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def _endpoints(admin_port: int) -> list[str]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{admin_port}") as channel:
+        reply = await admin_pb2_grpc.AdminStub(channel).ListEndpoints(
+            admin_pb2.ListEndpointsRequest())
+    return sorted(e.address for e in reply.endpoints if not e.draining)
+
+
+async def _weight(admin_port: int, tenant: str) -> float:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{admin_port}") as channel:
+        reply = await admin_pb2_grpc.AdminStub(channel).ListTenants(
+            admin_pb2.ListTenantsRequest(tenants=[tenant]))
+    return reply.tenants[0].weight if reply.tenants else -1.0
+
+
+async def _serving(grpc_port: int) -> bool:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE))
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_config_map_and_pool_drive_the_picker() -> None:
+    async with cluster() as (url, api), \
+            SimServer(SimServerConfig(step_ms=2.0)) as one, \
+            SimServer(SimServerConfig(step_ms=2.0)) as two:
+        await api.create(CONFIGMAPS, _configmap(1))
+        await api.create(POOLS, {
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "llm-pool", "namespace": NS},
+            "spec": {"selector": {"matchLabels": {"app": "llm"}},
+                     "targetPorts": [{"number": one.port}, {"number": two.port}]}})
+        await api.create(PODS, _pod("llm-0"))
+        async with picker(url, pool=f"{NS}/llm-pool") as (grpc_port, admin_port):
+            expected = sorted(f"127.0.0.1:{s.port}" for s in (one, two))
+            await _until(lambda: _endpoints_are(admin_port, expected))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                box = Picker(grpc_port, 0, expected, channel)
+                stream = box.open()
+                body = chat_body(max_tokens=2)
+                await send_request(stream, body, headers={TENANT_HEADER: "a"})
+                routed = await expect_route(stream, body)
+                assert routed.header in expected
+                await stream.close()
+
+                # A new weight in the ConfigMap reaches the picker through the watch.
+                await api.merge_patch(f"{CONFIGMAPS}/fairway-picker-config",
+                                      {"data": _configmap(3)["data"]})
+                await _until(lambda: _weight_is(admin_port, "a", 3.0))
+
+                # The pod turns unready: no endpoint is left for new requests.
+                await api.merge_patch(f"{PODS}/llm-0", {"status": _pod("x", False)["status"]})
+                await _until(lambda: _endpoints_are(admin_port, []))
+                stream = box.open()
+                await send_request(stream, body, headers={TENANT_HEADER: "a"})
+                assert refusal(await stream.reply()).status == 503
+                await stream.close()
+
+
+async def _endpoints_are(admin_port: int, expected: list[str]) -> bool:
+    return await _endpoints(admin_port) == expected
+
+
+async def _weight_is(admin_port: int, tenant: str, weight: float) -> bool:
+    return await _weight(admin_port, tenant) == weight
+
+
+async def test_only_the_leader_serves_and_a_standby_takes_over() -> None:
+    async with cluster() as (url, api), contextlib.AsyncExitStack() as replicas:
+        await api.create(CONFIGMAPS, _configmap(1))
+        lease = {"lease": f"{NS}/fairway-picker", "lease_duration": 2.0}
+        leader_exit = contextlib.AsyncExitStack()
+        first = await leader_exit.enter_async_context(picker(url, identity="one", **lease))
+        replicas.push_async_callback(leader_exit.aclose)
+        await _until(lambda: _serving(first[0]))
+        second = await replicas.enter_async_context(picker(url, identity="two", **lease))
+        await asyncio.sleep(1.5)  # longer than a renewal: the standby stays a standby
+        assert await _serving(first[0]) and not await _serving(second[0])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{second[0]}") as channel:
+            stream = Picker(second[0], 0, [], channel).open()
+            await send_request(stream, chat_body(), headers={TENANT_HEADER: "a"})
+            refused = refusal(await stream.reply())
+            assert refused.status == 503 and "standby" in refused.error["message"]
+            await stream.close()
+        await leader_exit.aclose()  # the leader goes away
+        await _until(lambda: _serving(second[0]), timeout=6.0)
