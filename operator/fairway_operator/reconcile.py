@@ -1,0 +1,172 @@
+"""Reconciling one pool in one namespace: read everything, render, write what changed.
+
+The output is a function of what exists now (the pool's policies, the base ConfigMap, the
+referenced Secrets), so every trigger runs the same whole-pool reconcile. Reconciles of a
+namespace run one at a time; a caller that arrives while one runs is served by the next run,
+which starts after its request (so bursts of events cost two runs, not one per event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from fairway_operator import render
+from fairway_operator.kube import ApiError, Kube, PermanentApiError
+from fairway_operator.settings import Settings
+from picker.errors import ConfigError
+
+log = logging.getLogger("fairway_operator")
+
+READY = "Ready"
+MAX_MESSAGE = 4096
+"""Longest condition message written (the API allows 32768)."""
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fairway-operator"}
+
+
+class Reconciler:
+    """Renders the pool of ``settings`` into the output ConfigMap of each namespace."""
+
+    def __init__(self, settings: Settings, kube: Kube) -> None:
+        self.settings = settings
+        self.kube = kube
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._wanted: defaultdict[str, int] = defaultdict(int)
+        self._done: defaultdict[str, int] = defaultdict(int)
+        self._retries: dict[str, asyncio.Task[None]] = {}
+        self._verdicts: dict[str, dict[str, render.Verdict]] = {}
+
+    async def reconcile(self, namespace: str) -> dict[str, render.Verdict]:
+        """Reconcile ``namespace`` now (or join a run that starts after this call).
+
+        Returns the verdicts of the run that covered this call, by policy name. Raises
+        ``kube.ApiError`` when the API fails.
+        """
+        self._wanted[namespace] += 1
+        ticket = self._wanted[namespace]
+        async with self._locks[namespace]:
+            if self._done[namespace] < ticket:
+                covered = self._wanted[namespace]
+                self._verdicts[namespace] = await self._reconcile_once(namespace)
+                self._done[namespace] = max(self._done[namespace], covered)
+            return self._verdicts[namespace]
+
+    def request(self, namespace: str) -> None:
+        """Reconcile ``namespace`` in the background, retrying with backoff until it succeeds
+        (for triggers whose handlers kopf does not retry: ConfigMap and Secret events)."""
+        self._wanted[namespace] += 1
+        task = self._retries.get(namespace)
+        if task is None or task.done():
+            self._retries[namespace] = asyncio.create_task(self._retry(namespace),
+                                                           name=f"reconcile {namespace}")
+
+    async def _retry(self, namespace: str) -> None:
+        delay = 1.0
+        while self._done[namespace] < self._wanted[namespace]:
+            try:
+                await self.reconcile(namespace)
+            except PermanentApiError as exc:
+                log.error("Reconciling %s failed for good: %s", namespace, exc)
+                return
+            except ApiError as exc:
+                log.warning("Reconciling %s failed, retrying in %.0f s: %s",
+                            namespace, delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+
+    async def close(self) -> None:
+        tasks = [t for t in self._retries.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _reconcile_once(self, namespace: str) -> dict[str, render.Verdict]:
+        s = self.settings
+        problem = "base config: tenancy.apiKeys: apiKey mode needs at least one key"
+        policies = render.select_policies(await self.kube.list_policies(namespace), s.pool)
+        base_cm = await self.kube.get_configmap(namespace, s.base_configmap)
+        try:
+            data = (base_cm.get("data") or {}) if base_cm is not None else None
+            base = render.parse_base(data, s.base_key, s.base_configmap)
+            render.check_base(base)
+        except ConfigError as exc:
+            problem = f"base config: {exc}"
+            config, verdicts = None, render.refuse_all(policies, render.INVALID_BASE_CONFIG,
+                                                       problem)
+        else:
+            secrets: dict[str, Mapping[str, str] | None] = {}
+            for name in sorted(render.secret_names(policies)):
+                secret = await self.kube.get_secret(namespace, name)
+                secrets[name] = None if secret is None else _secret_data(secret)
+            config, verdicts = render.render(base, policies, secrets)
+
+        if config is None:
+            if policies or base_cm is not None:  # else: a namespace without this pool
+                problem = next(iter(verdicts.values())).message if verdicts else problem
+                log.warning("%s: the picker config is left as it is: %s", namespace, problem)
+        else:
+            await self._write_output(namespace, render.dump(config, s.pool))
+        for policy in policies:
+            verdict = verdicts[policy["metadata"]["name"]]
+            change = status_patch(policy.get("status") or {}, verdict)
+            if change is not None:
+                await self.kube.patch_policy_status(namespace, verdict.name, change)
+        return verdicts
+
+    async def _write_output(self, namespace: str, text: str) -> None:
+        s = self.settings
+        current = await self.kube.get_configmap(namespace, s.output_configmap)
+        if current is None:
+            await self.kube.create_configmap(namespace, {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": s.output_configmap, "namespace": namespace,
+                             "labels": {**MANAGED_BY, "fairway.dev/pool": s.pool}},
+                "data": {s.output_key: text},
+            })
+            log.info("%s/%s: created with the picker config", namespace, s.output_configmap)
+        elif (current.get("data") or {}).get(s.output_key) != text:
+            await self.kube.patch_configmap(namespace, s.output_configmap,
+                                            {"data": {s.output_key: text}})
+            log.info("%s/%s: picker config updated", namespace, s.output_configmap)
+
+
+def _secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
+    data = dict(secret.get("data") or {})
+    # Kubernetes turns stringData into data on write; honour it where it was not (tests, mocks).
+    for key, value in (secret.get("stringData") or {}).items():
+        data.setdefault(key, base64.b64encode(str(value).encode()).decode())
+    return data
+
+
+def status_patch(status: Mapping[str, Any], verdict: render.Verdict,
+                 now: datetime | None = None) -> dict | None:
+    """The status change that records ``verdict`` (its Ready condition and
+    ``observedGeneration``), or None when the status already says so.
+
+    ``lastTransitionTime`` moves only when the condition's status flips."""
+    conditions = [c for c in status.get("conditions") or () if isinstance(c, Mapping)]
+    old = next((c for c in conditions if c.get("type") == READY), None)
+    flag = "True" if verdict.ready else "False"
+    wanted = {"type": READY, "status": flag, "reason": verdict.reason,
+              "message": verdict.message[:MAX_MESSAGE]}
+    if verdict.generation is not None:
+        wanted["observedGeneration"] = verdict.generation
+    same = old is not None and all(old.get(k) == v for k, v in wanted.items())
+    if same and (verdict.generation is None
+                 or status.get("observedGeneration") == verdict.generation):
+        return None
+    if old is not None and old.get("status") == flag and old.get("lastTransitionTime"):
+        wanted["lastTransitionTime"] = old["lastTransitionTime"]
+    else:
+        when = now or datetime.now(UTC)
+        wanted["lastTransitionTime"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    others = [dict(c) for c in conditions if c.get("type") != READY]
+    change: dict[str, Any] = {"conditions": [*others, wanted]}
+    if verdict.generation is not None:
+        change["observedGeneration"] = verdict.generation
+    return change
