@@ -91,6 +91,8 @@ class Stack:
     """False: Envoy routes on the client's own destination header (overhead baseline)."""
     response_path: str = "meter-stream"
     """How Envoy hands the response to the picker: ``meter-stream`` or ``inline`` (see envoy.py)."""
+    picker_source: list[str] = field(default_factory=list)
+    """Flags that replace ``--config FILE``, e.g. ``--config-map ns/name --kube-server URL``."""
     processes: list[subprocess.Popen] = field(default_factory=list)
     endpoint_addresses: list[str] = field(default_factory=list)
     grpc_port: int = 0
@@ -158,8 +160,9 @@ class Stack:
             self.write_picker_config(self.picker_config)
             self.grpc_port, self.metrics_port = free_port(), free_port()
             self.admin_grpc_port = free_port()
-            self._spawn([sys.executable, "-m", "picker", "serve", "--config",
-                         str(self.config_path), "--grpc-port", str(self.grpc_port),
+            source = self.picker_source or ["--config", str(self.config_path)]
+            self._spawn([sys.executable, "-m", "picker", "serve", *source,
+                         "--grpc-port", str(self.grpc_port),
                          "--metrics-port", str(self.metrics_port),
                          "--admin-port", str(self.admin_grpc_port), "--grace", "2"],
                         "picker", "picker listening")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Any
 
@@ -27,6 +28,17 @@ def metric(url: str, name: str, **labels: str) -> float:
     wanted = set(labels.items())
     return sum(value for (sample, sample_labels), value in metric_samples(url).items()
                if sample == name and wanted <= set(sample_labels))
+
+
+def settled_metric(url: str, name: str, expected: float, timeout: float = 5.0,
+                   **labels: str) -> float:
+    """``metric`` once it equals ``expected`` (or its value at the timeout, for the assertion's
+    message). On the meter-stream path the picker settles a request after the client has its
+    answer, so a charge shows a moment later."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(url, name, **labels)) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
 
 
 def chat_body(words: int = 20, max_tokens: int = 8, stream: bool = False,

@@ -19,7 +19,7 @@ import pytest
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import TENANT_HEADER, chat_body, metric
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric
 
 TENANTS = ["a", "b", "light", "noisy", "meter", "quitter", "streamer", "bad"]
 
@@ -130,11 +130,15 @@ def test_tenant_is_charged_what_the_engine_served(any_stack: Stack, stream: bool
                        kind="completion"))
 
     engine_before, charged_before = engine_tokens(), charged()
+    done = metric(stack.metrics_url, "fairway_requests_total", tenant="meter")
     extra = {"stream_options": {"include_usage": True}} if usage else {}
     for size in (10, 40, 90):
         status, _, _ = _post_sync(stack, "meter", chat_body(words=size, max_tokens=size // 3,
                                                             stream=stream, **extra))
         assert status == 200
+    # Settled once the picker has seen each response end (on the meter stream, just after).
+    assert settled_metric(stack.metrics_url, "fairway_requests_total", done + 3,
+                          tenant="meter") == done + 3
     engine_after, charged_after = engine_tokens(), charged()
     engine = [after - before for after, before in zip(engine_after, engine_before, strict=True)]
     got = [after - before for after, before in zip(charged_after, charged_before, strict=True)]

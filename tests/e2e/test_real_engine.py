@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from picker.stack.launcher import Stack, free_port
-from tests.e2e.conftest import TENANT_HEADER, metric
+from tests.e2e.conftest import TENANT_HEADER, metric, settled_metric
 
 
 def _model_path() -> Path:
@@ -109,10 +109,10 @@ def test_non_streaming_answer_is_intact_and_charged_as_reported(gateway: Stack,
     assert through["choices"][0]["message"] == direct["choices"][0]["message"]
     assert through["usage"] == direct["usage"]
     usage = through["usage"]
-    assert metric(gateway.metrics_url, "fairway_service_tokens_total", tenant="real",
-                  kind="prompt") - before["prompt"] == usage["prompt_tokens"]
-    assert metric(gateway.metrics_url, "fairway_service_tokens_total", tenant="real",
-                  kind="completion") - before["completion"] == usage["completion_tokens"]
+    for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
+        assert settled_metric(gateway.metrics_url, "fairway_service_tokens_total",
+                              before[kind] + usage[key], tenant="real", kind=kind) \
+            == before[kind] + usage[key]
 
 
 def test_streamed_answer_is_intact_and_charged_per_chunk(gateway: Stack, engine: str) -> None:
@@ -123,6 +123,6 @@ def test_streamed_answer_is_intact_and_charged_per_chunk(gateway: Stack, engine:
     text, chunks = _stream_text(raw)
     assert text == direct_text and chunks > 0
     assert b"usage" not in raw  # this engine sends none: the picker counted the chunks
-    charged = metric(gateway.metrics_url, "fairway_service_tokens_total", tenant="real",
-                     kind="completion") - before
+    charged = settled_metric(gateway.metrics_url, "fairway_service_tokens_total",
+                             before + chunks, tenant="real", kind="completion") - before
     assert charged == chunks

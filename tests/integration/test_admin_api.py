@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.admin.service import ADMIN_SERVICE
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
@@ -42,7 +43,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for tenant, count in (("alice", 3), ("bob", 1)):
             for _ in range(count):
                 assert _post(running, tenant) == 200
+        _settled(running, 4)
         yield running
+
+
+def _settled(stack: Stack, requests: int) -> None:
+    """Until the picker has settled ``requests`` requests: on the meter-stream path it settles
+    each just after the client has its answer."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(stack.metrics_url, timeout=TIMEOUT) as response:
+            text = response.read().decode()
+        done = sum(s.value for f in text_string_to_metric_families(text)
+                   for s in f.samples if s.name == "fairway_requests_total")
+        if done >= requests:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the picker settled fewer than {requests} requests")
 
 
 def _post(stack: Stack, tenant: str) -> int:

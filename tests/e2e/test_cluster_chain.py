@@ -1,0 +1,100 @@
+"""The cluster path end to end: ``kubectl apply`` of TenantPolicies (against kmock's emulated
+Kubernetes API), the kopf operator rendering them into the picker's ConfigMap, a real picker
+process reading that ConfigMap and the InferencePool through the API, and real Envoy in front of
+simulated model servers: the traffic split follows a weight changed in a TenantPolicy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import kmock
+import pytest
+
+from picker.admin.v1 import admin_pb2, admin_pb2_grpc
+from picker.sim.load import run_traffic
+from picker.sim.traffic import load_traffic
+from picker.stack.launcher import Stack
+from tests.integration import test_operator as operator_tests
+from tests.integration.test_operator import NS, POOL, Cluster, eventually, running_operator
+
+pytestmark = pytest.mark.e2e
+
+cluster = operator_tests.cluster  # the emulated API with the operator's resources (a fixture)
+
+SPEC = {"backlog": 16, "prompt_tokens": [40, 120], "output_tokens": [20, 60],
+        "stream_fraction": 0.5, "include_usage": True}
+
+
+@contextlib.asynccontextmanager
+async def picker_stack(cluster: Cluster, workdir: object) -> AsyncIterator[Stack]:
+    stack = Stack(workdir, policy="vtc", endpoints=2,  # type: ignore[arg-type]
+                  server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
+                  picker_source=["--config-map", f"{NS}/fairway-picker-config",
+                                 "--pool", f"{NS}/{POOL}", "--kube-server", cluster.url])
+    # Started off the event loop: the emulated API the picker reads at startup runs on it.
+    await asyncio.to_thread(stack.start)
+    try:
+        yield stack
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
+async def _admin(stack: Stack) -> admin_pb2.ListTenantsResponse:
+    async with grpc.aio.insecure_channel(stack.admin_address) as channel:
+        return await admin_pb2_grpc.AdminStub(channel).ListTenants(admin_pb2.ListTenantsRequest())
+
+
+async def _shares(stack: Stack, seconds: float) -> dict[str, float]:
+    traffic = load_traffic({"duration_s": seconds, "seed": 5, "timeout_s": 30, "tenants": [
+        {"name": "alpha", **SPEC}, {"name": "beta", **SPEC}]})
+    result = await run_traffic(traffic, stack.gateway_url)
+    return {t: s["service_share"] for t, s in result.summary["tenants"].items()}
+
+
+async def test_a_weight_changed_in_a_tenant_policy_moves_the_traffic_split(
+        cluster: Cluster, tmp_path: object) -> None:
+    for resource, kind in [("v1/pods", "Pod"),
+                           ("inference.networking.k8s.io/v1/inferencepools", "InferencePool")]:
+        cluster.emulator.resources[resource] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"list", "watch", "get", "create", "patch"})
+    async with running_operator(cluster):
+        await cluster.create_policy("alpha", ["alpha"], weight=1, lane="online")
+        await cluster.create_policy("beta", ["beta"], weight=1, lane="online")
+        await eventually(lambda: cluster.tenant_ids() == ["alpha", "beta"])
+        async with picker_stack(cluster, tmp_path) as stack:
+            ports = [{"number": int(a.rsplit(":", 1)[1])} for a in stack.endpoint_addresses]
+            await cluster._send("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}"
+                                "/inferencepools", {
+                                    "apiVersion": "inference.networking.k8s.io/v1",
+                                    "kind": "InferencePool",
+                                    "metadata": {"name": POOL, "namespace": NS},
+                                    "spec": {"selector": {"matchLabels": {"app": "llm"}},
+                                             "targetPorts": ports}})
+            await cluster._send("POST", f"/api/v1/namespaces/{NS}/pods", {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "llm-0", "namespace": NS, "labels": {"app": "llm"}},
+                "status": {"podIP": "127.0.0.1",
+                           "conditions": [{"type": "Ready", "status": "True"}]}})
+
+            even = await _shares(stack, 6)
+            assert even["beta"] == pytest.approx(0.5, abs=0.07), even
+
+            await cluster.patch_policy_spec("beta", weight=3)
+            await eventually(lambda: cluster.picker_config()["tenants"][1]["weight"] == 3)
+
+            async def picker_has_new_weight() -> bool:
+                tenants = {t.tenant: t for t in (await _admin(stack)).tenants}
+                return tenants["beta"].weight == 3
+
+            for _ in range(100):  # the picker watches the ConfigMap: within seconds
+                if await picker_has_new_weight():
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the picker did not take the new weight")
+            skewed = await _shares(stack, 6)
+            assert skewed["beta"] == pytest.approx(0.75, abs=0.07), skewed
