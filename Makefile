@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint unit bench experiments clean proto
+.PHONY: setup demo test lint unit bench experiments clean proto docs
 
 setup: $(STAMP)
 
@@ -38,6 +38,9 @@ unit: setup
 
 proto: setup
 	$(PY) scripts/gen_proto.py
+
+docs: setup
+	$(PY) scripts/config_reference.py
 
 bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
