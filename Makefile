@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: setup demo test lint unit bench experiments clean proto docs
 
 setup: $(STAMP)
+	@bash scripts/install-system-deps.sh
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +50,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# The container image of the picker and the operator (needs Docker; not part of `make test`).
+.PHONY: image
+image:
+	docker build -t fairway:dev .

@@ -1,0 +1,130 @@
+{{/* Names, labels and the names every component must agree on. */}}
+
+{{- define "fairway.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>, or <release>-<chart> when the release name does not contain the chart name. Room
+is left for the longest suffix (-picker-config). */}}
+{{- define "fairway.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "fairway.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of a component: include "fairway.selectorLabels" (list . "picker") */}}
+{{- define "fairway.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "fairway.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* All labels of a component: include "fairway.labels" (list . "picker") */}}
+{{- define "fairway.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "fairway.chart" $root }}
+{{ include "fairway.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: fairway
+{{- end }}
+
+{{- define "fairway.picker.fullname" -}}
+{{- printf "%s-picker" (include "fairway.fullname" .) }}
+{{- end }}
+
+{{- define "fairway.operator.fullname" -}}
+{{- printf "%s-operator" (include "fairway.fullname" .) }}
+{{- end }}
+
+{{/* The ConfigMap the picker reads (key picker.yaml): written by the operator, or by the chart
+when the operator is disabled. */}}
+{{- define "fairway.pickerConfigName" -}}
+{{- printf "%s-picker-config" (include "fairway.fullname" .) }}
+{{- end }}
+
+{{/* The base config (key base.yaml) the operator adds the TenantPolicies to. */}}
+{{- define "fairway.baseConfigName" -}}
+{{- printf "%s-base" (include "fairway.fullname" .) }}
+{{- end }}
+
+{{/* The Lease of the picker's leader election (replicas > 1). */}}
+{{- define "fairway.leaseName" -}}
+{{- include "fairway.picker.fullname" . }}
+{{- end }}
+
+{{- define "fairway.picker.serviceAccountName" -}}
+{{- if .Values.picker.serviceAccount.create }}
+{{- default (include "fairway.picker.fullname" .) .Values.picker.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.picker.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "fairway.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "fairway.operator.fullname" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "fairway.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The container security context of every container: not configurable on purpose. */}}
+{{- define "fairway.containerSecurityContext" -}}
+runAsNonRoot: true
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+privileged: false
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The picker's ports (fixed: the gateway, the operator and the dashboard expect them). */}}
+{{- define "fairway.port.extProc" -}}9002{{- end }}
+{{- define "fairway.port.metrics" -}}9090{{- end }}
+{{- define "fairway.port.admin" -}}9003{{- end }}
+{{- define "fairway.port.operatorHealth" -}}8080{{- end }}
+
+{{/* What values.schema.json cannot say, and a second line of defence when it is skipped. */}}
+{{- define "fairway.validate" -}}
+{{- if and (not .Values.inferencePool.name) .Values.operator.enabled }}
+{{- fail "inferencePool.name is required with operator.enabled (the operator renders the TenantPolicies of one pool)" }}
+{{- end }}
+{{- if and .Values.inferencePool.create (not .Values.inferencePool.matchLabels) }}
+{{- fail "inferencePool.matchLabels is required with inferencePool.create (which pods are the model servers)" }}
+{{- end }}
+{{- if ge (float64 .Values.picker.grace) (float64 .Values.picker.terminationGracePeriodSeconds) }}
+{{- fail "picker.terminationGracePeriodSeconds must exceed picker.grace (the kubelet kills the pod after it)" }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.namespaceSelector) (not .Values.networkPolicy.gateway.podSelector) }}
+{{- fail "networkPolicy.gateway needs a namespaceSelector or a podSelector (who may reach ext_proc)" }}
+{{- end }}
+{{- end }}
+
+{{/* One NetworkPolicy peer (a list of one) from {namespaceSelector, podSelector}; with neither,
+every namespace. */}}
+{{- define "fairway.networkPeer" -}}
+{{- $peer := dict }}
+{{- with .namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end }}
+{{- with .podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end }}
+{{- if not $peer }}{{ $_ := set $peer "namespaceSelector" (dict) }}{{ end }}
+{{- toYaml (list $peer) }}
+{{- end }}

@@ -1,0 +1,669 @@
+"""The Helm chart (``charts/fairway``), rendered by real Helm: helm-python-sdk is Helm v4's Go SDK
+behind ctypes, so loading, values coalescing, ``values.schema.json``, templates and lint are
+Helm's own code.
+
+Rendered for the default values and each value set in ``tests/fixtures/chart/`` (plus the
+defaults under another release name), and checked:
+
+- ``helm lint --strict`` has nothing above INFO to say;
+- every rendered object of a built-in kind passes Kubernetes' own schema
+  (``kubernetes-validate --strict``) for 1.28, the chart's minimum, and the newest it knows;
+  the CRD in ``crds/`` too;
+- the two custom-resource kinds it cannot know are checked against small schemas written here
+  from the documented APIs, for the fields the chart sets: the InferencePool
+  (``inference.networking.k8s.io/v1``) and the ServiceMonitor (``monitoring.coreos.com/v1``).
+  Nothing else is skipped, and the chart renders no TenantPolicy;
+- every container runs as non-root with a read-only root filesystem (and ``/tmp`` an emptyDir);
+- RBAC is Roles and RoleBindings only, with exactly the verbs the picker and the operator need;
+- the flags the chart passes are parsed by the picker's and the operator's own argument parsers,
+  and the names agree (the picker reads the ConfigMap the operator writes from the base the
+  chart renders; the operator's admin address is the picker's Service);
+- the rendered base config loads with the picker's ``load_config`` (and the operator's renderer
+  accepts it with a policy), the CRD in ``crds/`` is byte-identical to ``manifests/crd/``, the
+  dashboard in the chart is the repository's dashboard;
+- every file in ``tests/fixtures/chart/bad/`` is refused at install by ``values.schema.json``
+  with the message on its ``# expect:`` line.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python import Chart, HelmRenderError, HelmValuesError, lint, package
+from kubernetes_validate.utils import SchemaNotFoundError, latest_version
+
+import picker.__main__ as picker_main
+from fairway_operator import render as operator_render
+from fairway_operator.__main__ import parse_args as operator_parse_args
+from picker.config.schema import PickerConfig, load_config
+from tests.expect import expected_message
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "fairway"
+FIXTURES = ROOT / "tests" / "fixtures" / "chart"
+BAD = sorted((FIXTURES / "bad").glob("*.yaml"))
+NS = "inference"
+K8S_VERSIONS = ["1.28", latest_version()]
+# Kinds kubernetes-validate has no schema for; checked against the schemas below instead.
+CUSTOM_KINDS = {"InferencePool", "ServiceMonitor"}
+
+# (id, release name, values)
+CASES: list[tuple[str, str, dict]] = [("default", "fairway", {}),
+                                      ("default-release-llm", "llm", {})]
+CASES += [(p.stem, "fairway", yaml.safe_load(p.read_text(encoding="utf-8")))
+          for p in sorted(FIXTURES.glob("*.yaml"))]
+IDS = [c[0] for c in CASES]
+
+
+@functools.cache
+def _chart() -> Chart:
+    return Chart.load(CHART)
+
+
+@functools.cache
+def _rendered(case_id: str) -> tuple[dict[str, str], dict]:
+    """(template path → manifest, the coalesced values) of one case."""
+    _, release, values = next(c for c in CASES if c[0] == case_id)
+    chart = _chart()
+    manifests = chart.render(copy.deepcopy(values), name=release, namespace=NS, is_install=True)
+    return manifests, chart.merge_values(copy.deepcopy(values))
+
+
+@functools.cache
+def _objects(case_id: str) -> list[dict]:
+    """The rendered objects (shared between tests: copy before changing one)."""
+    manifests, _ = _rendered(case_id)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.load_all(text, Loader=loader) if doc]
+
+
+def _values(case_id: str) -> dict:
+    return _rendered(case_id)[1]
+
+
+def _kind(case_id: str, kind: str) -> list[dict]:
+    return [o for o in _objects(case_id) if o["kind"] == kind]
+
+
+def _one(case_id: str, kind: str, component: str | None = None) -> dict:
+    found = [o for o in _kind(case_id, kind) if component is None
+             or o["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    assert len(found) == 1, f"{case_id}: {len(found)} {kind} {component or ''}"
+    return found[0]
+
+
+def _container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flags(args: list[str]) -> dict[str, str | bool]:
+    """``--name=value`` (or a bare ``--flag``) → {name: value}; a flag may appear once."""
+    flags: dict[str, str | bool] = {}
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name, sep, value = arg[2:].partition("=")
+        assert name not in flags, f"--{name} twice"
+        flags[name] = value if sep else True
+    return flags
+
+
+def _selected(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# --- Helm: lint, schema, rendering ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_chart_lints_strictly(case_id: str) -> None:
+    _, _, values = next(c for c in CASES if c[0] == case_id)
+    report = lint(CHART, copy.deepcopy(values), strict=True, namespace=NS)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # warnings fail --strict
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_values_pass_the_schema_and_render(case_id: str) -> None:
+    _chart().validate_schema(_values(case_id))
+    kinds = sorted(o["kind"] for o in _objects(case_id))
+    assert {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+            "ConfigMap"} <= set(kinds)
+    for obj in _objects(case_id):
+        assert obj["metadata"]["namespace"] == NS, obj["metadata"]["name"]
+        assert len(obj["metadata"]["name"]) <= 63
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_values_are_refused_by_the_schema(path: Path) -> None:
+    values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    expected = expected_message(path)
+    with pytest.raises(HelmValuesError) as refused:  # what `helm install` does
+        _chart().render(values, name="fairway", namespace=NS, is_install=True)
+    assert expected in str(refused.value)
+    with pytest.raises(HelmValuesError, match=re.escape(expected)):
+        _chart().validate_schema(_chart().merge_values(values))
+
+
+def test_bad_fixtures_are_one_failure_each() -> None:
+    """Each bad file breaks one thing: every error is about one value (or what lies under it)."""
+    assert len(BAD) >= 15
+    for path in BAD:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with pytest.raises(HelmValuesError) as refused:
+            _chart().validate_schema(_chart().merge_values(values))
+        paths = sorted({line.split("'")[1] for line in str(refused.value).splitlines()
+                        if line.strip().startswith("- at '")})
+        paths = [p for p in paths if p] or paths  # '' (the root) summarises allOf's failures
+        assert paths and all(p.startswith(paths[0]) for p in paths), (path.name, paths)
+
+
+def test_grace_must_be_shorter_than_the_termination_grace_period() -> None:
+    with pytest.raises(HelmRenderError, match="terminationGracePeriodSeconds must exceed"):
+        _chart().render({"picker": {"grace": 30, "terminationGracePeriodSeconds": 30}},
+                        name="fairway", namespace=NS, is_install=True)
+
+
+# --- Kubernetes' schemas and the custom kinds --------------------------------------------------
+
+# Written from the InferencePool v1 API reference (Gateway API Inference Extension): the fields
+# this chart sets, with their documented constraints.
+INFERENCE_POOL_V1 = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "additionalProperties": False,
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "properties": {
+                "selector": {
+                    "type": "object", "additionalProperties": False, "required": ["matchLabels"],
+                    "properties": {"matchLabels": {
+                        "type": "object", "minProperties": 1,
+                        "additionalProperties": {
+                            "type": "string", "maxLength": 63,
+                            "pattern": "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}}}},
+                "targetPorts": {
+                    "type": "array", "minItems": 1, "maxItems": 8,
+                    "items": {"type": "object", "additionalProperties": False,
+                              "required": ["number"],
+                              "properties": {"number": {"type": "integer", "minimum": 1,
+                                                        "maximum": 65535}}}},
+                "endpointPickerRef": {
+                    "type": "object", "additionalProperties": False, "required": ["name"],
+                    "properties": {
+                        "group": {"type": "string", "maxLength": 253},
+                        "kind": {"type": "string", "minLength": 1, "maxLength": 63},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": {"type": "object", "additionalProperties": False,
+                                 "required": ["number"],
+                                 "properties": {"number": {"type": "integer", "minimum": 1,
+                                                           "maximum": 65535}}},
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]}}}}}},
+}
+
+# Written from prometheus-operator's ServiceMonitor v1 API: the fields this chart sets.
+SERVICE_MONITOR_V1 = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "spec": {
+            "type": "object", "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": {"type": "object", "properties": {
+                    "matchLabels": {"type": "object",
+                                    "additionalProperties": {"type": "string"}}}},
+                "namespaceSelector": {"type": "object", "additionalProperties": False,
+                                      "properties": {"any": {"type": "boolean"},
+                                                     "matchNames": {"type": "array", "items": {
+                                                         "type": "string"}}}},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string", "minLength": 1},
+                        "path": {"type": "string", "pattern": "^/"},
+                        "scheme": {"enum": ["http", "https"]},
+                        "interval": {"type": "string",
+                                     "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+                                                "(([0-9]+)ms)?)$"},
+                        "scrapeTimeout": {"type": "string",
+                                          "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+                                                     "(([0-9]+)ms)?)$"}}}}}}},
+}
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_every_object_passes_its_schema(case_id: str) -> None:
+    skipped = set()
+    for obj in _objects(case_id):
+        if obj["kind"] in CUSTOM_KINDS:
+            schema = {"InferencePool": INFERENCE_POOL_V1,
+                      "ServiceMonitor": SERVICE_MONITOR_V1}[obj["kind"]]
+            jsonschema.Draft7Validator(schema).validate(obj)
+            for version in K8S_VERSIONS:  # really unknown to kubernetes-validate
+                with pytest.raises(SchemaNotFoundError):
+                    kubernetes_validate.validate(obj, version, strict=True)
+            skipped.add(obj["kind"])
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    assert skipped <= CUSTOM_KINDS
+
+
+def test_the_custom_schemas_refuse_what_the_apis_refuse() -> None:
+    pool = _one("inferencepool-failopen", "InferencePool")
+    bad = copy.deepcopy(pool)
+    bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSafe"
+    bad["spec"]["targetPorts"] = []
+    errors = list(jsonschema.Draft7Validator(INFERENCE_POOL_V1).iter_errors(bad))
+    assert len(errors) == 2
+    monitor = _one("monitoring-netpol", "ServiceMonitor")
+    bad = copy.deepcopy(monitor)
+    bad["spec"]["endpoints"][0]["interval"] = "30 seconds"
+    assert not jsonschema.Draft7Validator(SERVICE_MONITOR_V1).is_valid(bad)
+
+
+# --- security --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_every_container_is_non_root_with_a_read_only_root_filesystem(case_id: str) -> None:
+    deployments = _kind(case_id, "Deployment")
+    assert len(deployments) == (2 if _values(case_id)["operator"]["enabled"] else 1)
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"].get("runAsUser", 1) != 0
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            where = f"{deployment['metadata']['name']}/{container['name']}"
+            assert context["runAsNonRoot"] is True, where
+            assert context["readOnlyRootFilesystem"] is True, where
+            assert context["allowPrivilegeEscalation"] is False, where
+            assert context.get("privileged", False) is False, where
+            assert "ALL" in context["capabilities"]["drop"], where
+            assert not context["capabilities"].get("add"), where
+            (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert "emptyDir" in volumes[tmp["name"]], where
+            assert container["resources"]["requests"] and container["resources"]["limits"]
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_rbac_is_namespaced_and_least_privilege(case_id: str) -> None:
+    kinds = {o["kind"] for o in _objects(case_id)}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    operator = _values(case_id)["operator"]["enabled"]
+
+    def grants(role: dict) -> set[tuple[str, str, str]]:
+        return {(group, resource, verb) for rule in role["rules"]
+                for group in rule["apiGroups"] for resource in rule["resources"]
+                for verb in rule["verbs"]}
+
+    picker = grants(_one(case_id, "Role", "picker"))
+    assert picker == {
+        ("", "configmaps", "get"), ("", "configmaps", "list"), ("", "configmaps", "watch"),
+        ("", "pods", "list"), ("", "pods", "watch"),
+        ("inference.networking.k8s.io", "inferencepools", "get"),
+        ("inference.networking.k8s.io", "inferencepools", "list"),
+        ("inference.networking.k8s.io", "inferencepools", "watch"),
+        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+        ("coordination.k8s.io", "leases", "patch")}
+    roles = {role["metadata"]["name"] for role in _kind(case_id, "Role")}
+    assert len(roles) == (2 if operator else 1)
+    if operator:
+        assert grants(_one(case_id, "Role", "operator")) == {
+            ("fairway.dev", "tenantpolicies", v) for v in ("get", "list", "watch", "patch")} | {
+            ("fairway.dev", "tenantpolicies/status", "patch"),
+            *{("", "configmaps", v) for v in ("get", "list", "watch", "create", "patch")},
+            *{("", "secrets", v) for v in ("get", "list", "watch")},
+            ("", "events", "create")}
+    # Each Deployment's service account is bound to its component's Role, in the namespace.
+    accounts = {a["metadata"]["name"] for a in _kind(case_id, "ServiceAccount")}
+    for deployment in _kind(case_id, "Deployment"):
+        component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        assert account in accounts
+        binding = _one(case_id, "RoleBinding", component)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": _one(case_id, "Role", component)["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                        "namespace": NS}]
+
+
+# --- the picker ------------------------------------------------------------------------------
+
+
+def _picker_settings(args: list[str]) -> Any:
+    """The picker's own argument parser applied to ``args``; what it would serve with."""
+    seen = []
+
+    async def fake_serve(settings: Any) -> None:
+        seen.append(settings)
+
+    original = picker_main.serve
+    picker_main.serve = fake_serve
+    try:
+        assert picker_main.main(args) == 0
+    finally:
+        picker_main.serve = original
+    return seen[0]
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_picker_deployment(case_id: str) -> None:
+    values = _values(case_id)
+    deployment = _one(case_id, "Deployment", "picker")
+    container = _container(deployment)
+    replicas = values["picker"]["replicas"]
+    pool = values["inferencePool"]["name"]
+    assert deployment["spec"]["replicas"] == replicas
+    flags = _flags(container["args"])
+    config_map = flags["config-map"]
+    assert isinstance(config_map, str) and config_map.startswith(f"{NS}/")
+    assert config_map.endswith("-picker-config")
+    assert flags.get("pool") == (f"{NS}/{pool}" if pool else None)
+    lease = flags.get("lease")
+    if replicas > 1:
+        assert lease == f"{NS}/{deployment['metadata']['name']}"
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "100%",
+                                                                   "maxUnavailable": "100%"}
+    else:
+        assert lease is None
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+    settings = _picker_settings(container["args"])
+    assert settings.host == "0.0.0.0"
+    assert (settings.grpc_port, settings.metrics_port, settings.admin_port) == (9002, 9090, 9003)
+    assert settings.config_map == config_map and settings.config_path is None
+    assert settings.grace < deployment["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"ext-proc": 9002, "metrics": 9090, "admin": 9003}
+    # Ready only while the ext_proc health is SERVING (the leader); alive on the admin port.
+    assert container["readinessProbe"]["grpc"] == {"port": 9002}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003}
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert _selected(selector, deployment["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_picker_service(case_id: str) -> None:
+    service = _one(case_id, "Service", "picker")
+    deployment = _one(case_id, "Deployment", "picker")
+    assert _selected(service["spec"]["selector"],
+                     deployment["spec"]["template"]["metadata"]["labels"])
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert {name: p["port"] for name, p in ports.items()} == {
+        "ext-proc": 9002, "metrics": 9090, "admin": 9003}
+    assert ports["ext-proc"]["appProtocol"] == "kubernetes.io/h2c"
+    container_ports = {p["name"] for p in _container(deployment)["ports"]}
+    assert {p["targetPort"] for p in ports.values()} <= container_ports
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_pdb_only_with_several_replicas(case_id: str) -> None:
+    replicas = _values(case_id)["picker"]["replicas"]
+    budgets = _kind(case_id, "PodDisruptionBudget")
+    if replicas == 1:
+        assert budgets == []
+        return
+    (pdb,) = budgets
+    deployment = _one(case_id, "Deployment", "picker")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # standbys are unready
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+def test_ha_spreads_replicas_and_elects_a_leader() -> None:
+    deployment = _one("ha", "Deployment", "picker")
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 3
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    container = _container(deployment)
+    assert container["image"] == "registry.example.com/fairway:0.1.0"
+    assert _picker_settings(container["args"]).lease == f"{NS}/fairway-picker"
+
+
+# --- the operator and the names the components share -------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", [i for i in IDS if i != "no-operator"])
+def test_operator_flags_match_the_picker_and_the_base_config(
+        case_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("POOL", "NAMESPACES", "ALL_NAMESPACES", "BASE_CONFIGMAP", "BASE_KEY",
+                 "OUTPUT_CONFIGMAP", "OUTPUT_KEY", "ADMIN_ADDRESS", "STATUS_INTERVAL",
+                 "LIVENESS", "VERBOSE"):
+        monkeypatch.delenv(f"FAIRWAY_{name}", raising=False)
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    values = _values(case_id)
+    operator = _one(case_id, "Deployment", "operator")
+    container = _container(operator)
+    assert container["command"] == ["python", "-m", "fairway_operator"]
+    assert operator["spec"]["replicas"] == 1  # one writer of the picker's ConfigMap
+    settings, args = operator_parse_args(container["args"])
+    picker_flags = _flags(_container(_one(case_id, "Deployment", "picker"))["args"])
+
+    assert settings.pool == values["inferencePool"]["name"]
+    assert settings.namespaces == (NS,)
+    assert picker_flags["config-map"] == f"{NS}/{settings.output_configmap}"
+    assert settings.output_key == "picker.yaml"
+    base = _one(case_id, "ConfigMap", "picker-config")
+    assert base["metadata"]["name"] == settings.base_configmap
+    assert list(base["data"]) == [settings.base_key] == ["base.yaml"]
+    service = _one(case_id, "Service", "picker")
+    assert settings.admin_address == f"{service['metadata']['name']}:9003"
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    names = {o["metadata"]["name"] for o in _objects(case_id)}
+    assert settings.output_configmap not in names  # the operator's, never Helm's
+
+
+def test_names_follow_the_release() -> None:
+    names = {(o["kind"], o["metadata"]["name"]) for o in _objects("default-release-llm")}
+    assert {("Deployment", "llm-fairway-picker"), ("Deployment", "llm-fairway-operator"),
+            ("ConfigMap", "llm-fairway-base"), ("Service", "llm-fairway-picker")} <= names
+    names = {(o["kind"], o["metadata"]["name"]) for o in _objects("default")}
+    assert {("Deployment", "fairway-picker"), ("ConfigMap", "fairway-base")} <= names
+
+
+# --- the config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_rendered_config_loads_in_the_picker(case_id: str) -> None:
+    values = _values(case_id)
+    configmap = _one(case_id, "ConfigMap", "picker-config")
+    (key,) = configmap["data"]
+    data = yaml.safe_load(configmap["data"][key])
+    assert data == values["config"]  # toYaml kept every value and its type
+    config = load_config(data)
+    assert isinstance(config, PickerConfig)
+    if values["operator"]["enabled"]:
+        assert key == "base.yaml" and configmap["metadata"]["name"].endswith("-base")
+        # The operator accepts the base and adds a policy's tenant to it.
+        base = operator_render.parse_base(configmap["data"], key, configmap["metadata"]["name"])
+        lane = config.lanes[-1].name
+        policy = {"apiVersion": "fairway.dev/v1alpha1", "kind": "TenantPolicy",
+                  "metadata": {"name": "team-a", "namespace": NS, "generation": 1,
+                               "creationTimestamp": "2026-01-01T00:00:00Z"},
+                  "spec": {"poolRef": {"name": values["inferencePool"]["name"]},
+                           "tenants": ["team-a"], "weight": 2, "lane": lane}}
+        rendered, verdicts = operator_render.render(base, [policy], {})
+        assert rendered is not None and verdicts["team-a"].ready, verdicts
+        assert load_config(rendered).tenant("team-a").weight == 2
+    else:
+        assert key == "picker.yaml" and configmap["metadata"]["name"].endswith("-picker-config")
+
+
+def test_config_values_keep_their_types() -> None:
+    config = load_config(yaml.safe_load(
+        _one("single-replica", "ConfigMap", "picker-config")["data"]["base.yaml"]))
+    sustained = config.tenant_defaults.budgets.sustained
+    assert sustained is not None and sustained.tokens == 20_000_000
+    assert isinstance(sustained.tokens, int) and sustained.per == 86400
+    assert config.capacity.kv_budget_tokens == 16384
+    assert [lane.engine_priority for lane in config.lanes] == [0, 10]
+
+
+def test_without_operator_the_chart_writes_the_whole_picker_config() -> None:
+    configmap = _one("no-operator", "ConfigMap", "picker-config")
+    config = load_config(yaml.safe_load(configmap["data"]["picker.yaml"]))
+    assert [t.id for t in config.tenants] == ["team-a", "nightly"]
+    assert len(config.endpoints) == 2 and config.tenancy.mode == "apiKey"
+    picker = _container(_one("no-operator", "Deployment", "picker"))
+    assert _flags(picker["args"])["config-map"] == f"{NS}/{configmap['metadata']['name']}"
+    assert "pool" not in _flags(picker["args"])
+    assert _kind("no-operator", "Role") == [_one("no-operator", "Role", "picker")]
+
+
+# --- optional objects --------------------------------------------------------------------------
+
+
+def test_inference_pool_points_at_the_picker() -> None:
+    pool = _one("inferencepool-failopen", "InferencePool")
+    service = _one("inferencepool-failopen", "Service", "picker")
+    assert pool["metadata"]["name"] == "qwen-pool"
+    assert pool["spec"]["selector"] == {"matchLabels": {"app": "vllm-qwen"}}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "group": "", "kind": "Service", "name": service["metadata"]["name"],
+        "port": {"number": 9002}, "failureMode": "FailOpen"}
+    picker = _container(_one("inferencepool-failopen", "Deployment", "picker"))
+    assert _flags(picker["args"])["pool"] == f"{NS}/qwen-pool"
+    for case_id in IDS:
+        if case_id != "inferencepool-failopen":
+            assert _kind(case_id, "InferencePool") == []
+
+
+def test_service_monitor_scrapes_the_metrics_port() -> None:
+    monitor = _one("monitoring-netpol", "ServiceMonitor")
+    service = _one("monitoring-netpol", "Service", "picker")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert _selected(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
+        "metrics", "/metrics", "30s")
+    assert _kind("default", "ServiceMonitor") == []
+
+
+def test_network_policies() -> None:
+    values = _values("monitoring-netpol")["networkPolicy"]
+    picker = _one("monitoring-netpol", "NetworkPolicy", "picker")
+    operator = _one("monitoring-netpol", "NetworkPolicy", "operator")
+    picker_pods = _one("monitoring-netpol", "Deployment", "picker")["spec"]["template"]
+    operator_pods = _one("monitoring-netpol", "Deployment", "operator")["spec"]["template"]
+    assert _selected(picker["spec"]["podSelector"]["matchLabels"],
+                     picker_pods["metadata"]["labels"])
+    assert picker["spec"]["policyTypes"] == ["Ingress"]  # egress: the API and the engines
+    by_port = {}
+    for rule in picker["spec"]["ingress"]:
+        (port,) = rule["ports"]
+        by_port[port["port"]] = rule["from"]
+    assert by_port == {
+        "ext-proc": [{"namespaceSelector": values["gateway"]["namespaceSelector"],
+                      "podSelector": values["gateway"]["podSelector"]}],
+        "metrics": [{"namespaceSelector": values["metrics"]["namespaceSelector"]}],
+        "admin": [{"podSelector": operator["spec"]["podSelector"]}],
+    }
+    assert _selected(by_port["admin"][0]["podSelector"]["matchLabels"],
+                     operator_pods["metadata"]["labels"])
+    assert not _selected(by_port["admin"][0]["podSelector"]["matchLabels"],
+                         picker_pods["metadata"]["labels"])
+    assert operator["spec"]["ingress"] == [] and operator["spec"]["policyTypes"] == ["Ingress"]
+    assert _kind("default", "NetworkPolicy") == []
+
+
+def test_network_policy_with_only_a_gateway_pod_selector() -> None:
+    manifests = _chart().render({"networkPolicy": {"enabled": True, "gateway": {
+        "podSelector": {"matchLabels": {"app": "envoy"}}}}}, name="fairway", namespace=NS,
+        is_install=True)
+    (policy, _) = yaml.safe_load_all(manifests["fairway/templates/networkpolicy.yaml"])
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {
+        "matchLabels": {"app": "envoy"}}}]  # pods of the release namespace only
+
+
+# --- files shared with the repository ----------------------------------------------------------
+
+
+def test_crd_in_the_chart_is_the_manifests_crd() -> None:
+    source = ROOT / "manifests" / "crd" / "fairway.dev_tenantpolicies.yaml"
+    copied = CHART / "crds" / "fairway.dev_tenantpolicies.yaml"
+    assert copied.read_bytes() == source.read_bytes(), \
+        "charts/fairway/crds/ drifted: cp manifests/crd/fairway.dev_tenantpolicies.yaml " \
+        "charts/fairway/crds/"
+    (crd,) = _chart().crds  # Helm's loader sees it, and only it
+    assert crd["name"] == "crds/fairway.dev_tenantpolicies.yaml"
+    assert crd["data"].encode() == source.read_bytes()
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(yaml.safe_load(source.read_text(encoding="utf-8")),
+                                     version, strict=True)
+    for case_id in IDS:  # Helm installs it from crds/, never as a template
+        assert _kind(case_id, "CustomResourceDefinition") == []
+
+
+def test_dashboard_configmap_carries_the_repositorys_dashboard() -> None:
+    chart_copy = CHART / "dashboards" / "fairway.json"
+    source = ROOT / "dashboards" / "fairway.json"
+    if source.exists():
+        assert chart_copy.read_bytes() == source.read_bytes(), \
+            "charts/fairway/dashboards/fairway.json drifted: cp dashboards/fairway.json " \
+            "charts/fairway/dashboards/"
+    dashboard = json.loads(chart_copy.read_text(encoding="utf-8"))
+    assert dashboard["title"]
+    configmap = _one("monitoring-netpol", "ConfigMap", "dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert json.loads(configmap["data"]["fairway.json"]) == dashboard
+    assert chart_copy.read_text(encoding="utf-8").strip() == configmap["data"]["fairway.json"]
+    assert _kind("no-operator", "ConfigMap") == [_one("no-operator", "ConfigMap",
+                                                      "picker-config")]
+
+
+def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
+    """`helm package` keeps everything the chart needs (CRD, dashboard, schema)."""
+    archive = package(CHART, destination=tmp_path)
+    assert Path(archive).name == "fairway-0.1.0.tgz"
+    with Chart.load(archive) as packaged:
+        assert [c["data"] for c in packaged.crds] == [c["data"] for c in _chart().crds]
+        assert packaged.schema == _chart().schema
+        assert packaged.render({}, name="fairway", namespace=NS, is_install=True) == \
+            _rendered("default")[0]
+
+
+@pytest.mark.parametrize("case_id", ["default", "ha", "inferencepool-failopen", "no-operator"])
+def test_notes_say_what_to_do_next(case_id: str) -> None:
+    notes = next(text for path, text in _rendered(case_id)[0].items()
+                 if path.endswith("NOTES.txt"))
+    assert "port-forward service/" in notes and "9003:9003" in notes
+    assert "python -m picker.ctl top --admin 127.0.0.1:9003" in notes
+    assert ("kind: TenantPolicy" in notes) == _values(case_id)["operator"]["enabled"]
+    assert ("Grafana" in notes) == _values(case_id)["dashboard"]["enabled"]
+    assert "9002" in notes
+    assert ("delete the leader pod" in notes) == (_values(case_id)["picker"]["replicas"] > 1)
+
