@@ -245,7 +245,14 @@ SERVICE_MONITOR_V1 = {
                                                 "(([0-9]+)ms)?)$"},
                         "scrapeTimeout": {"type": "string",
                                           "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
-                                                     "(([0-9]+)ms)?)$"}}}}}}},
+                                                     "(([0-9]+)ms)?)$"},
+                        "relabelings": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False,
+                            "required": ["targetLabel"],
+                            "properties": {
+                                "action": {"enum": ["replace", "keep", "drop", "labelmap"]},
+                                "targetLabel": {"type": "string", "minLength": 1},
+                                "replacement": {"type": "string"}}}}}}}}}},
 }
 
 
@@ -569,6 +576,9 @@ def test_service_monitor_scrapes_the_metrics_port() -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
         "metrics", "/metrics", "30s")
+    # The dashboard's pool variable reads this label.
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "targetLabel": "pool", "replacement": "llm-pool"}]
     assert _kind("default", "ServiceMonitor") == []
 
 

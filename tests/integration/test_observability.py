@@ -55,9 +55,11 @@ RULE_TESTS = ALERTS / "fairway-rules.test.yaml"
 GATEWAY = ROOT / "manifests" / "gateway"
 
 DASHBOARD = json.loads(DASHBOARD_PATH.read_text(encoding="utf-8"))
-QUERY_VARIABLES = ("namespace", "job", "lane", "tenant")
+QUERY_VARIABLES = ("namespace", "job", "pool", "lane", "tenant")
 NAMESPACE = "fairway-test"
 """The ``namespace`` target label this test's Prometheus adds, as a ServiceMonitor would."""
+POOL = "llm-pool"
+"""The ``pool`` target label, which the chart's ServiceMonitor adds (the picker serves one pool)."""
 JOB = "fairway"
 
 LANES = [{"name": "online"}, {"name": "batch", "minShare": 0.2}]
@@ -149,7 +151,8 @@ class Prometheus:
                        "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [{"job_name": JOB, "static_configs": [
-                {"targets": [self.target], "labels": {"namespace": NAMESPACE}}]}],
+                {"targets": [self.target], "labels": {"namespace": NAMESPACE,
+                                                      "pool": POOL}}]}],
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
@@ -340,12 +343,12 @@ def _scraped_labels(prometheus: Prometheus, since: float) -> dict[str, set[str]]
 
 def test_every_query_is_filtered_by_the_variables(observed: float,
                                                   prometheus: Prometheus) -> None:
-    """namespace and job on every selector; tenant and lane wherever the metric has them."""
+    """namespace, job and pool on every selector; tenant and lane where the metric has them."""
     labels = _scraped_labels(prometheus, observed)
     for title, expr in TARGETS:
         for name, matchers in _selectors(expr):
             assert matchers, f"{title}: {name} without the variables' matchers"
-            wanted = ["namespace", "job"]
+            wanted = ["namespace", "job", "pool"]
             wanted += [label for label in ("tenant", "lane") if label in labels.get(name, ())]
             for label in wanted:
                 assert f'{label}=~"${label}"' in matchers, f"{title}: {name} not by ${label}"
@@ -392,6 +395,7 @@ def test_variables_have_values(observed: float, prometheus: Prometheus) -> None:
         found[name] = set(body["data"])
     assert found["namespace"] == {NAMESPACE}
     assert found["job"] == {JOB}
+    assert found["pool"] == {POOL}
     assert found["lane"] == {"online", "batch"}
     assert {"alice", "bob", "carol", "other"} <= found["tenant"]
 
