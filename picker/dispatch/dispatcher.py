@@ -719,8 +719,10 @@ class Dispatcher:
             floor[lane] = min(floor.get(lane, value), value)
         debt = {key: max(0.0, value - floor[key[1]]) for key, value in counters.items()
                 if key[1] in floor}
+        weights = {(t.id, self.lane_of(t.id)): t.weight for t in self.config.tenants}
         return {"queued": queued, "running": running, "counters": counters,
                 "queued_tokens": queued_tokens, "running_tokens": running_tokens, "debt": debt,
+                "weights": weights,
                 "budgets": self.admission.budget_state(self.clock()),
                 "endpoints": list(self.endpoints.values()),
                 "service": dict(self.scheduler.service)}

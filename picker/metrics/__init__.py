@@ -142,6 +142,10 @@ class _StateCollector(Collector):
                           "Virtual counter minus the smallest among the lane's backlogged "
                           "tenants: 0 for the most owed, large for a tenant served more than "
                           "its share. Configured tenants only.")
+        yield _known_only(state.get("weights", {}), known, "fairway_tenant_weight",
+                          "The tenant's configured weight in its lane (its share among the "
+                          "lane's backlogged tenants is weight ÷ their sum). Configured tenants "
+                          "only.")
         yield from _budgets(state.get("budgets", {}), known)
         yield from _endpoints(state.get("endpoints", []))
 

@@ -166,3 +166,18 @@ def test_ten_thousand_random_tenants_stay_within_the_label_cap() -> None:
                 if sample.name == "fairway_requests_total")
     assert total == 10_000
     assert _value(m, "fairway_queued_tokens", tenant=OTHER_TENANT, lane=lane) == 100_000
+
+
+def test_configured_weights_are_exported_per_lane() -> None:
+    registry = CollectorRegistry()
+    metrics = PickerMetrics(registry)
+    metrics.set_known_tenants(["a", "b"])
+    metrics.add_state_collector(lambda: {
+        "queued": {}, "running": {}, "counters": {}, "endpoints": [],
+        "weights": {("a", "online"): 2.0, ("b", "batch"): 1.0, ("stranger", "online"): 9.0}})
+    assert registry.get_sample_value("fairway_tenant_weight",
+                                     {"tenant": "a", "lane": "online"}) == 2.0
+    assert registry.get_sample_value("fairway_tenant_weight",
+                                     {"tenant": "b", "lane": "batch"}) == 1.0
+    assert registry.get_sample_value("fairway_tenant_weight",
+                                     {"tenant": "stranger", "lane": "online"}) is None
