@@ -33,6 +33,7 @@ from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
 from picker.extproc import ExternalProcessor, add_to_server
 from picker.k8s import (
+    ApiError,
     ConfigMapWatcher,
     KubeClient,
     LeaderElector,
@@ -119,13 +120,36 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
             await client.close()
 
 
-async def _initial_config(settings: ServeSettings, client: KubeClient | None) -> PickerConfig:
-    if settings.config_map:
-        assert client is not None
-        return await fetch_config(client, *_split(settings.config_map, "--config-map"))
-    if settings.config_path is None:
-        raise ValueError("a config file or a ConfigMap is needed")
-    return load_config(settings.config_path)
+CONFIG_MAP_WAIT = (0.5, 10.0)
+"""Seconds between reads of a ConfigMap that does not exist yet: first, and at most."""
+
+
+async def _initial_config(settings: ServeSettings, client: KubeClient | None,
+                          stop: asyncio.Event) -> PickerConfig | None:
+    """The config to start with; None when ``stop`` came first.
+
+    A ConfigMap that does not exist yet is waited for (on first install the operator writes it a
+    few seconds after the picker starts): exiting instead would put the pod in a restart backoff.
+    """
+    if not settings.config_map:
+        if settings.config_path is None:
+            raise ValueError("a config file or a ConfigMap is needed")
+        return load_config(settings.config_path)
+    assert client is not None
+    namespace, name = _split(settings.config_map, "--config-map")
+    delay = CONFIG_MAP_WAIT[0]
+    while True:
+        try:
+            return await fetch_config(client, namespace, name)
+        except ApiError as error:
+            if error.code != 404:
+                raise
+        log.info("waiting for ConfigMap %s/%s (the operator writes it)", namespace, name)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        if stop.is_set():
+            return None
+        delay = min(delay * 2, CONFIG_MAP_WAIT[1])
 
 
 def _sources(settings: ServeSettings, client: KubeClient | None, live: LiveConfig,
@@ -153,7 +177,14 @@ def _sources(settings: ServeSettings, client: KubeClient | None, live: LiveConfi
 async def _serve(settings: ServeSettings, client: KubeClient | None,
                  stop: asyncio.Event | None, ready: asyncio.Future[tuple[int, int]] | None,
                  admin_ready: asyncio.Future[int] | None) -> None:
-    config = await _initial_config(settings, client)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    config = await _initial_config(settings, client, stop)
+    if config is None:
+        return
     metrics = PickerMetrics()
     dispatcher = Dispatcher(config, metrics=metrics)
     live = LiveConfig(dispatcher.apply_config, config)
@@ -203,11 +234,6 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
     for service in ("", ADMIN_SERVICE):
         await admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
-    if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
     runners: list[_Runner] = [Scraper(dispatcher), admin,
                               *_sources(settings, client, live, metrics)]
     if elector is not None:

@@ -180,3 +180,30 @@ async def test_only_the_leader_serves_and_a_standby_takes_over() -> None:
             await stream.close()
         await leader_exit.aclose()  # the leader goes away
         await _until(lambda: _serving(second[0]), timeout=6.0)
+
+
+async def test_the_picker_waits_for_its_config_map_instead_of_exiting() -> None:
+    async with cluster() as (url, api):
+        stop = asyncio.Event()
+        ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve(ServeSettings(
+            grpc_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
+            config_map=f"{NS}/fairway-picker-config"), stop, ready))
+        await asyncio.sleep(1.0)
+        assert not task.done() and not ready.done()  # waiting, neither serving nor exited
+        await api.create(CONFIGMAPS, _configmap(1))  # the operator writes it
+        grpc_port, _ = await asyncio.wait_for(asyncio.shield(ready), 15)
+        await _until(lambda: _serving(grpc_port))
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_picker_stopped_while_waiting_for_its_config_map_ends() -> None:
+    async with cluster() as (url, _):
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(ServeSettings(
+            grpc_port=0, metrics_port=0, admin_port=0, kube_server=url,
+            config_map=f"{NS}/fairway-picker-config"), stop))
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(task, 3)
