@@ -328,3 +328,26 @@ async def test_idle_tenant_reserve_keeps_room_for_a_light_tenants_next_request(
         assert queued[1].done()
     queued[2].cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_lane_change_on_reload_moves_new_requests_and_keeps_queued_ones() -> None:
+    tenants = [{"id": "a", "lane": "online"}, {"id": "b", "lane": "batch"}]
+    d = _dispatcher(_config([A], budget=100, lanes=LANES, tenants=tenants))
+    running = await _admit(d, "b", _request(100))
+    queued = await _hold(d, "a")  # waits in online
+    moved = [{"id": "a", "lane": "batch"}, {"id": "b", "lane": "batch"}]
+    d.apply_config(_config([A], budget=100, lanes=LANES, tenants=moved))
+    later = await _hold(d, "a")  # arrives after the reload: batch
+    assert d.lane_of("a") == "batch"
+    d.complete(running, Usage(100, 0), "ok")
+    await _spin()
+    first = queued.result()
+    assert first.lane == "online"  # queued before the change: keeps its place and lane
+    d.complete(first, Usage(100, 0), "ok")
+    await _spin()
+    assert later.result().lane == "batch"
+    # Its service in online stays in online's counter. New to batch, it was lifted level with
+    # b (the lane's last served), not left at 0 ahead of it, then charged its prompt.
+    assert d.scheduler.counter("a", "online") == 100.0
+    assert d.scheduler.counter("b", "batch") == 100.0
+    assert d.scheduler.counter("a", "batch") == 100.0 + 100.0
