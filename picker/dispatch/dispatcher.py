@@ -4,7 +4,11 @@ It answers: *when does this request leave the queue, to which endpoint, and what
 charged?* The scheduling decisions are the pure core's (``picker.core``); this module adds what
 needs a clock and an event loop: waiting with a timeout, cancellation, endpoint accounting, and
 re-running the dispatch loop whenever capacity may have appeared (a request finished, a scrape
-arrived). It never holds a request while an endpoint has room: ``pump`` runs after every change.
+arrived). ``pump`` runs after every change. A request is held only while no endpoint has room
+for it, or while it waits in fair order behind a head that has none (a light tenant's request
+need not); ``capacity.idleTenantReserve`` adds one opt-in exception that keeps room for light
+tenants. The config's meaning for the core (cost, capacity, admission rules) is in
+``from_config``.
 """
 
 from __future__ import annotations
@@ -16,21 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from picker.config.schema import Budget, PickerConfig, TenantPolicy
-from picker.core import ComputedTokenCost, ContextAwareCost, LaneSpec, LinearCost, Request, Usage
-from picker.core.admission import (
-    INPUT_TOO_LONG,
-    OUTPUT_TOO_LONG,
-    OVER_BUDGET,
-    Admission,
-    BucketRule,
-    Refused,
-    Reservation,
-    TenantRules,
-)
+from picker.config.schema import PickerConfig
+from picker.core import LaneSpec, Request, Usage
+from picker.core.admission import Admission, Refused, Reservation
 from picker.core.lanes import Scheduler
 from picker.core.selection import (
-    CapacityRules,
     EndpointState,
     LeastLoaded,
     Scorer,
@@ -38,22 +32,24 @@ from picker.core.selection import (
     keeps_reserve,
     rank,
 )
+from picker.dispatch.from_config import (
+    admission_rules,
+    capacity_rules,
+    cost_function,
+    identity,
+    metering_sink,
+    refusal_error,
+)
 from picker.errors import (
-    ConfigError,
-    InputTooLong,
     LaneNotAllowed,
     NoEndpoint,
     NotLeader,
-    OutputTooLong,
-    OverBudget,
     QueueFull,
     QueueTimeout,
     RequestError,
     ShuttingDown,
-    TenantQueueFull,
 )
-from picker.identity import Identity, KeyEntry
-from picker.metering import MeteringRecord, MeteringSink, open_sink
+from picker.metering import MeteringRecord, MeteringSink
 from picker.metrics import PickerMetrics
 from picker.openai import InferenceRequest
 
@@ -104,67 +100,6 @@ class Ticket:
     _ready: asyncio.Future[None] | None = None
 
 
-def _cost(config: PickerConfig) -> Any:
-    c = config.cost
-    if c.context_beta:
-        return ContextAwareCost(c.prefill_weight, c.decode_weight, c.context_beta)
-    if not c.charge_cached_prompt:
-        return ComputedTokenCost(c.prefill_weight, c.decode_weight)
-    return LinearCost(c.prefill_weight, c.decode_weight)
-
-
-def _bucket(budget: Budget | None) -> BucketRule | None:
-    return None if budget is None else BucketRule(budget.tokens, budget.per)
-
-
-def _tenant_rules(policy: TenantPolicy) -> TenantRules:
-    limits = policy.limits
-    return TenantRules(
-        burst=_bucket(policy.budgets.burst), sustained=_bucket(policy.budgets.sustained),
-        over_budget=policy.over_budget.action, demote_lane=policy.over_budget.lane,
-        max_queued=limits.max_queued, max_concurrent=limits.max_concurrent,
-        max_input_tokens=limits.max_input_tokens, max_output_tokens=limits.max_output_tokens,
-        output_limit_action=limits.output_limit)
-
-
-def _admission_rules(config: PickerConfig) -> tuple[dict[str, TenantRules], TenantRules]:
-    defaults = config.tenant_defaults
-    return ({t.id: _tenant_rules(t.policy(defaults)) for t in config.tenants},
-            _tenant_rules(defaults))
-
-
-def _identity(config: PickerConfig) -> Identity:
-    tenancy = config.tenancy
-    if tenancy.mode == "apiKey":
-        return Identity.api_keys([KeyEntry(k.sha256, k.tenant) for k in tenancy.api_keys])
-    return Identity.trusted_header([tenancy.header, *tenancy.also_accept], tenancy.default_tenant)
-
-
-def _open_metering(config: PickerConfig) -> MeteringSink:
-    try:
-        return open_sink(config.metering.output)
-    except ConfigError as exc:
-        raise exc.under("metering.output") from None
-
-
-_REFUSALS: dict[str, type[RequestError]] = {
-    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget}
-
-
-def _refusal(refused: Refused) -> RequestError:
-    """The error a client gets for an admission refusal (one mapping, here)."""
-    kind = _REFUSALS.get(refused.reason, TenantQueueFull)
-    return kind(refused.message, retry_after=refused.retry_after)
-
-
-def _rules(config: PickerConfig) -> CapacityRules:
-    c = config.capacity
-    fallback = c.kv_budget_tokens if isinstance(c.kv_budget_tokens, int) else \
-        c.fallback_kv_budget_tokens
-    return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
-                         stale_after=c.metrics_stale_after)
-
-
 class Dispatcher:
     """The fair queue in front of the pool. One per picker process."""
 
@@ -192,9 +127,9 @@ class Dispatcher:
         may go ahead of a head that has to wait (see ``pump``)."""
         self._recent: dict[str, tuple[float, float]] = {}
         """Per tenant: last arrival and typical footprint (tokens), for ``idleTenantReserve``."""
-        self.admission = Admission(*_admission_rules(config))
+        self.admission = Admission(*admission_rules(config))
         self._next_prune = clock() + PRUNE_INTERVAL
-        self.metering: MeteringSink = _open_metering(config)
+        self.metering: MeteringSink = metering_sink(config)
         self.config = config
         self.scheduler = self._new_scheduler(config)
         self.apply_config(config)
@@ -204,7 +139,7 @@ class Dispatcher:
 
     def _new_scheduler(self, config: PickerConfig) -> Scheduler:
         return Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
-                         policy=config.scheduling.policy, cost=_cost(config))
+                         policy=config.scheduling.policy, cost=cost_function(config))
 
     @staticmethod
     def _carry_over(old: Scheduler, new: Scheduler) -> Scheduler:
@@ -227,7 +162,7 @@ class Dispatcher:
             raise ValueError("lanes, scheduling policy and cost can change only while no "
                              "request is in the picker; retry when idle or restart")
         if config.metering != old.metering and config is not old:
-            sink = _open_metering(config)  # a bad path raises before anything changed
+            sink = metering_sink(config)  # a bad path raises before anything changed
         if structural and config is not old:
             self.scheduler = self._carry_over(self.scheduler, self._new_scheduler(config))
         configured = {tenant.id: tenant.weight for tenant in config.tenants}
@@ -239,10 +174,10 @@ class Dispatcher:
         if config.metering != old.metering and config is not old:
             self.metering.close()
             self.metering = sink
-        self.admission.update(*_admission_rules(config), self.clock())
-        self.identity = _identity(config)
+        self.admission.update(*admission_rules(config), self.clock())
+        self.identity = identity(config)
         self.config = config
-        self.rules = _rules(config)
+        self.rules = capacity_rules(config)
         self._tenant_lanes = {t.id: t.lane for t in config.tenants if t.lane is not None}
         self._allowed_lanes = {t.id: frozenset((t.lane or config.lanes[0].name,
                                                 *t.allowed_lanes)) for t in config.tenants}
@@ -321,7 +256,7 @@ class Dispatcher:
                                     * (prompt + expected - footprint))
         decision = self.admission.admit(tenant, lane, prompt, inference.max_tokens, expected, now)
         if isinstance(decision, Refused):
-            raise _refusal(decision)
+            raise refusal_error(decision)
         if self._queued_total() >= self.config.queue.max_queued \
                 and not self._shed_for(decision.lane):
             self.admission.finish(decision.reservation, 0, now)

@@ -1,0 +1,97 @@
+"""What the picker's config means for the parts the dispatcher drives.
+
+It answers: *given a ``PickerConfig``, which cost function, capacity rules, admission rules,
+identity and metering sink does the picker use, and which error does a client get for each
+admission refusal?* One mapping each, so the dispatcher never reads raw config for them.
+"""
+
+from __future__ import annotations
+
+from picker.config.schema import Budget, PickerConfig, TenantPolicy
+from picker.core import ComputedTokenCost, ContextAwareCost, LinearCost
+from picker.core.admission import (
+    INPUT_TOO_LONG,
+    OUTPUT_TOO_LONG,
+    OVER_BUDGET,
+    BucketRule,
+    Refused,
+    TenantRules,
+)
+from picker.core.cost import CostFunction
+from picker.core.selection import CapacityRules
+from picker.errors import (
+    ConfigError,
+    InputTooLong,
+    OutputTooLong,
+    OverBudget,
+    RequestError,
+    TenantQueueFull,
+)
+from picker.identity import Identity, KeyEntry
+from picker.metering import MeteringSink, open_sink
+
+
+def cost_function(config: PickerConfig) -> CostFunction:
+    """What a tenant is charged for prompt and output tokens."""
+    c = config.cost
+    if c.context_beta:
+        return ContextAwareCost(c.prefill_weight, c.decode_weight, c.context_beta)
+    if not c.charge_cached_prompt:
+        return ComputedTokenCost(c.prefill_weight, c.decode_weight)
+    return LinearCost(c.prefill_weight, c.decode_weight)
+
+
+def capacity_rules(config: PickerConfig) -> CapacityRules:
+    """When an endpoint has room."""
+    c = config.capacity
+    fallback = c.kv_budget_tokens if isinstance(c.kv_budget_tokens, int) else \
+        c.fallback_kv_budget_tokens
+    return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
+                         stale_after=c.metrics_stale_after)
+
+
+def _bucket(budget: Budget | None) -> BucketRule | None:
+    return None if budget is None else BucketRule(budget.tokens, budget.per)
+
+
+def _tenant_rules(policy: TenantPolicy) -> TenantRules:
+    limits = policy.limits
+    return TenantRules(
+        burst=_bucket(policy.budgets.burst), sustained=_bucket(policy.budgets.sustained),
+        over_budget=policy.over_budget.action, demote_lane=policy.over_budget.lane,
+        max_queued=limits.max_queued, max_concurrent=limits.max_concurrent,
+        max_input_tokens=limits.max_input_tokens, max_output_tokens=limits.max_output_tokens,
+        output_limit_action=limits.output_limit)
+
+
+def admission_rules(config: PickerConfig) -> tuple[dict[str, TenantRules], TenantRules]:
+    """Each configured tenant's budgets and caps, and those of every other tenant."""
+    defaults = config.tenant_defaults
+    return ({t.id: _tenant_rules(t.policy(defaults)) for t in config.tenants},
+            _tenant_rules(defaults))
+
+
+def identity(config: PickerConfig) -> Identity:
+    """How a request's tenant is found (trusted header or API key)."""
+    tenancy = config.tenancy
+    if tenancy.mode == "apiKey":
+        return Identity.api_keys([KeyEntry(k.sha256, k.tenant) for k in tenancy.api_keys])
+    return Identity.trusted_header([tenancy.header, *tenancy.also_accept], tenancy.default_tenant)
+
+
+def metering_sink(config: PickerConfig) -> MeteringSink:
+    """Where metering records go; a target that cannot be opened is a config error."""
+    try:
+        return open_sink(config.metering.output)
+    except ConfigError as exc:
+        raise exc.under("metering.output") from None
+
+
+_REFUSALS: dict[str, type[RequestError]] = {
+    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget}
+
+
+def refusal_error(refused: Refused) -> RequestError:
+    """The error a client gets for an admission refusal."""
+    kind = _REFUSALS.get(refused.reason, TenantQueueFull)
+    return kind(refused.message, retry_after=refused.retry_after)
