@@ -250,10 +250,7 @@ class Dispatcher:
         prompt = max(1, round(inference.prompt_tokens
                               * self._prompt_scale.get(inference.model, 1.0)))
         expected = self._expected_output(tenant, inference.max_tokens)
-        if self.config.capacity.idle_tenant_reserve:
-            _, footprint = self._recent.get(tenant, (now, float(prompt + expected)))
-            self._recent[tenant] = (now, footprint + OUTPUT_EWMA_ALPHA
-                                    * (prompt + expected - footprint))
+        self._note_arrival(tenant, prompt + expected, now)
         decision = self.admission.admit(tenant, lane, prompt, inference.max_tokens, expected, now)
         if isinstance(decision, Refused):
             raise refusal_error(decision)
@@ -262,8 +259,7 @@ class Dispatcher:
             self.admission.finish(decision.reservation, 0, now)
             raise QueueFull("the fair queue is full")
         if decision.demoted:
-            label = self.metrics.tenant_label(tenant)
-            self.metrics.demotions.labels(label, lane, decision.lane).inc()
+            self.metrics.demotions.labels(tenant, lane, decision.lane).inc()
         lane = decision.lane
         max_tokens = decision.max_output_tokens
         request = Request(tenant=tenant, prompt_tokens=prompt, lane=lane,
@@ -274,16 +270,7 @@ class Dispatcher:
                         request_id=request_id)
         ticket._ready = asyncio.get_running_loop().create_future()
         self._tickets[request] = ticket
-        if self._may_queue(tenant) or not self.holding:
-            self._enqueue(ticket, now)
-        else:
-            ticket.parked = True
-            self._parked.setdefault(tenant, []).append(ticket)
-            self._single.pop(tenant, None)
-        if not self.holding:
-            self._dispatch(ticket, self.candidates(subset, require_room=False), now)
-        elif not ticket.parked:
-            self.pump()
+        self._place(ticket, now)
         if ticket.dispatched_at is not None:
             return ticket  # an endpoint had room: no wait (the common, uncontended case)
         try:
@@ -311,13 +298,35 @@ class Dispatcher:
             raise error
         return ticket
 
+    def _note_arrival(self, tenant: str, tokens: int, now: float) -> None:
+        """Remember when the tenant last sent and how big its requests are (for the reserve)."""
+        if self.config.capacity.idle_tenant_reserve:
+            _, footprint = self._recent.get(tenant, (now, float(tokens)))
+            self._recent[tenant] = (now, footprint + OUTPUT_EWMA_ALPHA * (tokens - footprint))
+
+    def _place(self, ticket: Ticket, now: float) -> None:
+        """Into the fair queue (dispatched at once if it may go), or parked at the tenant's
+        concurrency cap; pass-through mode dispatches it at once."""
+        tenant = ticket.tenant
+        if self._may_queue(tenant) or not self.holding:
+            self._enqueue(ticket, now)
+        else:
+            ticket.parked = True
+            self._parked.setdefault(tenant, []).append(ticket)
+            self._single.pop(tenant, None)
+        if not self.holding:
+            self._dispatch(ticket, self.candidates(ticket.subset, require_room=False), now)
+        elif not ticket.parked:
+            self.pump()
+
     def _expected_output(self, tenant: str, max_tokens: int | None) -> int:
         average = self._output_average.get(tenant,
                                            float(self.config.capacity.default_output_tokens))
         return max(1, round(min(average, max_tokens) if max_tokens else average))
 
     def _queued_total(self) -> int:
-        return sum(1 for t in self._tickets.values() if t.dispatched_at is None)
+        # Counted, not scanned: this runs for every request admitted.
+        return self.scheduler.queued() + sum(map(len, self._parked.values()))
 
     def _enqueue(self, ticket: Ticket, now: float) -> None:
         ticket.parked = False
@@ -379,7 +388,7 @@ class Dispatcher:
     def on_first_byte(self, ticket: Ticket) -> None:
         if ticket.first_byte_at is None:
             ticket.first_byte_at = self.clock()
-            self.metrics.ttft.labels(self.metrics.tenant_label(ticket.tenant), ticket.lane) \
+            self.metrics.ttft.labels(ticket.tenant, ticket.lane) \
                 .observe(ticket.first_byte_at - ticket.arrived_at)
 
     def on_output_tokens(self, ticket: Ticket, tokens: int) -> None:
@@ -452,8 +461,7 @@ class Dispatcher:
     def reject(self, tenant: str, error: RequestError, *, model: str | None = None,
                lane: str | None = None, request_id: str = "") -> None:
         """Count a refused request, and meter it unless it already was (it had queued)."""
-        self.metrics.rejections.labels(self.metrics.tenant_label(tenant),
-                                       error.metric_label).inc()
+        self.metrics.rejections.labels(tenant, error.metric_label).inc()
         if error.metered or not self.metering.enabled:
             return
         self.metering.write(MeteringRecord(
@@ -566,8 +574,7 @@ class Dispatcher:
         primary.inflight_requests += 1
         ticket.projected_tokens = self._projected(ticket)
         primary.projected_tokens += ticket.projected_tokens
-        self.metrics.queue_wait.labels(self.metrics.tenant_label(ticket.tenant), ticket.lane) \
-            .observe(now - ticket.arrived_at)
+        self.metrics.queue_wait.labels(ticket.tenant, ticket.lane).observe(now - ticket.arrived_at)
         if ticket._ready is not None and not ticket._ready.done():
             ticket._ready.set_result(None)
 
@@ -593,8 +600,7 @@ class Dispatcher:
         if ticket.reservation is not None:
             self.admission.finish(ticket.reservation, 0, now)  # nothing was served
         self._unpark(ticket.tenant, now)
-        label = self.metrics.tenant_label(ticket.tenant)
-        self.metrics.requests.labels(label, ticket.lane, outcome).inc()
+        self.metrics.requests.labels(ticket.tenant, ticket.lane, outcome).inc()
         self._meter(ticket, Usage(0, 0, 0), outcome, now)
         # A timeout's rejection is counted where it is refused (``reject``), not here.
 
@@ -619,7 +625,8 @@ class Dispatcher:
             e2e_ms=end_ms))
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
-        m, label = self.metrics, self.metrics.tenant_label(ticket.tenant)
+        # The metrics fold unconfigured tenants into "other" themselves (TenantCapped).
+        m, label = self.metrics, ticket.tenant
         m.requests.labels(label, ticket.lane, outcome).inc()
         m.service_tokens.labels(label, ticket.lane, "prompt").inc(usage.prompt_tokens)
         m.service_tokens.labels(label, ticket.lane, "completion").inc(usage.completion_tokens)

@@ -182,6 +182,11 @@ class _Exchange:
         """The request headers have been answered (routed or refused)."""
         self.done = False
 
+    @property
+    def request_id(self) -> str:
+        """The name metering records carry: the meter stream's, else Envoy's ``x-request-id``."""
+        return self.meter_id or self.headers.get("x-request-id", "")
+
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
@@ -266,8 +271,7 @@ class _Exchange:
             inference = parse_request(bytes(self.body))
             self.model = inference.model
             self.ticket = await self.dispatcher.admit(
-                self.tenant, inference, self.subset, self.lane,
-                self.meter_id or self.headers.get("x-request-id", ""))
+                self.tenant, inference, self.subset, self.lane, self.request_id)
         except RequestError as error:
             self.done = True
             return [self._refuse(error)]
@@ -283,7 +287,7 @@ class _Exchange:
 
     def _refuse(self, error: RequestError) -> pb.ProcessingResponse:
         self.dispatcher.reject(self.tenant, error, model=self.model, lane=self.lane,
-                               request_id=self.meter_id or self.headers.get("x-request-id", ""))
+                               request_id=self.request_id)
         log.info("refused tenant=%s status=%d reason=%s: %s", self.tenant, error.http_status,
                  error.metric_label, error.message)
         limits = self.dispatcher.ratelimit_headers(self.tenant) if error.http_status == 429 \

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from picker.config.reload import ConfigApplier
 from picker.config.schema import PickerConfig, load_config
 from picker.errors import ConfigError
 from picker.k8s.client import KubeClient, Reflector, name_of, wait_or_stop
@@ -78,13 +79,9 @@ class ConfigMapWatcher:
         self.namespace = namespace
         self.name = name
         self.key = key
-        self.apply = apply
-        self.on_result = on_result
         self.retry_interval = retry_interval
-        self.config: PickerConfig | None = None
-        self.last_error: str | None = None
+        self.applier = ConfigApplier(apply, on_result, self.source)
         self._digest: str | None = None
-        self._deferred: PickerConfig | None = None
         self._missing_logged = False
         self.reflector = Reflector(
             client, _path(namespace), self._on_objects,
@@ -95,6 +92,15 @@ class ConfigMapWatcher:
     @property
     def source(self) -> str:
         return f"ConfigMap {self.namespace}/{self.name} key {self.key}"
+
+    @property
+    def config(self) -> PickerConfig | None:
+        """The last config applied."""
+        return self.applier.config
+
+    @property
+    def last_error(self) -> str | None:
+        return self.applier.last_error
 
     def _on_objects(self, objects: dict[str, dict[str, Any]]) -> None:
         self.observe(objects.get(self.name))
@@ -114,40 +120,11 @@ class ConfigMapWatcher:
         if digest == self._digest:
             return None
         self._digest = digest
-        self._deferred = None
-        try:
-            config = parse_config_text(text)
-        except ConfigError as exc:
-            return self._failed(exc)
-        return self._apply(config, count_failure=True)
+        return self.applier.offer(lambda: parse_config_text(text))
 
     def retry_deferred(self) -> str | None:
         """Try again a config that ``apply`` refused for now (ValueError)."""
-        if self._deferred is None:
-            return None
-        return self._apply(self._deferred, count_failure=False)
-
-    def _apply(self, config: PickerConfig, count_failure: bool) -> str | None:
-        try:
-            self.apply(config)
-        except ValueError as exc:  # valid, but not applicable now: retried
-            self._deferred = config
-            return self._failed(exc) if count_failure else None
-        except Exception as exc:
-            self._deferred = None
-            return self._failed(exc)
-        self._deferred = None
-        self.config = config
-        self.last_error = None
-        log.info("config applied from %s", self.source)
-        self.on_result("success")
-        return "success"
-
-    def _failed(self, exc: Exception) -> str:
-        self.last_error = str(exc)
-        log.error("%s refused, keeping the last good config: %s", self.source, exc)
-        self.on_result("failure")
-        return "failure"
+        return self.applier.retry_deferred()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Watch until ``stop`` is set."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +29,16 @@ def metric(url: str, name: str, **labels: str) -> float:
     wanted = set(labels.items())
     return sum(value for (sample, sample_labels), value in metric_samples(url).items()
                if sample == name and wanted <= set(sample_labels))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``predicate()`` holds within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
 
 
 def settled_metric(url: str, name: str, expected: float, timeout: float = 5.0,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
 
 TENANTS = ["a", "b", "light", "noisy", "meter", "quitter", "streamer", "bad"]
 
@@ -70,15 +69,6 @@ def _post_sync(stack: Stack, tenant: str, body: bytes,
     return asyncio.run(go())
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _inflight(stack: Stack) -> float:
     return metric(stack.metrics_url, "fairway_endpoint_inflight_tokens")
 
@@ -91,7 +81,7 @@ def test_request_is_routed_and_answered_intact(any_stack: Stack) -> None:
     assert answer["object"] == "chat.completion"
     assert answer["usage"]["completion_tokens"] == 6
     # Envoy went where the picker said, and got the picker's list in envoy.lb metadata.
-    assert _wait_until(lambda: stack.access_log.exists() and "tenant=a" in
+    assert wait_until(lambda: stack.access_log.exists() and "tenant=a" in
                        stack.access_log.read_text())
     line = [x for x in stack.access_log.read_text().splitlines() if "tenant=a " in x][-1]
     upstream = line.split("upstream=")[1].split()[0]
@@ -184,7 +174,7 @@ def test_backlogged_tenants_split_service_by_weight(stack: Stack) -> None:
     shares = {t: s["service_share"] for t, s in result.summary["tenants"].items()}
     # Weights 1:2. Without fairness (FCFS) both would get one half.
     assert shares["b"] == pytest.approx(2 / 3, abs=0.06), shares
-    assert _wait_until(lambda: _inflight(stack) == 0)
+    assert wait_until(lambda: _inflight(stack) == 0)
 
 
 def test_light_tenant_is_not_starved_by_a_flood(stack: Stack) -> None:
@@ -199,7 +189,7 @@ def test_light_tenant_is_not_starved_by_a_flood(stack: Stack) -> None:
     assert light["ok"] == light["sent"] > 10
     # The flood waits its turn; the light tenant goes ahead of it instead of queueing behind it.
     assert light["ttft_s"]["p95"] < noisy["ttft_s"]["p50"]
-    assert _wait_until(lambda: _inflight(stack) == 0)
+    assert wait_until(lambda: _inflight(stack) == 0)
 
 
 def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
@@ -217,7 +207,7 @@ def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
                 pytest.fail("the quitter's request never showed as queued")
             quitter.cancel()
             await asyncio.gather(quitter, return_exceptions=True)
-            assert _wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
+            assert wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
                                               tenant="quitter", outcome="cancelled") == 1)
             assert metric(stack.metrics_url, "fairway_queued_requests", tenant="quitter") == 0
             assert metric(stack.metrics_url, "fairway_service_tokens_total",
@@ -227,7 +217,7 @@ def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
             await asyncio.gather(*flood, return_exceptions=True)
 
     asyncio.run(scenario())
-    assert _wait_until(lambda: _inflight(stack) == 0)
+    assert wait_until(lambda: _inflight(stack) == 0)
 
 
 def test_client_leaving_mid_stream_settles_to_what_was_delivered(any_stack: Stack) -> None:
@@ -248,11 +238,11 @@ def test_client_leaving_mid_stream_settles_to_what_was_delivered(any_stack: Stac
             return seen
 
     seen = asyncio.run(scenario())
-    assert _wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
+    assert wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
                                       tenant="streamer", outcome="cancelled") == 1)
     charged = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="streamer",
                      kind="completion")
     assert seen <= charged < 400  # what was delivered (plus chunks in flight), not 2000
-    assert _wait_until(lambda: _inflight(stack) == 0)
-    assert _wait_until(lambda: sum(metric(f"http://{a}/metrics", "vllm:num_requests_running")
+    assert wait_until(lambda: _inflight(stack) == 0)
+    assert wait_until(lambda: sum(metric(f"http://{a}/metrics", "vllm:num_requests_running")
                                    for a in stack.endpoint_addresses) == 0)

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from picker.identity import hash_api_key
 from picker.stack.launcher import Stack, free_port
-from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, metric_samples
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, metric_samples, wait_until
 
 CHAT = "/v1/chat/completions"
 EXACT_PROMPT_TOKENS = 8
@@ -97,15 +97,6 @@ def _post(url: str, body: bytes, headers: dict[str, str] | None = None,
         async with aiohttp.ClientSession() as session:
             return await _send(session, url, body, headers, path)
     return asyncio.run(go())
-
-
-def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -387,7 +378,7 @@ def test_api_key_mode_refuses_missing_malformed_and_unknown_keys(
 def test_api_key_request_is_charged_to_the_keys_tenant_not_the_header(key_stack: Stack) -> None:
     url = key_stack.metrics_url
     # Earlier tests' requests of this tenant settle after their clients got the answer.
-    assert _wait_until(lambda: metric(url, "fairway_running_requests", tenant="keyed") == 0)
+    assert wait_until(lambda: metric(url, "fairway_running_requests", tenant="keyed") == 0)
     before = metric(url, "fairway_service_tokens_total", tenant="keyed")
     status, _, body = _post(key_stack.gateway_url, chat_body(max_tokens=6), {
         "authorization": f"Bearer {API_KEY}", TENANT_HEADER: "someone-else",
@@ -395,7 +386,7 @@ def test_api_key_request_is_charged_to_the_keys_tenant_not_the_header(key_stack:
     assert status == 200, body
     usage = json.loads(body)["usage"]
     served = usage["prompt_tokens"] + usage["completion_tokens"]
-    assert _wait_until(lambda: metric(url, "fairway_service_tokens_total", tenant="keyed")
+    assert wait_until(lambda: metric(url, "fairway_service_tokens_total", tenant="keyed")
                        - before == served)
     assert metric(url, "fairway_service_tokens_total", tenant="someone-else") == 0
     assert metric(url, "fairway_requests_total", tenant="someone-else") == 0
@@ -465,7 +456,7 @@ def test_lane_header_chooses_an_allowed_lane_and_its_priority(
                               {TENANT_HEADER: "laner", "x-fairway-lane": "batch"})
     assert status == 200, answer
     assert _received(upstream, marker)["priority"] == 10
-    assert _wait_until(lambda: metric(url, "fairway_requests_total", tenant="laner",
+    assert wait_until(lambda: metric(url, "fairway_requests_total", tenant="laner",
                                       lane="batch") - before == 1)
     # The tenant's own lane may be named too.
     marker = uuid.uuid4().hex
@@ -565,7 +556,7 @@ def test_budget_is_settled_to_actual_use_when_the_estimate_exceeded_the_bucket(
     used = json.loads(body)["usage"]["total_tokens"]
     assert used == UPSTREAM_PROMPT_TOKENS + 10
     m = stack.metrics_url
-    assert _wait_until(lambda: metric(m, "fairway_requests_total", tenant="overdraft") == 1)
+    assert wait_until(lambda: metric(m, "fairway_requests_total", tenant="overdraft") == 1)
     # The next request is estimated 5 + min(average output 10, 5) = 10 tokens (the prompt
     # calibrated to the upstream's 5). Settled to actual use, the bucket held 40 − 15 = 25 (the
     # refill over the test is under a token): 15 remain after its reservation.
@@ -662,7 +653,7 @@ def test_over_budget_tenant_is_demoted_and_still_served(sim_stack: Stack) -> Non
         assert status == 200, body
         assert json.loads(body)["usage"]["completion_tokens"] == 30
     m = sim_stack.metrics_url
-    assert _wait_until(lambda: metric(m, "fairway_requests_total", tenant="demoter") == 3)
+    assert wait_until(lambda: metric(m, "fairway_requests_total", tenant="demoter") == 3)
     assert metric(m, "fairway_requests_total", tenant="demoter", lane="online") == 1
     assert metric(m, "fairway_requests_total", tenant="demoter", lane="batch") == 2
     assert metric(m, "fairway_demotions_total", tenant="demoter", from_lane="online",
@@ -709,7 +700,7 @@ def test_tenant_queue_cap_refuses_beyond_max_queued(sim_stack: Stack) -> None:
         assert "retry-after" in got
     assert metric(m, "fairway_rejections_total", tenant="capq", reason="tenant_queue_full") == 3
     assert [status for status, _, _ in held] == [200, 200]
-    assert _wait_until(lambda: _engines_idle(sim_stack), timeout=15)
+    assert wait_until(lambda: _engines_idle(sim_stack), timeout=15)
 
 
 def test_concurrency_cap_runs_one_request_at_a_time(sim_stack: Stack) -> None:
@@ -831,7 +822,7 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     seen, streamed_s, (late_status, late_headers, late_body) = asyncio.run(scenario())
     assert late_status == 503, late_body
     assert "retry-after" in late_headers
-    assert _wait_until(lambda: len(_records(metering_file, "billed")) == 1
+    assert wait_until(lambda: len(_records(metering_file, "billed")) == 1
                        and len(_records(metering_file, "billed-late")) == 2)
 
     (done,) = _records(metering_file, "billed")
@@ -864,7 +855,7 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     assert (timed_out["prompt_tokens"], timed_out["completion_tokens"], timed_out["cost"]) == \
         (0, 0, 0)
     assert timed_out["queue_ms"] >= MAX_WAIT_S * 1000 * 0.95
-    assert _wait_until(lambda: _engines_idle(sim_stack), timeout=15)
+    assert wait_until(lambda: _engines_idle(sim_stack), timeout=15)
 
 
 def test_metering_record_carries_the_engines_finish_reason(
@@ -874,7 +865,7 @@ def test_metering_record_carries_the_engines_finish_reason(
     assert status == 200, body
     reason = json.loads(body)["choices"][0]["finish_reason"]
     assert reason == "length"  # ignore_eos: the output reached max_tokens
-    assert _wait_until(lambda: len(_records(metering_file, "reasoned")) == 1)
+    assert wait_until(lambda: len(_records(metering_file, "reasoned")) == 1)
     (record,) = _records(metering_file, "reasoned")
     assert record["finish_reason"] == reason, record
 
@@ -885,8 +876,8 @@ def test_refused_request_is_metered(sim_stack: Stack, metering_file: Path) -> No
     assert _post(sim_stack.gateway_url, _exact_body(12), headers)[0] == 200
     status, _, body = _post(sim_stack.gateway_url, _exact_body(12), headers)
     assert status == 429, body
-    assert _wait_until(lambda: len(_records(metering_file, "refusee")) >= 1)
-    _wait_until(lambda: len(_records(metering_file, "refusee")) >= 2, timeout=2)
+    assert wait_until(lambda: len(_records(metering_file, "refusee")) >= 1)
+    wait_until(lambda: len(_records(metering_file, "refusee")) >= 2, timeout=2)
     outcomes = sorted(r["outcome"] for r in _records(metering_file, "refusee"))
     assert outcomes == ["ok", "over_budget"], outcomes
 
@@ -906,7 +897,7 @@ def test_random_tenant_ids_are_counted_as_other(sim_stack: Stack) -> None:
 
     statuses = [status for status, _, _ in asyncio.run(scenario())]
     assert statuses == [200] * n
-    assert _wait_until(lambda: metric(m, "fairway_requests_total", tenant="other") - before
+    assert wait_until(lambda: metric(m, "fairway_requests_total", tenant="other") - before
                        == n)
     labels = {dict(labels).get("tenant") for _, labels in metric_samples(m)} - {None}
     assert len(labels) <= len(SIM_TENANTS) + 1, labels
@@ -966,4 +957,4 @@ def test_full_queue_sheds_the_lowest_lane_first(overload_stack: Stack) -> None:
     assert refused_low[0] == 429 and _error(refused_low[2])["type"] == "rate_limit_exceeded"
     assert metric(m, "fairway_requests_total", tenant="lo", outcome="shed") == 1
     assert metric(m, "fairway_rejections_total", tenant="lo", reason="queue_full") == 2
-    assert _wait_until(lambda: _engines_idle(stack), timeout=15)
+    assert wait_until(lambda: _engines_idle(stack), timeout=15)

@@ -31,15 +31,10 @@ from tests.integration.test_extproc_contract import (
     refusal,
     send_request,
 )
+from tests.integration.test_k8s_cluster import CONFIGMAPS, NS, PODS, POOLS, RESOURCES
 
 pytestmark = pytest.mark.integration
 
-NS = "inference"
-RESOURCES = ("v1/namespaces", "v1/configmaps", "v1/pods",
-             "inference.networking.k8s.io/v1/inferencepools", "coordination.k8s.io/v1/leases")
-CONFIGMAPS = f"/api/v1/namespaces/{NS}/configmaps"
-PODS = f"/api/v1/namespaces/{NS}/pods"
-POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
 
 
 def _configmap(weight: float) -> dict[str, Any]:
