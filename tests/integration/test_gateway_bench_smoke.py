@@ -133,8 +133,11 @@ def test_overhead_numbers_are_sane(quick: tuple[Path, dict[str, Any], str]) -> N
     assert at["ext_proc"]["sent_per_request"] >= 2  # headers and body at least
     assert set(at["cpu_ms_per_request"]) == {"baseline", "picker"}
     ladder = overhead["requests"]["ladder"]
-    assert ladder[0]["rate"] == 200 and len(ladder) >= 2
+    assert ladder[0]["rate"] == 200
     assert all(row.get("verdict") for row in ladder[:1])
+    # The ladder climbs only past a rate that was sustained; whether a 1-second smoke block at
+    # 200 req/s is sustained depends on how busy the machine is, so either shape is right.
+    assert len(ladder) >= 2 or ladder[0]["verdict"] != "sustained"
     assert overhead["requests"]["stop_reason"]
     streams = overhead["streams"]
     for path in ("baseline", "picker"):
