@@ -30,7 +30,7 @@ ENV PATH=/opt/fairway/bin:$PATH \
 USER 10001:10001
 WORKDIR /tmp
 # ext_proc + gRPC health, metrics, admin API.
-EXPOSE 9002 9090 9003
+EXPOSE 9002 9003 9004 9090
 ENTRYPOINT ["python", "-m", "picker"]
 # The chart passes `serve ...`; the operator overrides the command (python -m fairway_operator).
 CMD ["--help"]

@@ -24,8 +24,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from picker.config.strict import safe_load
 from picker.sim.analysis import backlogged_drift, max_drift, service_between, shares, vtc_bound
 from picker.sim.engine import SimResult, simulate
 from picker.sim.scenario import Scenario, load_scenario
@@ -85,7 +84,7 @@ class Plan:
 
 def scenario_data(name: str) -> dict[str, Any]:
     """The parsed YAML of ``bench/scenarios/<name>.yaml``."""
-    return yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text(encoding="utf-8"))
+    return safe_load((SCENARIOS / f"{name}.yaml").read_text(encoding="utf-8"))
 
 
 def build(data: dict[str, Any], steps: int | None = None, **overrides: Any) -> Scenario:

@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.experiments import md_table
+from picker.config.strict import safe_load
 from picker.sim.analysis import backlogged_drift, max_drift, vtc_bound, widest_swing
 from picker.sim.engine import simulate
 from picker.sim.load import LoadResult, RequestRecord, percentile, run_traffic
@@ -258,7 +258,7 @@ def envoy_version() -> str:
 Metrics = dict[str, list[tuple[dict[str, str], float]]]
 
 PICKER_METRICS = frozenset({
-    "fairway_queued_requests", "fairway_running_requests", "fairway_virtual_counter",
+    "fairway_queued_requests", "fairway_running_requests", "fairway_virtual_service",
     "fairway_weighted_service_total", "fairway_service_tokens_total",
     "fairway_queue_wait_seconds_sum", "fairway_queue_wait_seconds_count",
     "fairway_ttft_seconds_sum", "fairway_ttft_seconds_count", "fairway_requests_total",
@@ -454,7 +454,7 @@ class GatewayRun:
 
 
 def traffic_data(name: str) -> dict[str, Any]:
-    return yaml.safe_load((TRAFFIC / f"gateway_{name}.yaml").read_text(encoding="utf-8"))
+    return safe_load((TRAFFIC / f"gateway_{name}.yaml").read_text(encoding="utf-8"))
 
 
 def make_traffic(name: str, duration: float, backlog_scale: float = 1.0,
@@ -753,9 +753,9 @@ def exp_drift(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]
         gateway["backlogged_drift"] = max(inside) - min(inside) if inside else 0.0
         later = [g for t, g in gaps if max(window[0], warm) <= t <= window[1]]
         gateway["backlogged_drift_after_warmup"] = max(later) - min(later) if later else 0.0
-        counter = series(run.samples, lambda s: msum(s.picker, "fairway_virtual_counter",
+        counter = series(run.samples, lambda s: msum(s.picker, "fairway_virtual_service",
                                                      tenant=a)
-                         - msum(s.picker, "fairway_virtual_counter", tenant=b))
+                         - msum(s.picker, "fairway_virtual_service", tenant=b))
         held = [v for t, v in counter if window[0] <= t <= window[1]]
         gateway["picker_counter_gap_range"] = max(held) - min(held) if held else None
         gateway["picker_counter_gap_max_abs"] = max(abs(v) for v in held) if held else None
@@ -1735,7 +1735,7 @@ def section_drift(data: dict[str, Any]) -> str:
         "start-up transient (all requests of both tenants arrive at once at t = 0 and fill an "
         "idle pool before either has a history); the verdict uses the whole window.",
         "",
-        f"The picker's own VTC counters (`fairway_virtual_counter`, sampled every 0.25 s) "
+        f"The picker's own VTC counters (`fairway_virtual_service`, sampled every 0.25 s) "
         f"differed by at most {_fmt(g.get('picker_counter_gap_max_abs'), ',.0f')} and their gap "
         f"moved within a range of {_fmt(g.get('picker_counter_gap_range'), ',.0f')} while both "
         f"were backlogged. Gateway run: {_cpu(g['resources'])}.",

@@ -11,6 +11,18 @@ from pathlib import Path
 from picker.errors import ConfigError
 from picker.server import ServeSettings, serve
 
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    """A Go-style boolean flag value (``--secure-serving=false``, as upstream spells it)."""
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m picker")
@@ -28,20 +40,38 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kube-server", metavar="URL",
                      help="Kubernetes API URL (default: in-cluster, else kubeconfig)")
     run.add_argument("--host", default="127.0.0.1")
-    run.add_argument("--grpc-port", type=int, default=9002)
+    run.add_argument("--grpc-port", type=int, default=9002,
+                     help="ext_proc (TLS unless --secure-serving=false) and its gRPC health")
+    run.add_argument("--grpc-health-port", type=int, default=9003,
+                     help="gRPC health, plaintext: liveness, readiness, the ext_proc service")
     run.add_argument("--metrics-port", type=int, default=9090)
-    run.add_argument("--admin-port", type=int, default=9003,
+    run.add_argument("--admin-port", type=int, default=9004,
                      help="read-only admin API, fairway.v1.Admin (0: any free port)")
-    run.add_argument("--grace", type=float, default=10.0,
-                     help="seconds running requests get to finish on SIGTERM")
+    run.add_argument("--secure-serving", type=_bool, nargs="?", const=True, default=True,
+                     metavar="BOOL",
+                     help="serve ext_proc over TLS (default true; --secure-serving=false: "
+                          "plaintext)")
+    run.add_argument("--cert-path", type=Path, metavar="DIR",
+                     help="tls.crt and tls.key for ext_proc (a mounted TLS Secret), reloaded "
+                          "when they change; default: self-signed at start")
+    run.add_argument("--identity", metavar="NAME",
+                     help="this replica's name (Lease holder, self-signed certificate); "
+                          "default $POD_NAME")
+    run.add_argument("--grace", type=float, default=130.0,
+                     help="seconds running requests get to finish on SIGTERM (default 130)")
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cert_path is not None and not args.secure_serving:
+        parser.error("--cert-path needs --secure-serving")
     settings = ServeSettings(config_path=args.config, host=args.host, grpc_port=args.grpc_port,
+                             grpc_health_port=args.grpc_health_port,
                              metrics_port=args.metrics_port, admin_port=args.admin_port,
+                             secure_serving=args.secure_serving, cert_path=args.cert_path,
                              grace=args.grace, config_map=args.config_map, pool=args.pool,
-                             lease=args.lease, kube_server=args.kube_server)
+                             lease=args.lease, identity=args.identity,
+                             kube_server=args.kube_server)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:

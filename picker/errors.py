@@ -1,6 +1,11 @@
 """fairway's error taxonomy: every error the project raises on purpose derives from FairwayError.
 
-Each kind carries, once, the HTTP status a client sees and the label metrics count it under.
+Each kind carries, once, the HTTP status a client sees and the label metrics count it under; a
+refusal (``RequestError``) also carries the ``type`` and string ``code`` of its OpenAI-style error
+body. Where OpenAI has a code for the same situation it is used (``rate_limit_exceeded``,
+``insufficient_quota``, ``invalid_api_key``, ``context_length_exceeded``), so clients written for
+OpenAI read fairway's refusals right; elsewhere the code is fairway's own snake_case name. OpenAI's
+429 ``type`` says which limit was hit: ``tokens``, ``requests`` or ``insufficient_quota``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,13 @@ class RequestError(FairwayError):
     http_status = 400
     metric_label = "bad_request"
     error_type = "invalid_request_error"
+    code = "invalid_request"
+    """The error body's string ``code``."""
     retry_after: float | None = None
+    should_retry = True
+    """``False`` where retrying soon cannot help: the response then says ``x-should-retry: false``,
+    which the ``openai`` clients obey before their own rules (they retry every 429 and 5xx).
+    ``True`` sends no header and leaves the choice to the client."""
     metered = False
     """The request already has its metering record (it was refused after it had queued)."""
 
@@ -61,12 +72,16 @@ class BadRequest(RequestError):
 class BodyTooLarge(RequestError):
     http_status = 413
     metric_label = "body_too_large"
+    code = "request_too_large"
 
 
 class QueueFull(RequestError):
+    """The picker's queue is full (or the request was shed for a higher lane's)."""
+
     http_status = 429
     metric_label = "queue_full"
-    error_type = "rate_limit_exceeded"
+    error_type = "requests"
+    code = "queue_full"
     retry_after = 1.0
 
 
@@ -74,6 +89,7 @@ class QueueTimeout(RequestError):
     http_status = 503
     metric_label = "queue_timeout"
     error_type = "server_error"
+    code = "queue_timeout"
     retry_after = 1.0
 
 
@@ -81,6 +97,7 @@ class NoEndpoint(RequestError):
     http_status = 503
     metric_label = "no_endpoint"
     error_type = "server_error"
+    code = "no_endpoint_available"
     retry_after = 1.0
 
 
@@ -88,6 +105,7 @@ class ShuttingDown(RequestError):
     http_status = 503
     metric_label = "shutting_down"
     error_type = "server_error"
+    code = "shutting_down"
     retry_after = 1.0
 
 
@@ -97,6 +115,7 @@ class Unauthorized(RequestError):
     http_status = 401
     metric_label = "unauthorized"
     error_type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class LaneNotAllowed(RequestError):
@@ -105,18 +124,21 @@ class LaneNotAllowed(RequestError):
     http_status = 403
     metric_label = "lane_not_allowed"
     error_type = "permission_error"
+    code = "lane_not_allowed"
 
 
 class InputTooLong(RequestError):
     """The prompt is over the tenant's ``maxInputTokens``."""
 
     metric_label = "input_too_long"
+    code = "context_length_exceeded"
 
 
 class OutputTooLong(RequestError):
     """``max_tokens`` is over the tenant's ``maxOutputTokens`` (and the rule is reject)."""
 
     metric_label = "output_too_long"
+    code = "max_tokens_exceeded"
 
 
 class TenantQueueFull(RequestError):
@@ -124,16 +146,30 @@ class TenantQueueFull(RequestError):
 
     http_status = 429
     metric_label = "tenant_queue_full"
-    error_type = "rate_limit_exceeded"
+    error_type = "requests"
+    code = "tenant_queue_full"
     retry_after = 1.0
 
 
 class OverBudget(RequestError):
-    """The tenant's token budget cannot cover the request (and the rule is reject)."""
+    """The tenant's burst (short-window) token budget cannot cover the request (and the rule is
+    reject): a rate limit, which the ``Retry-After`` wait lifts."""
 
     http_status = 429
     metric_label = "over_budget"
-    error_type = "rate_limit_exceeded"
+    error_type = "tokens"
+    code = "rate_limit_exceeded"
+
+
+class InsufficientQuota(OverBudget):
+    """The tenant's sustained (long-window) token budget cannot cover the request: a quota spent
+    for hours, not a rate limit. Clients must not retry it soon (OpenAI's own clients retry every
+    429 unless told otherwise)."""
+
+    metric_label = "insufficient_quota"
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"
+    should_retry = False
 
 
 class NotLeader(RequestError):
@@ -142,4 +178,22 @@ class NotLeader(RequestError):
     http_status = 503
     metric_label = "not_leader"
     error_type = "server_error"
+    code = "not_leader"
     retry_after = 1.0
+
+
+class NotFound(RequestError):
+    """A path that is neither an inference path nor on the pass-through list."""
+
+    http_status = 404
+    metric_label = "not_found"
+    code = "unknown_url"
+
+
+class MethodNotAllowed(RequestError):
+    """An inference path asked for with a method other than POST (or a pass-through path with
+    another method than the one listed)."""
+
+    http_status = 405
+    metric_label = "method_not_allowed"
+    code = "method_not_allowed"

@@ -1,14 +1,24 @@
 """``python -m picker serve``: the picker process, wired together.
 
-ext_proc and gRPC health on one port, Prometheus metrics on another, the read-only admin API
-(``fairway.v1.Admin``, with its own gRPC health) on a third, the endpoint scraper, the config
-watcher and the admin API's service sampler as background tasks. SIGTERM drains: ext_proc health
-turns NOT_SERVING, queued requests are refused with a retryable 503, running requests get
-``--grace`` seconds to finish; the admin API answers until the drain is over.
+Ports, as upstream's picker has them: ext_proc (9002, TLS unless ``--secure-serving=false``; gRPC
+health answers there too, for gateways that health-check it), gRPC health (9003, plaintext: the
+kubelet's probes), the read-only admin API ``fairway.v1.Admin`` (9004, plaintext, with its own
+gRPC health) and Prometheus metrics (9090). The endpoint scraper, the config watcher and the
+admin API's service sampler run as background tasks.
+
+Health (``HealthState``) answers the service names upstream's picker answers: ``liveness`` is
+SERVING while the process runs (standbys included, so the kubelet does not restart them);
+``readiness``, ``""`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` are SERVING only when
+this replica leads (or there is no election), its endpoints have synced (static endpoints at
+once; an InferencePool after its first list) and it is not draining.
+
+SIGTERM drains: readiness turns NOT_SERVING, queued requests are refused with a retryable 503,
+running requests get ``--grace`` seconds (default 130, a long generation) to finish; liveness and
+the admin API answer until the drain is over.
 
 In a cluster (``picker.k8s``) the config comes from a ConfigMap watched through the API, the
-endpoints from an InferencePool's ready pods, and with a Lease only the elected leader reports
-SERVING and takes requests (a standby refuses them with a retryable 503).
+endpoints from an InferencePool's ready pods, and with a Lease only the elected leader is ready
+and takes requests (a standby refuses them with a retryable 503).
 """
 
 from __future__ import annotations
@@ -16,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -43,10 +54,73 @@ from picker.k8s import (
 )
 from picker.metrics import PickerMetrics
 from picker.scrape import Scraper
+from picker.tls import CertificateSource
 
 log = logging.getLogger("picker")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS = "liveness"
+READINESS = "readiness"
+HEALTH_SERVICES = ("", LIVENESS, READINESS, EXT_PROC_SERVICE)
+"""The gRPC health service names answered (upstream's; ``""`` is the server as a whole, which a
+load balancer asks: it follows readiness)."""
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class HealthState:
+    """What the health answers are computed from."""
+
+    leading: bool = True
+    """Holds the Lease, or there is no leader election."""
+    synced: bool = False
+    """The endpoints are known: static ones from the config, or the InferencePool has been
+    listed (and exists)."""
+    draining: bool = False
+    """SIGTERM came: no new requests."""
+    alive: bool = True
+    """The process is up; False only at the very end of shutdown."""
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.leading and self.synced and not self.draining
+
+    def statuses(self) -> dict[str, int]:
+        """``HealthCheckResponse`` status by service name (``HEALTH_SERVICES``)."""
+        ready = _SERVING if self.ready else _NOT_SERVING
+        return {"": ready, READINESS: ready, EXT_PROC_SERVICE: ready,
+                LIVENESS: _SERVING if self.alive else _NOT_SERVING}
+
+
+class Health:
+    """Publishes a ``HealthState`` to gRPC health servicers (the health port's and the ext_proc
+    port's), so both answer alike and ``Watch`` sees every change."""
+
+    def __init__(self, *servicers: health_aio.HealthServicer,
+                 state: HealthState | None = None) -> None:
+        self.servicers = servicers
+        self.state = state or HealthState()
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def update(self, **changes: bool) -> None:
+        """Change the state and publish it."""
+        self.state = replace(self.state, **changes)
+        await self._publish()
+
+    def change(self, **changes: bool) -> None:
+        """``update`` from synchronous code on the event loop (published in a task)."""
+        self.state = replace(self.state, **changes)
+        task = asyncio.get_running_loop().create_task(self._publish())
+        self._pending.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._pending.discard)
+
+    async def _publish(self) -> None:
+        # Reads the state when it runs, so publications that interleave end on the latest.
+        for service, status in self.state.statuses().items():
+            for servicer in self.servicers:
+                await servicer.set(service, status)
 
 
 @dataclass(frozen=True)
@@ -58,14 +132,25 @@ class ServeSettings:
     host: str = "127.0.0.1"
     """Address to listen on."""
     grpc_port: int = 9002
-    """ext_proc and gRPC health (0: any free port)."""
+    """ext_proc, and gRPC health as on ``grpc_health_port`` (0: any free port)."""
+    grpc_health_port: int = 9003
+    """gRPC health, plaintext (the kubelet's probes): ``liveness``, ``readiness``, the ext_proc
+    service name and ``""``, as upstream's picker (0: any free port)."""
     metrics_port: int = 9090
     """Prometheus ``/metrics`` (0: any free port)."""
-    admin_port: int = 9003
-    """The admin API (``fairway.v1.Admin``) and its gRPC health (0: any free port). Read-only, on
-    its own port so that the gateway's port does not expose it."""
-    grace: float = 10.0
-    """Seconds running requests get to finish after SIGTERM."""
+    admin_port: int = 9004
+    """The admin API (``fairway.v1.Admin``) and its gRPC health, plaintext (0: any free port).
+    Read-only, on its own port so that the gateway's port does not expose it."""
+    secure_serving: bool = True
+    """Serve ext_proc over TLS (upstream's ``--secure-serving``): the gateways that implement the
+    Inference Extension dial the picker over TLS without verifying it. False: plaintext (h2c)."""
+    cert_path: Path | None = None
+    """A directory with ``tls.crt`` and ``tls.key`` (a mounted TLS Secret), reloaded when they
+    change; unset: a self-signed certificate generated at start. Only with ``secure_serving``."""
+    grace: float = 130.0
+    """Seconds running requests get to finish after SIGTERM: long enough for a long generation
+    (upstream gives its picker 130 s too); the pod's terminationGracePeriodSeconds must exceed
+    it."""
     reload_interval: float = 1.0
     """How often the config file is checked for changes."""
     meter_claim_timeout: float = 10.0
@@ -105,16 +190,21 @@ def _split(reference: str, what: str) -> tuple[str, str]:
 
 async def serve(settings: ServeSettings, stop: asyncio.Event | None = None,
                 ready: asyncio.Future[tuple[int, int]] | None = None,
-                admin_ready: asyncio.Future[int] | None = None) -> None:
+                admin_ready: asyncio.Future[int] | None = None,
+                health_ready: asyncio.Future[int] | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None).
 
-    Once serving, ``admin_ready`` gets the admin API's port, then ``ready`` gets
-    ``(grpc_port, metrics_port)`` (the ports bound, useful with port 0).
+    ``health_ready`` gets the health port as soon as it answers (before the config is loaded:
+    liveness holds while a ConfigMap is awaited). Once serving, ``admin_ready`` gets the admin
+    API's port, then ``ready`` gets ``(grpc_port, metrics_port)`` (the ports bound, useful with
+    port 0).
     """
+    if settings.cert_path is not None and not settings.secure_serving:
+        raise ValueError("--cert-path needs --secure-serving")
     client = KubeClient.from_environment(settings.kube_server) \
         if settings.uses_kubernetes else None
     try:
-        await _serve(settings, client, stop, ready, admin_ready)
+        await _serve(settings, client, stop, ready, admin_ready, health_ready)
     finally:
         if client is not None:
             await client.close()
@@ -153,7 +243,7 @@ async def _initial_config(settings: ServeSettings, client: KubeClient | None,
 
 
 def _sources(settings: ServeSettings, client: KubeClient | None, live: LiveConfig,
-             metrics: PickerMetrics) -> list[_Runner]:
+             metrics: PickerMetrics, health: Health) -> list[_Runner]:
     """What keeps the config and the endpoints current: each has ``run(stop)``."""
     def count(result: str) -> None:
         metrics.config_reloads.labels(result).inc()
@@ -170,31 +260,68 @@ def _sources(settings: ServeSettings, client: KubeClient | None, live: LiveConfi
     if settings.pool:
         assert client is not None
         sources.append(PoolDiscovery(client, *_split(settings.pool, "--pool"),
-                                     live.set_endpoints))
+                                     live.set_endpoints,
+                                     on_synced=lambda synced: health.change(synced=synced)))
     return sources
+
+
+def certificate_source(settings: ServeSettings) -> CertificateSource:
+    """The ext_proc port's certificate: ``--cert-path``, else self-signed for this replica's
+    name (``--identity``, ``$POD_NAME``) and the loopback names."""
+    name = settings.identity or os.environ.get("POD_NAME")
+    return CertificateSource(settings.cert_path, [name] if name else [])
 
 
 async def _serve(settings: ServeSettings, client: KubeClient | None,
                  stop: asyncio.Event | None, ready: asyncio.Future[tuple[int, int]] | None,
-                 admin_ready: asyncio.Future[int] | None) -> None:
+                 admin_ready: asyncio.Future[int] | None,
+                 health_ready: asyncio.Future[int] | None) -> None:
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    # TLS first: a bad --cert-path fails the start before anything listens.
+    certificates = certificate_source(settings) if settings.secure_serving else None
+    # The health port first: alive (not ready) while the config is awaited.
+    health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    probe_health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(probe_health, health_server)
+    health_port = health_server.add_insecure_port(f"{settings.host}:{settings.grpc_health_port}")
+    ext_proc_health = health_aio.HealthServicer()
+    health = Health(probe_health, ext_proc_health,
+                    state=HealthState(leading=not settings.lease, synced=False))
+    await health.update()
+    await health_server.start()
+    print(f"picker health listening health={settings.host}:{health_port}", flush=True)
+    if health_ready is not None:
+        health_ready.set_result(health_port)
+    try:
+        await _serve_config(settings, client, stop, ready, admin_ready, health, certificates)
+    finally:
+        await health.update(alive=False)
+        await health_server.stop(0.5)
+
+
+async def _serve_config(settings: ServeSettings, client: KubeClient | None,
+                        stop: asyncio.Event, ready: asyncio.Future[tuple[int, int]] | None,
+                        admin_ready: asyncio.Future[int] | None, health: Health,
+                        certificates: CertificateSource | None) -> None:
     config = await _initial_config(settings, client, stop)
     if config is None:
         return
     metrics = PickerMetrics()
+    metrics.add_role_collector(lambda: health.state.leading, lambda: health.state.ready)
     dispatcher = Dispatcher(config, metrics=metrics)
     live = LiveConfig(dispatcher.apply_config, config)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
                                     settings.meter_claim_timeout), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicers[1], server)
+    address = f"{settings.host}:{settings.grpc_port}"
+    grpc_port = server.add_insecure_port(address) if certificates is None else \
+        server.add_secure_port(address, certificates.credentials())
     admin = AdminService(dispatcher)
     admin_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     admin_pb2_grpc.add_AdminServicer_to_server(admin, admin_server)
@@ -207,38 +334,37 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
     await server.start()
     await admin_server.start()
 
-    async def set_serving(serving: bool) -> None:
-        dispatcher.standby = not serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", EXT_PROC_SERVICE):
-            await health.set(service, status)
-
     elector = None
     if settings.lease:
         assert client is not None
 
-        changes: set[asyncio.Task[None]] = set()
-
         def on_leading(leading: bool) -> None:
             log.info("leadership %s", "acquired: serving" if leading else "lost: standing by")
-            task = asyncio.get_running_loop().create_task(set_serving(leading))
-            changes.add(task)  # held until done: the loop keeps only weak references
-            task.add_done_callback(changes.discard)
+            dispatcher.standby = not leading
+            health.change(leading=leading)
 
         elector = LeaderElector(client, *_split(settings.lease, "--lease"), on_leading,
                                 identity=settings.identity,
                                 lease_duration=settings.lease_duration,
                                 retry_period=settings.lease_duration / 3)
-    await set_serving(elector is None)
+    dispatcher.standby = elector is not None
+    # Static endpoints are known now; an InferencePool's once PoolDiscovery has listed it.
+    await health.update(synced=not settings.pool)
     for service in ("", ADMIN_SERVICE):
-        await admin_health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await admin_health.set(service, _SERVING)
 
     runners: list[_Runner] = [Scraper(dispatcher), admin,
-                              *_sources(settings, client, live, metrics)]
+                              *_sources(settings, client, live, metrics, health)]
     if elector is not None:
         runners.append(elector)
     tasks = [asyncio.create_task(runner.run(stop)) for runner in runners]
+    if certificates is None:
+        log.warning("ext_proc served in plaintext (--secure-serving=false): gateways that dial "
+                    "TLS (Envoy AI Gateway, kgateway) cannot reach it")
+    else:
+        log.info("ext_proc served over TLS: %s certificate, sha256 %s",
+                 "self-signed" if settings.cert_path is None else str(settings.cert_path),
+                 certificates.current.fingerprint)
     log.info("picker serving ext_proc on %s:%d, metrics on %s:%d, admin on %s:%d, policy %s",
              settings.host, grpc_port, settings.host, metrics_port, settings.host, admin_port,
              config.scheduling.policy)
@@ -255,8 +381,7 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
         await stop.wait()
     finally:
         log.info("picker draining: %d requests in flight", dispatcher.busy)
-        for service in ("", EXT_PROC_SERVICE):
-            await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await health.update(draining=True)
         dispatcher.close()
         deadline = asyncio.get_running_loop().time() + settings.grace
         while dispatcher.busy and asyncio.get_running_loop().time() < deadline:
@@ -267,7 +392,7 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for service in ("", ADMIN_SERVICE):
-            await admin_health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await admin_health.set(service, _NOT_SERVING)
         await admin_server.stop(0.5)
         http_server.shutdown()
         http_thread.join(timeout=2)

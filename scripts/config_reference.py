@@ -94,7 +94,7 @@ def _rows(cls: type, prefix: str, docs: dict[tuple[str, str], str],
         rules = [text.format(field.metadata[rule]) for rule, text in RULES.items()
                  if rule in field.metadata]
         if field.metadata.get("duration"):
-            rules.append("a duration (`250ms`, `60s`, `5m`, `24h`)")
+            rules.append("a duration (`250ms`, `60s`, `1m30s`, `24h`)")
         nested = _dataclass_of(tp)
         is_list = typing.get_origin(tp) is tuple
         meaning = docs.get((cls.__name__, field.name)) or \
@@ -112,8 +112,12 @@ def render() -> str:
     docs = _field_docs()
     head = ("# Picker configuration reference\n\n"
             "Generated from `picker/config/schema.py` by `python scripts/config_reference.py`; "
-            "a test keeps the two in step. Keys are camelCase; unknown keys are errors naming "
-            "their path. `python -m picker.config check FILE` validates a file.\n\n"
+            "a test keeps the two in step. Keys are camelCase; unknown keys, and a key written "
+            "twice in one mapping, are errors naming their path. Durations are a number of "
+            "seconds or Go's duration syntax, as Kubernetes writes it (`250ms`, `90s`, `1m30s`, "
+            "`1h2m3.5s`, `1.5h`; units `ns`, `us`/`µs`, `ms`, `s`, `m`, `h`), plus `d` for days "
+            "(`1d`; Go has no `d`); a quoted number without a unit (`\"50\"`) is refused. "
+            "`python -m picker.config check FILE` validates a file.\n\n"
             f"{' '.join(schema.PickerConfig.__doc__.split())}\n\n")
     table = ["| key | type | default | rules | meaning |", "|---|---|---|---|---|"]
     table += ["| " + " | ".join(cell.replace("|", "\\|") if i != 1 else cell

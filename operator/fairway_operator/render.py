@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from picker.config.schema import load_config
+from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.identity import hash_api_key
 
@@ -118,9 +119,11 @@ def parse_base(data: Mapping[str, str] | None, key: str, configmap: str) -> dict
     if key not in data:
         raise ConfigError("", f"ConfigMap {configmap} has no key {key}")
     try:
-        base = yaml.safe_load(data[key])
+        base = safe_load(data[key])  # a key written twice is refused, as in a config file
     except yaml.YAMLError as exc:
         raise ConfigError("", f"ConfigMap {configmap} key {key} is not valid YAML: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(exc.path, f"{exc.message} (ConfigMap {configmap} key {key})") from exc
     if base is None:
         base = {}
     if not isinstance(base, dict):

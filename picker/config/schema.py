@@ -7,15 +7,18 @@ same code.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from picker.config.strict import load, load_yaml_file, require_known, require_unique
-from picker.errors import ConfigError
+from picker.errors import BadRequest, ConfigError
+from picker.openai.paths import INFERENCE_PATHS, normalise_method, normalise_path
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_METHOD = re.compile(r"^[A-Z][A-Z0-9_-]*$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
@@ -47,11 +50,12 @@ class Tenancy:
     """``header``: a trusted header the gateway set after authenticating the caller. ``apiKey``:
     ``Authorization: Bearer <key>`` looked up in ``apiKeys`` (401 when unknown); client-sent
     tenant headers are then ignored."""
-    header: str = "x-gateway-inference-fairness-id"
-    """Trusted header the gateway sets to the caller's tenant id."""
-    also_accept: tuple[str, ...] = field(default=("x-llm-d-inference-fairness-id",),
+    header: str = "x-llm-d-inference-fairness-id"
+    """Trusted header the gateway sets to the caller's tenant id (upstream's current name)."""
+    also_accept: tuple[str, ...] = field(default=("x-gateway-inference-fairness-id",),
                                          metadata=_camel("also_accept"))
-    """Further trusted headers, tried in order when ``header`` is absent."""
+    """Further trusted headers, tried in order when ``header`` is absent (by default the
+    deprecated upstream name)."""
     default_tenant: str = field(default="anonymous", metadata=_camel("default_tenant"))
     """Tenant of requests that carry none of the headers (header mode)."""
     api_keys: tuple[ApiKey, ...] = field(default=(), metadata=_camel("api_keys"))
@@ -88,6 +92,9 @@ class Lane:
     """Fraction of service the lane gets at least while backlogged (0: strict priority)."""
     engine_priority: int | None = field(default=None, metadata=_camel("engine_priority"))
     """vLLM request ``priority`` for this lane's requests (lower runs first); unset: untouched."""
+    objectives: tuple[str, ...] = ()
+    """InferenceObjective names (the gateway's ``x-gateway-inference-objective`` header) that
+    ask for this lane; honoured only within the tenant's allowed lanes, like the lane header."""
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,69 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class PassThrough:
+    """A path routed to an endpoint without admission, queueing or charge (not an inference
+    path)."""
+
+    method: str
+    """HTTP method in upper case (``GET``), or ``*`` for any."""
+    path: str
+    """Starts with ``/``; matched after the picker normalises the request's path
+    (percent-decoding, case, ``.``/``..``, repeated and trailing slashes), so it is stored
+    normalised."""
+
+    def __post_init__(self) -> None:
+        if self.method != "*" and not _METHOD.match(self.method):
+            raise ConfigError("method", f"must be an upper-case HTTP method such as GET, or *; "
+                                        f"got {self.method!r}")
+        if not self.path.startswith("/"):
+            raise ConfigError("path", f"must start with /, got {self.path!r}")
+        if "?" in self.path or "#" in self.path:
+            raise ConfigError("path", "must not hold a query or fragment (they are not matched)")
+        try:
+            path = normalise_path(self.path)
+        except BadRequest as exc:
+            raise ConfigError("path", exc.message) from None
+        if path in INFERENCE_PATHS:
+            raise ConfigError("path", f"{path} is an inference path: inference paths are always "
+                                      "admitted and charged, never passed through")
+        object.__setattr__(self, "method", normalise_method(self.method))
+        object.__setattr__(self, "path", path)
+
+    @property
+    def name(self) -> str:
+        """The entry as written in messages and the reference: ``GET /v1/models``."""
+        return f"{self.method} {self.path}"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How requests are routed. The inference paths (``/v1/completions``,
+    ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``, ``/v1/messages``) are always
+    admitted and charged; a path listed here is routed uncharged; any other path is refused with
+    404 (405 for a listed path asked with a method its entries do not list)."""
+
+    pass_through: tuple[PassThrough, ...] = field(
+        default=(PassThrough("GET", "/v1/models"), PassThrough("GET", "/health")),
+        metadata=_camel("pass_through"))
+    """Method and path pairs routed without admission or charge."""
+    fallback_endpoints: int = field(default=0, metadata=_camel("fallback_endpoints", ge=0,
+                                                               le=8))
+    """Endpoints named after the primary, for the gateway to retry on. Header and metadata carry
+    the same list, as the protocol requires; Envoy's ``ORIGINAL_DST`` cluster (kgateway, Istio,
+    plain Envoy) takes one address only, so leave 0 unless the gateway routes with
+    ``override_host`` (Envoy Gateway, Envoy AI Gateway)."""
+
+    def __post_init__(self) -> None:
+        require_unique([entry.name for entry in self.pass_through], "passThrough[{}]", "entry")
+
+    @functools.cached_property
+    def pass_through_set(self) -> frozenset[tuple[str, str]]:
+        """``(METHOD, normalised path)`` pairs, as ``picker.openai.paths.classify`` takes them."""
+        return frozenset((entry.method, entry.path) for entry in self.pass_through)
+
+
+@dataclass(frozen=True)
 class Metering:
     """Where the per-request usage records go."""
 
@@ -283,6 +353,7 @@ class PickerConfig:
     queue: Queue = Queue()
     capacity: Capacity = Capacity()
     limits: Limits = Limits()
+    routing: Routing = Routing()
     tenants: tuple[Tenant, ...] = ()
     tenant_defaults: TenantPolicy = field(default=TenantPolicy(),
                                           metadata=_camel("tenant_defaults"))
@@ -294,6 +365,14 @@ class PickerConfig:
             raise ConfigError("lanes", "needs at least one lane")
         lane_names = [lane.name for lane in self.lanes]
         require_unique(lane_names, "lanes[{}].name", "lane")
+        owner: dict[str, str] = {}
+        for i, lane in enumerate(self.lanes):
+            for j, objective in enumerate(lane.objectives):
+                if objective in owner:
+                    raise ConfigError(f"lanes[{i}].objectives[{j}]",
+                                      f"objective {objective!r} already asks for lane "
+                                      f"{owner[objective]!r}")
+                owner[objective] = lane.name
         require_unique([e.address for e in self.endpoints], "endpoints[{}].address", "endpoint")
         require_unique([t.id for t in self.tenants], "tenants[{}].id", "tenant")
         for i, tenant in enumerate(self.tenants):

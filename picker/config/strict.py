@@ -5,15 +5,20 @@ Unknown keys, missing required keys, wrong types and out-of-range values are err
 names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Field metadata carries the rules:
 ``key`` (the document's spelling, e.g. camelCase), ``ge``/``gt``/``le``/``lt`` (ranges),
 ``min_length`` (strings) and
-``duration`` (a float of seconds that may be written ``250ms``, ``60s``, ``5m``, ``24h``).
+``duration`` (a float of seconds: a number, or Go's duration syntax as Kubernetes and the picker
+itself write it, ``250ms``, ``60s``, ``1m30s``, ``1h2m3.5s``, ``1.5h``, plus ``d`` for days).
 Cross-field rules live in the dataclass's ``__post_init__``, raising ``ConfigError`` with a path
 relative to the object.
+
+YAML is read by ``safe_load`` (``yaml.safe_load`` with one difference: a mapping key written
+twice is an error naming its path and both lines, where PyYAML would keep the last silently).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -35,28 +40,99 @@ _RANGE_RULES = {
 }
 
 
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# Go's time.ParseDuration units (both spellings of micro), plus ``d``: fairway accepted days
+# before it accepted Go's syntax, and 24h windows read better as 1d. Go has no ``d``.
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3,
+                   "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# One ``<number><unit>`` term; a number is digits with an optional fraction (``1.``, ``.5``),
+# as Go allows. Longer units first, so ``ms`` is not read as ``m`` followed by junk.
+_DURATION_TERM = re.compile(
+    r"(\d+\.?\d*|\.\d+)(" + "|".join(sorted(map(re.escape, _DURATION_UNITS), key=len,
+                                              reverse=True)) + ")")
+_DURATION = re.compile(rf"[+-]?(?:{_DURATION_TERM.pattern})+")
+_DURATION_HINT = "a duration such as 250ms, 60s, 5m, 1m30s or 24h"
 
 
 def parse_duration(value: Any, path: str) -> float:
-    """Seconds from a number or a string such as ``250ms``, ``60s``, ``5m``, ``24h``."""
+    """Seconds from a number, or a string in Go's duration syntax (``1m30s``, ``250ms``, ``24h``).
+
+    Go's ``time.ParseDuration`` grammar: an optional sign, then one or more ``<number><unit>``
+    terms (``ns``, ``us``/``µs``, ``ms``, ``s``, ``m``, ``h``), summed; ``"0"`` alone needs no
+    unit. fairway also takes ``d`` (86400 s) and a YAML number (seconds). A string of digits
+    without a unit (``"50"``) is refused, as Go refuses it: a quoted number is more likely a
+    mistake than seconds. The range (``> 0`` and so on) is the field's rule, checked after.
+    """
     if isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise ConfigError(path, f"must be a finite duration, got {value}")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
-        for unit in ("ms", "s", "m", "h", "d"):
-            number = text.removesuffix(unit)
-            if number != text:
-                try:
-                    seconds = float(number) * _DURATION_UNITS[unit]
-                except ValueError:
-                    break
-                if math.isfinite(seconds):
-                    return seconds
-                break
-    raise ConfigError(path, f"must be a duration such as 250ms, 60s, 5m or 24h; got {value!r}")
+        if text in ("0", "+0", "-0"):
+            return 0.0
+        if _DURATION.fullmatch(text):
+            seconds = sum(float(number) * _DURATION_UNITS[unit]
+                          for number, unit in _DURATION_TERM.findall(text))
+            if math.isfinite(seconds):
+                return -seconds if text.startswith("-") else seconds
+    raise ConfigError(path, f"must be {_DURATION_HINT}; got {value!r}")
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key written twice (ConfigError naming it).
+
+    The check walks the composed node tree before anything is constructed, so the error can say
+    where the key is (``tenants[1].weight``) and on which lines. Keys brought in by a merge
+    (``<<: *defaults``) may be overridden, as YAML's merge rule says; only keys written out
+    twice in one mapping are refused.
+    """
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(self, node, "", set())
+        return super().construct_document(node)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.Node, path: str,
+                           seen: set[int]) -> None:
+    if id(node) in seen:  # an alias: its node was checked where it was anchored
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(loader, item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first_line: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                _refuse_duplicate_keys(loader, value_node, path, seen)
+                continue
+            key = _key_of(loader, key_node)
+            where = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            try:
+                earlier = first_line.get(key)
+            except TypeError:  # an unhashable key: the constructor refuses it with its own error
+                continue
+            if earlier is not None:
+                lines = f"line {line}" if earlier == line else f"lines {earlier} and {line}"
+                raise ConfigError(where, f"key written twice ({lines})")
+            first_line[key] = line
+            _refuse_duplicate_keys(loader, value_node, where, seen)
+
+
+def _key_of(loader: yaml.SafeLoader, key_node: yaml.Node) -> Any:
+    """The key as PyYAML would construct it (``1`` and ``"1"`` differ; ``a`` and ``"a"`` do not)."""
+    if isinstance(key_node, yaml.ScalarNode):
+        return loader.construct_object(key_node)
+    return key_node.start_mark.index  # a collection key cannot repeat a scalar one
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load(text)``, except that a mapping key written twice raises ConfigError."""
+    return yaml.load(text, Loader=StrictLoader)  # a SafeLoader: no arbitrary objects
 
 
 def load_yaml_file(cls: type[T], path: str | Path) -> T:
@@ -66,7 +142,7 @@ def load_yaml_file(cls: type[T], path: str | Path) -> T:
     except OSError as exc:
         raise ConfigError("", f"cannot read {path}: {exc.strerror}") from exc
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path} is not valid YAML: {exc}") from exc
     return load(cls, data)

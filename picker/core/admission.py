@@ -52,6 +52,9 @@ INPUT_TOO_LONG = "input_too_long"
 OUTPUT_TOO_LONG = "output_too_long"
 TENANT_QUEUE_FULL = "tenant_queue_full"
 OVER_BUDGET = "over_budget"
+"""The burst budget refused it: a rate limit, lifted within a short wait."""
+INSUFFICIENT_QUOTA = "insufficient_quota"
+"""The sustained budget refused it: a quota spent for its long window, not worth retrying soon."""
 
 # Bucket comparisons allow this many tokens of float error, so that a client retrying exactly
 # ``retry_after`` seconds later is admitted whatever rounding the refill arithmetic did.
@@ -236,13 +239,15 @@ class Refused:
 
     reason: str
     """A short snake_case label for metrics: ``input_too_long``, ``output_too_long``,
-    ``tenant_queue_full`` or ``over_budget``."""
+    ``tenant_queue_full``, ``over_budget`` (the burst budget) or ``insufficient_quota`` (the
+    sustained budget)."""
     message: str
     """Human text for an OpenAI-style error body."""
     retry_after: float | None = None
     """Seconds after which the same request would pass this check; ``None``: it never will."""
     window: str | None = None
-    """The budget that refused it (``burst`` or ``sustained``), for ``over_budget``."""
+    """The budget that refused it (``burst`` or ``sustained``), for ``over_budget`` and
+    ``insufficient_quota``."""
 
     @property
     def status(self) -> str:
@@ -284,13 +289,15 @@ class Admission:
               expected_output_tokens: int, now: float) -> Admitted | Refused:
         """Decide whether a request may queue; when it may, reserve its estimate.
 
-        ``max_output_tokens`` is the request's ``max_tokens`` (``None`` when it set none);
+        ``max_output_tokens`` is the request's ``max_tokens`` (``None`` when it set none, 0 for a
+        request that produces no output, such as embeddings);
         ``expected_output_tokens`` is the caller's guess of the output it will produce. Checks run
         in order: prompt size, output limit, the tenant's queued requests, then the budgets.
         """
         _count("prompt_tokens", prompt_tokens)
         _count("expected_output_tokens", expected_output_tokens)
-        _optional_positive("max_output_tokens", max_output_tokens)
+        if max_output_tokens is not None:  # 0: a request without output (embeddings)
+            _count("max_output_tokens", max_output_tokens)
         rules = self.rules_for(tenant)
 
         if rules.max_input_tokens is not None and prompt_tokens > rules.max_input_tokens:
@@ -358,7 +365,10 @@ class Admission:
             left = max(0, math.floor(bucket.level))
             message = (f"over the {window} token budget: {left} of {capacity} tokens left, this "
                        f"request needs an estimated {estimate}; retry in {format_duration(wait)}")
-        return Refused(OVER_BUDGET, message, retry_after=wait, window=window)
+        # The bucket that must wait longest binds: when that is the long window, waiting out the
+        # burst would not help, and the client is told so (OpenAI's ``insufficient_quota``).
+        reason = INSUFFICIENT_QUOTA if window == SUSTAINED else OVER_BUDGET
+        return Refused(reason, message, retry_after=wait, window=window)
 
     def may_start(self, tenant: str) -> bool:
         """Whether ``tenant`` is under its concurrency cap, so one of its requests may start."""
@@ -468,12 +478,14 @@ class Admission:
         return [(w, b.level, b.rule) for w, b in state.refilled(now)]
 
     def headers(self, tenant: str, now: float) -> dict[str, str]:
-        """OpenAI-style ``x-ratelimit-*`` headers for ``tenant``.
+        """Rate-limit response headers for ``tenant``.
 
         The token headers describe the tightest budget (lowest fraction remaining; burst on a
-        tie): its capacity, the whole tokens left, and the time until it is full again. The
-        request headers describe the concurrency cap and what is left of it. Empty when the
-        tenant has neither budgets nor a concurrency cap.
+        tie): its capacity, the whole tokens left, and the time until it is full again, under
+        OpenAI's ``x-ratelimit-*-tokens`` names. The concurrency cap and what is left of it go
+        under fairway's own names: OpenAI's ``x-ratelimit-*-requests`` mean requests per window,
+        which clients pace themselves by, and a cap on requests at once is not that. Empty when
+        the tenant has neither budgets nor a concurrency cap.
         """
         out: dict[str, str] = {}
         levels = self._levels(tenant, now)
@@ -485,8 +497,9 @@ class Admission:
             out["x-ratelimit-reset-tokens"] = format_duration(reset)
         cap = self.rules_for(tenant).max_concurrent
         if cap is not None:
-            out["x-ratelimit-limit-requests"] = str(cap)
-            out["x-ratelimit-remaining-requests"] = str(max(0, cap - self.running(tenant)))
+            out["x-fairway-limit-concurrent-requests"] = str(cap)
+            out["x-fairway-remaining-concurrent-requests"] = str(
+                max(0, cap - self.running(tenant)))
         return out
 
     def budget_state(self, now: float) -> dict[str, dict[str, tuple[float, int]]]:

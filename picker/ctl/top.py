@@ -19,7 +19,7 @@ import grpc
 
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 
-DEFAULT_ADMIN = "127.0.0.1:9003"
+DEFAULT_ADMIN = "127.0.0.1:9004"
 CLEAR = "\x1b[H\x1b[2J"
 """Cursor home, then erase the screen."""
 

@@ -55,8 +55,6 @@ from picker.openai import InferenceRequest
 
 log = logging.getLogger(__name__)
 
-FALLBACK_ENDPOINTS = 2
-"""Endpoints named after the primary in ``x-gateway-destination-endpoint``, for Envoy's retries."""
 OUTPUT_EWMA_ALPHA = 0.2
 PROMPT_SCALE_ALPHA = 0.1
 """How fast the prompt estimate's calibration follows the engine's reported prompt counts."""
@@ -98,6 +96,12 @@ class Ticket:
     error: RequestError | None = None
     """Set when the request was shed from the queue for a higher lane."""
     _ready: asyncio.Future[None] | None = None
+
+
+def _output_cap(ticket: Ticket) -> int | None:
+    """The output cap the engine works to: admission's when it set one, else the body's (0, for
+    embeddings, is a cap and not "none")."""
+    return ticket.max_tokens if ticket.max_tokens is not None else ticket.inference.max_tokens
 
 
 class Dispatcher:
@@ -322,7 +326,10 @@ class Dispatcher:
     def _expected_output(self, tenant: str, max_tokens: int | None) -> int:
         average = self._output_average.get(tenant,
                                            float(self.config.capacity.default_output_tokens))
-        return max(1, round(min(average, max_tokens) if max_tokens else average))
+        if max_tokens is None:
+            return max(1, round(average))
+        # A cap of 0 (embeddings) means no output at all: the estimate is 0, not 1.
+        return min(max_tokens, max(1, round(min(average, max_tokens))))
 
     def _queued_total(self) -> int:
         # Counted, not scanned: this runs for every request admitted.
@@ -385,6 +392,19 @@ class Dispatcher:
             self._parked[tenant] = parked
             self._single.pop(tenant, None)
 
+    def served_by(self, ticket: Ticket, address: str) -> None:
+        """The gateway reports the endpoint that actually served the request (after a retry it
+        may be a fallback): its load moves there, so the endpoint that failed is not charged."""
+        served = self.endpoints.get(address)
+        primary = ticket.endpoint
+        if served is None or primary is None or served is primary or ticket.outcome is not None:
+            return
+        for endpoint, sign in ((primary, -1), (served, 1)):
+            endpoint.inflight_tokens += sign * ticket.reserved_tokens
+            endpoint.projected_tokens += sign * ticket.projected_tokens
+            endpoint.inflight_requests += sign
+        ticket.endpoint = served
+
     def on_first_byte(self, ticket: Ticket) -> None:
         if ticket.first_byte_at is None:
             ticket.first_byte_at = self.clock()
@@ -434,7 +454,9 @@ class Dispatcher:
             scale = self._prompt_scale.get(model)
             self._prompt_scale[model] = sample if scale is None else \
                 scale + PROMPT_SCALE_ALPHA * (sample - scale)
-        if not ticket.inference.stream and outcome == "ok" and reported:
+        # Requests without output (embeddings) would drag the tenant's average towards 0.
+        if not ticket.inference.stream and outcome == "ok" and reported \
+                and ticket.inference.max_tokens != 0:
             previous = self._output_average.get(ticket.tenant)
             sample = float(usage.completion_tokens)
             self._output_average[ticket.tenant] = sample if previous is None else \
@@ -506,7 +528,7 @@ class Dispatcher:
 
     def _projected(self, ticket: Ticket) -> int:
         return ticket.request.prompt_tokens + self._expected_output(
-            ticket.tenant, ticket.max_tokens or ticket.inference.max_tokens)
+            ticket.tenant, _output_cap(ticket))
 
     def _backlogged(self, tenant: str) -> bool:
         """More than one request of the tenant is waiting: it keeps the pool busy by itself.
@@ -563,7 +585,8 @@ class Dispatcher:
         ticket.ratelimit_headers = self.admission.headers(ticket.tenant, now)
         primary = candidates[0]
         ticket.endpoint = primary
-        ticket.destinations = [e.address for e in candidates[: 1 + FALLBACK_ENDPOINTS]]
+        ticket.destinations = [e.address for e in
+                               candidates[: 1 + self.config.routing.fallback_endpoints]]
         ticket.dispatched_at = now
         ticket.reserved_tokens = request.prompt_tokens
         if not ticket.inference.stream:
@@ -580,8 +603,7 @@ class Dispatcher:
 
     def output_estimate(self, ticket: Ticket) -> int:
         """Expected output of a non-streaming request: the tenant's moving average, capped."""
-        return self._expected_output(ticket.tenant, ticket.max_tokens or
-                                     ticket.inference.max_tokens)
+        return self._expected_output(ticket.tenant, _output_cap(ticket))
 
     def _drop_queued(self, ticket: Ticket, outcome: str) -> None:
         if ticket.outcome is not None:

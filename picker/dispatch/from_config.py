@@ -11,6 +11,7 @@ from picker.config.schema import Budget, PickerConfig, TenantPolicy
 from picker.core import ComputedTokenCost, ContextAwareCost, LinearCost
 from picker.core.admission import (
     INPUT_TOO_LONG,
+    INSUFFICIENT_QUOTA,
     OUTPUT_TOO_LONG,
     OVER_BUDGET,
     BucketRule,
@@ -22,6 +23,7 @@ from picker.core.selection import CapacityRules
 from picker.errors import (
     ConfigError,
     InputTooLong,
+    InsufficientQuota,
     OutputTooLong,
     OverBudget,
     RequestError,
@@ -88,7 +90,8 @@ def metering_sink(config: PickerConfig) -> MeteringSink:
 
 
 _REFUSALS: dict[str, type[RequestError]] = {
-    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget}
+    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget,
+    INSUFFICIENT_QUOTA: InsufficientQuota}
 
 
 def refusal_error(refused: Refused) -> RequestError:

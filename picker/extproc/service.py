@@ -1,10 +1,24 @@
 """Envoy's ext_proc stream for one HTTP request, speaking the GIE Endpoint Picker contract.
 
-It answers: *what does the picker say to Envoy, and when?* Envoy streams the request headers and
-body (``FULL_DUPLEX_STREAMED``); the picker holds its answer to the headers until the whole body has
-arrived and the fair queue has dispatched the request, then sets ``x-gateway-destination-endpoint``
-(primary first, fallbacks after; also as ``envoy.lb`` dynamic metadata), clears the route cache and
-streams the body back. Refusals are ``ImmediateResponse``s with an OpenAI-style error body.
+It answers: *what does the picker say to Envoy, and when?* The answer routes the request: it sets
+``x-gateway-destination-endpoint`` and the ``envoy.lb`` dynamic metadata key of the same name to the
+same value (the protocol forbids them to differ) and clears the route cache. Refusals are
+``ImmediateResponse``s with an OpenAI-style error body.
+
+When the route can be given depends on the request body mode the gateway configured (Envoy names
+it in the stream's first message, ``protocol_config``):
+
+* ``FULL_DUPLEX_STREAMED`` (current gateways), or ``STREAMED`` with
+  ``send_body_without_waiting_for_header_response``: the body arrives while the headers wait, so
+  the picker holds its answer to the headers until the whole body is in and the fair queue has
+  dispatched the request, then answers the headers and streams the (possibly rewritten) body back.
+* ``BUFFERED`` (older kgateway, an Envoy AI Gateway option): Envoy sends the body only after the
+  headers are answered, so the headers are answered at once, unrouted, and the route (header
+  mutation, route-cache clear, metadata) goes out with the answer to the buffered body.
+* ``STREAMED`` (waiting for the headers answer) and ``NONE``: the upstream is chosen when the
+  headers are answered, before the body is seen, so the request is admitted and queued on an
+  estimate from ``content-length`` (the body's size bounds its tokens); the body is then collected
+  and handed on whole, rewritten, as the last chunk (earlier chunks are cleared).
 
 The response comes back one of two ways, and the tenant is charged as tokens stream either way:
 
@@ -21,6 +35,7 @@ The response comes back one of two ways, and the tenant is charged as tokens str
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import json
 import logging
@@ -30,27 +45,70 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from picker.config.schema import PickerConfig
+from picker.core.request import Usage
 from picker.dispatch import Dispatcher, Ticket
 from picker.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestError
 from picker.openai import ResponseMeter, error_body, parse_request
+from picker.openai.paths import ApiKind, classify
+from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest
 
 log = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+MODEL_HEADER = "x-gateway-model-name"
+"""Set by GIE gateways from the body's model: the model of a request routed before its body."""
 METER_NAMESPACE = "fairway"
 METER_KEY = "request"
 RESPONSE_PATH_METADATA = "fairway-response-path"
 METER_STREAM = "meter-stream"
+
+_MODE = processing_mode_pb2.ProcessingMode
+
+
+class BodyPlan(enum.Enum):
+    """When the route can be given, from the request body mode the gateway configured."""
+
+    HOLD = "hold"
+    """The body comes while the headers wait: answer the headers once the request is dispatched."""
+    BUFFERED = "buffered"
+    """Envoy sends the body only after the headers are answered: route from the body answer."""
+    AT_HEADERS = "at_headers"
+    """The upstream is chosen when the headers are answered: route on an estimate, before the
+    body."""
+
+
+def body_plan(message: pb.ProcessingRequest) -> tuple[BodyPlan, bool]:
+    """The plan for a stream, from its first message's ``protocol_config``, and whether each
+    body chunk gets an answer of its own (``STREAMED``; ``FULL_DUPLEX_STREAMED`` answers with a
+    stream of its own instead).
+
+    An Envoy too old to send ``protocol_config`` is taken to stream full duplex (the GIE
+    default), as before the field existed.
+    """
+    if not message.HasField("protocol_config"):
+        return BodyPlan.HOLD, False
+    config = message.protocol_config
+    mode = config.request_body_mode
+    if mode in (_MODE.BUFFERED, _MODE.BUFFERED_PARTIAL):
+        return BodyPlan.BUFFERED, False
+    if mode == _MODE.FULL_DUPLEX_STREAMED:
+        return BodyPlan.HOLD, False
+    if mode == _MODE.STREAMED and config.send_body_without_waiting_for_header_response:
+        return BodyPlan.HOLD, True
+    return BodyPlan.AT_HEADERS, mode == _MODE.STREAMED
 
 
 def _header_value(header: base_pb2.HeaderValue) -> str:
@@ -78,6 +136,24 @@ def _subset(message: pb.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
 
 
+def served_endpoint(message: pb.ProcessingRequest) -> str | None:
+    """The endpoint that actually served the request, as the gateway reports it.
+
+    The protocol's form is the ``envoy.lb`` metadata key ``x-gateway-destination-endpoint-served``;
+    a plain Envoy can instead send its ``upstream.address`` attribute (``response_attributes``).
+    """
+    lb = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if lb is not None:
+        value = lb.fields.get(SERVED_KEY)
+        if value is not None and value.string_value:
+            return value.string_value.split(",", 1)[0].strip()
+    for attributes in message.attributes.values():
+        value = attributes.fields.get(UPSTREAM_ADDRESS_ATTRIBUTE)
+        if value is not None and value.string_value:
+            return value.string_value
+    return None
+
+
 def immediate(error: RequestError,
               extra_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     """An ``ImmediateResponse`` carrying the error's status and an OpenAI-style body."""
@@ -85,26 +161,37 @@ def immediate(error: RequestError,
     if error.retry_after is not None:
         # Rounded up: a client that waits exactly this long must pass.
         headers.append(_set_header("retry-after", str(max(1, math.ceil(error.retry_after)))))
+    if not error.should_retry:
+        # The official OpenAI clients read this before their own status rules.
+        headers.append(_set_header("x-should-retry", "false"))
     headers.extend(_set_header(k, v) for k, v in (extra_headers or {}).items())
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=error.http_status),
         headers=pb.HeaderMutation(set_headers=headers),
-        body=error_body(error.message, error.error_type, error.http_status),
+        body=error_body(error.message, error.error_type, error.code),
         details=f"fairway_{error.metric_label}",
     ))
 
 
-def route(destinations: list[str], meter_id: str | None = None,
-          response_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
-    """The answer to the request headers: where Envoy sends the request.
+def _route_common(destinations: list[str], extra: list[base_pb2.HeaderValueOption] | None = None,
+                  remove: list[str] | None = None,
+                  body: bytes | None = None) -> pb.CommonResponse:
+    # Header and metadata carry the same value, as the protocol requires: the primary, then any
+    # fallbacks. Envoy's ORIGINAL_DST cluster takes a single address only (503 "no original_dst"
+    # on a list, seen with Envoy 1.40) while override_host takes a single one or a list, so one
+    # address (``routing.fallbackEndpoints: 0``, the default) is the form every gateway accepts.
+    value = ",".join(destinations)
+    mutation = pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER, value),
+                                              *(extra or ())],
+                                 remove_headers=remove or [])
+    common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    if body is not None:
+        common.body_mutation.body = body
+    return common
 
-    The header names the primary only: Envoy's ``ORIGINAL_DST`` cluster routes on it and refuses
-    a list (503, "no original_dst", seen with Envoy 1.40). The ``envoy.lb`` metadata carries the
-    primary and the fallbacks, comma-separated, which Envoy's ``override_host`` load-balancing
-    policy reads for retries. ``meter_id`` names the request for its meter stream;
-    ``response_headers`` go into the ``fairway`` metadata, from which a meter-stream gateway adds
-    them to the response.
-    """
+
+def _route_metadata(destinations: list[str], meter_id: str | None,
+                    response_headers: dict[str, str] | None) -> struct_pb2.Struct:
     metadata = struct_pb2.Struct()
     fairway: dict[str, str] = dict(response_headers or {})
     if meter_id is not None:
@@ -114,22 +201,45 @@ def route(destinations: list[str], meter_id: str | None = None,
     if fairway:
         namespaces[METER_NAMESPACE] = fairway
     metadata.update(namespaces)
+    return metadata
+
+
+def route(destinations: list[str], meter_id: str | None = None,
+          response_headers: dict[str, str] | None = None,
+          remove_headers: list[str] | None = None) -> pb.ProcessingResponse:
+    """The answer to the request headers: where Envoy sends the request.
+
+    ``meter_id`` names the request for its meter stream; ``response_headers`` go into the
+    ``fairway`` metadata, from which a meter-stream gateway adds them to the response.
+    """
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER,
-                                                                       destinations[0])]),
-            clear_route_cache=True,
-        )),
-        dynamic_metadata=metadata,
+        request_headers=pb.HeadersResponse(response=_route_common(destinations,
+                                                                  remove=remove_headers)),
+        dynamic_metadata=_route_metadata(destinations, meter_id, response_headers),
     )
 
 
-def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None) -> bool:
+def route_with_body(destinations: list[str], body: bytes | None, meter_id: str | None = None,
+                    response_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
+    """The answer to a buffered request body: the route travels with it (``BUFFERED`` mode).
+
+    ``body``, when given, replaces the buffered body; its ``content-length`` is set to match.
+    """
+    extra = None if body is None else [_set_header("content-length", str(len(body)))]
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=_route_common(destinations, extra, body=body)),
+        dynamic_metadata=_route_metadata(destinations, meter_id, response_headers),
+    )
+
+
+def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None,
+                 cap_key: str | None = "max_tokens") -> bool:
     """Make the body say what policy decided; True when it changed.
 
     The engine's ``priority`` comes from the lane only: a client's own is replaced, or removed
-    when the lane sets none (it would otherwise jump the engine's queue). ``max_tokens`` is set
-    when admission clamped it.
+    when the lane sets none (it would otherwise jump the engine's queue). The output cap
+    (``cap_key``: ``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is set when
+    admission clamped it.
     """
     changed = False
     if engine_priority is None:
@@ -137,8 +247,9 @@ def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None
     elif body.get("priority") != engine_priority:
         body["priority"] = engine_priority
         changed = True
-    if max_tokens is not None:
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None and cap_key is not None:
+        key = "max_completion_tokens" if cap_key == "max_tokens" \
+            and "max_completion_tokens" in body else cap_key
         if body.get(key) != max_tokens:
             body[key] = max_tokens
             changed = True
@@ -160,6 +271,17 @@ def _body(field: str, chunk: bytes, end: bool) -> pb.ProcessingResponse:
         response=pb.CommonResponse(body_mutation=mutation))})
 
 
+def _body_replaced(chunk: bytes | None) -> pb.ProcessingResponse:
+    """A ``STREAMED`` chunk's answer: cleared (``None``) or replaced by ``chunk``."""
+    mutation = pb.BodyMutation(clear_body=True) if chunk is None else pb.BodyMutation(body=chunk)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(
+        response=pb.CommonResponse(body_mutation=mutation)))
+
+
+_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
 class _Exchange:
     """One HTTP request's ext_proc conversation."""
 
@@ -170,6 +292,13 @@ class _Exchange:
         self.meter_id = meter_id
         """Set when the response comes on a separate meter stream (named by this id)."""
         self.headers: dict[str, str] = {}
+        self.plan = BodyPlan.HOLD
+        self.per_chunk = False
+        """Each request body chunk is answered on its own (``STREAMED``)."""
+        self.chunks = 0
+        """Request body chunks received."""
+        self.kind: ApiKind | None = None
+        """The inference API of the path; None for a pass-through path."""
         self.model: str | None = None
         self.tenant = config.tenancy.default_tenant
         self.lane: str | None = None
@@ -180,6 +309,7 @@ class _Exchange:
         self.response_failed = False
         self.answered = False
         """The request headers have been answered (routed or refused)."""
+        self.routed = False
         self.done = False
 
     @property
@@ -190,24 +320,12 @@ class _Exchange:
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            self.headers = _headers(message.request_headers)
-            self.subset = _subset(message)
-            try:
-                # Who and which lane are known from the headers: refuse before the body comes.
-                self.tenant = self.dispatcher.identity.tenant(self.headers)
-                self.lane = self.dispatcher.choose_lane(
-                    self.tenant, self.headers.get(self.config.tenancy.lane_header.lower()))
-            except RequestError as error:
-                self.done = self.answered = True
-                return [self._refuse(error)]
-            if message.request_headers.end_of_stream:
-                return self._route_without_body()
-            return []
+            return await self._on_request_headers(message)
         if kind == "request_body":
             return await self._on_request_body(message.request_body)
         if kind == "request_trailers":
             # Trailers end a request whose last body chunk did not say end_of_stream.
-            replies = [] if self.answered else await self._dispatch()
+            replies = [] if self.routed or self.done else await self._body_complete()
             return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             self.observe_response(message)
@@ -231,44 +349,104 @@ class _Exchange:
         """Meter one response message (inline or from the meter stream); answers nothing."""
         kind = message.WhichOneof("request")
         if kind == "response_headers":
+            served = served_endpoint(message)
+            if served is not None and self.ticket is not None:
+                self.dispatcher.served_by(self.ticket, served)
             self._on_response_headers(message.response_headers)
         elif kind == "response_body":
             self._on_response_body(message.response_body)
         elif kind == "response_trailers":
             self._finish()
 
-    def _route_without_body(self) -> list[pb.ProcessingResponse]:
-        # A GET such as /v1/models: no body, nothing to queue or charge; least-loaded endpoint.
-        self.answered = True
+    async def _on_request_headers(self, message: pb.ProcessingRequest
+                                  ) -> list[pb.ProcessingResponse]:
+        self.headers = _headers(message.request_headers)
+        self.subset = _subset(message)
+        self.plan, self.per_chunk = body_plan(message)
+        try:
+            # Who, which lane and which API are known from the headers: refuse before the body.
+            self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
+                                 self.config.routing.pass_through_set)
+            self.tenant = self.dispatcher.identity.tenant(self.headers)
+            self.lane = self.dispatcher.choose_lane(self.tenant, self._lane_asked())
+            if self.kind is not None and message.request_headers.end_of_stream:
+                raise BadRequest("request body is empty")
+        except RequestError as error:
+            self.done = self.answered = True
+            return [self._refuse(error)]
+        if message.request_headers.end_of_stream:
+            return self._pass_through(None)
+        if self.plan is BodyPlan.BUFFERED:
+            self.answered = True
+            return [_HEADERS_CONTINUE]
+        if self.plan is BodyPlan.AT_HEADERS:
+            return await self._route_before_body()
+        return []
+
+    def _lane_asked(self) -> str | None:
+        """The lane the request asks for: the lane header, else the lane its InferenceObjective
+        maps to (objectives the config does not name are the gateway's business, not ours)."""
+        asked = self.headers.get(self.config.tenancy.lane_header.lower())
+        if asked:
+            return asked
+        objective = self.headers.get(OBJECTIVE_HEADER)
+        if objective:
+            for lane in self.config.lanes:
+                if objective in lane.objectives:
+                    return lane.name
+        return None
+
+    def _pass_through(self, body: bytes | None) -> list[pb.ProcessingResponse]:
+        """A listed non-inference path (``GET /v1/models``): nothing to queue or charge; routed
+        to the least-loaded endpoint."""
+        self.answered = self.routed = True
         candidates = self.dispatcher.candidates(self.subset)
         if not candidates:
             self.done = True
             return [self._refuse(NoEndpoint("no endpoint is available"))]
-        return [route([candidates[0].address])]
+        destinations = [candidates[0].address]
+        if body is None:
+            return [route(destinations)]
+        if self.plan is BodyPlan.BUFFERED:
+            return [route_with_body(destinations, None)]
+        if self.per_chunk:
+            return [route(destinations), *[_BODY_CONTINUE] * self.chunks]
+        return [route(destinations), _body("request_body", body, True)]
 
     async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.done:
+            return []
         self.body += body.body
+        self.chunks += 1
         if len(self.body) > self.config.limits.max_body_bytes:
-            self.done = self.answered = True
-            return [self._refuse(BodyTooLarge(
-                f"request body exceeds {self.config.limits.max_body_bytes} bytes"))]
+            return self._refuse_mid_request(BodyTooLarge(
+                f"request body exceeds {self.config.limits.max_body_bytes} bytes"))
+        if self.plan is BodyPlan.AT_HEADERS:
+            if self.ticket is None:
+                return [_BODY_CONTINUE]  # a pass-through path: the body goes on as it is
+            # Already routed: the body goes on whole, rewritten, as the last chunk.
+            if not body.end_of_stream:
+                return [_body_replaced(None)]
+            return self._finish_routed_body()
+        if self.plan is BodyPlan.BUFFERED and not body.end_of_stream:
+            # BUFFERED_PARTIAL sends what fits in Envoy's buffer: the body is larger than that.
+            return self._refuse_mid_request(BodyTooLarge(
+                "request body exceeds the gateway's buffer"))
         if not body.end_of_stream:
             return []
-        return await self._dispatch()
+        return await self._body_complete()
 
-    async def _dispatch(self) -> list[pb.ProcessingResponse]:
+    async def _body_complete(self) -> list[pb.ProcessingResponse]:
+        """The whole body is in (HOLD or BUFFERED): admit, queue, and route."""
+        if self.plan is BodyPlan.AT_HEADERS:
+            return self._finish_routed_body() if self.ticket is not None else []
         self.answered = True
-        path = self.headers.get(":path", "").split("?", 1)[0]
+        if self.kind is None:
+            return self._pass_through(bytes(self.body))
         try:
-            if path not in INFERENCE_PATHS:
-                candidates = self.dispatcher.candidates(self.subset)
-                if not candidates:
-                    raise NoEndpoint("no endpoint is available")
-                return [route([candidates[0].address]), _body("request_body", bytes(self.body),
-                                                              True)]
             if not self.body:
                 raise BadRequest("request body is empty")
-            inference = parse_request(bytes(self.body))
+            inference = parse_request(bytes(self.body), self.kind)
             self.model = inference.model
             self.ticket = await self.dispatcher.admit(
                 self.tenant, inference, self.subset, self.lane, self.request_id)
@@ -276,14 +454,83 @@ class _Exchange:
             self.done = True
             return [self._refuse(error)]
         ticket = self.ticket
-        body = bytes(self.body)
-        if rewrite_body(inference.body, self.dispatcher.engine_priority(ticket.lane),
-                        ticket.max_tokens):
-            # No content-length to fix: with a streamed body Envoy drops it and sends the
-            # upstream request chunked.
-            body = json.dumps(inference.body, separators=(",", ":")).encode()
-        return [route(ticket.destinations, self.meter_id, ticket.ratelimit_headers),
+        self.routed = True
+        rewritten = self._rewritten(inference, ticket)
+        destinations = ticket.destinations
+        if self.plan is BodyPlan.BUFFERED:
+            return [route_with_body(destinations, rewritten, self.meter_id,
+                                    ticket.ratelimit_headers)]
+        if self.per_chunk:
+            # STREAMED, the chunks held: each is answered, the last carries the whole body.
+            whole = bytes(self.body) if rewritten is None else rewritten
+            return [route(destinations, self.meter_id, ticket.ratelimit_headers,
+                          remove_headers=["content-length"]),
+                    *[_body_replaced(None)] * (self.chunks - 1), _body_replaced(whole)]
+        # No content-length to fix: with a streamed body Envoy drops it and sends the upstream
+        # request chunked.
+        body = bytes(self.body) if rewritten is None else rewritten
+        return [route(destinations, self.meter_id, ticket.ratelimit_headers),
                 _body("request_body", body, True)]
+
+    async def _route_before_body(self) -> list[pb.ProcessingResponse]:
+        """AT_HEADERS: admit on what the headers say, since the upstream is chosen now."""
+        self.answered = True
+        if self.kind is None:
+            return self._pass_through(None)
+        try:
+            inference = self._inference_from_headers()
+            self.model = inference.model
+            self.ticket = await self.dispatcher.admit(
+                self.tenant, inference, self.subset, self.lane, self.request_id)
+        except RequestError as error:
+            self.done = True
+            return [self._refuse(error)]
+        self.routed = True
+        ticket = self.ticket
+        # The body is replaced whole at its end, so its length is not known yet.
+        return [route(ticket.destinations, self.meter_id, ticket.ratelimit_headers,
+                      remove_headers=["content-length"])]
+
+    def _inference_from_headers(self) -> InferenceRequest:
+        length = self.headers.get("content-length", "")
+        size = int(length) if length.isdigit() else self.config.limits.max_body_bytes
+        if size > self.config.limits.max_body_bytes:
+            raise BodyTooLarge(f"request body exceeds {self.config.limits.max_body_bytes} bytes")
+        assert self.kind is not None
+        # The body's size bounds its prompt: no tenant can make it look smaller than it is.
+        return InferenceRequest(model=self.headers.get(MODEL_HEADER, ""),
+                                prompt_tokens=max(1, size // CHARS_PER_TOKEN), max_tokens=None,
+                                stream=False, include_usage=False, body={}, kind=self.kind,
+                                output_cap_key=None)
+
+    def _finish_routed_body(self) -> list[pb.ProcessingResponse]:
+        """AT_HEADERS: the whole body is in; check it and hand it on, rewritten."""
+        ticket = self.ticket
+        assert ticket is not None and self.kind is not None
+        try:
+            inference = parse_request(bytes(self.body), self.kind)
+        except RequestError as error:
+            # Nothing reached the engine: the body was held back. Settle to nothing.
+            self.dispatcher.complete(ticket, Usage(0, 0, 0), "error")
+            self.done = True
+            return [self._refuse(error)]
+        self.model = inference.model
+        ticket.inference = inference
+        rewritten = self._rewritten(inference, ticket)
+        return [_body_replaced(bytes(self.body) if rewritten is None else rewritten)]
+
+    def _rewritten(self, inference: InferenceRequest, ticket: Ticket) -> bytes | None:
+        """The body as policy wants it, or None when it needs no change."""
+        if not rewrite_body(inference.body, self.dispatcher.engine_priority(ticket.lane),
+                            ticket.max_tokens, inference.output_cap_key):
+            return None
+        return json.dumps(inference.body, separators=(",", ":")).encode()
+
+    def _refuse_mid_request(self, error: RequestError) -> list[pb.ProcessingResponse]:
+        self.done = self.answered = True
+        if self.ticket is not None:
+            self.dispatcher.complete(self.ticket, Usage(0, 0, 0), "error")
+        return [self._refuse(error)]
 
     def _refuse(self, error: RequestError) -> pb.ProcessingResponse:
         self.dispatcher.reject(self.tenant, error, model=self.model, lane=self.lane,
@@ -298,7 +545,8 @@ class _Exchange:
         headers = _headers(message)
         status = headers.get(":status", "200")
         self.response_failed = not status.startswith("2")
-        self.meter = ResponseMeter("text/event-stream" in headers.get("content-type", ""))
+        kind = self.kind if self.kind is not None else ApiKind.CHAT
+        self.meter = ResponseMeter("text/event-stream" in headers.get("content-type", ""), kind)
         if message.end_of_stream:
             self._finish()
 

@@ -23,6 +23,7 @@ import yaml
 
 from picker.config.reload import ConfigApplier
 from picker.config.schema import PickerConfig, load_config
+from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.k8s.client import KubeClient, Reflector, name_of, wait_or_stop
 
@@ -34,7 +35,7 @@ DEFAULT_KEY = "picker.yaml"
 def parse_config_text(text: str) -> PickerConfig:
     """A config from YAML text; ConfigError (with the bad field's path) when it is not one."""
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)  # a key written twice is refused, as in a config file
     except yaml.YAMLError as exc:
         raise ConfigError("", f"not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

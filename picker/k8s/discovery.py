@@ -7,6 +7,10 @@ watched namespace-wide and matched to the pool's selector here, so a selector ch
 watch (and kmock, which ignores label selectors, behaves like a real API server). Endpoints are
 ``endpoints_of(pool, pods)``: every Ready pod's IP × every target port. The list is published to
 ``publish`` once both collections have been listed, and again whenever it changes.
+
+``synced`` (and ``on_synced`` when it changes) says whether the pool is known: both collections
+listed and the InferencePool found. Upstream's picker is not ready before that, nor after its pool
+is deleted; the picker's readiness follows it.
 """
 
 from __future__ import annotations
@@ -95,14 +99,19 @@ class PoolDiscovery:
     they change (a list of ``ip:port``, possibly empty when the pool or its pods are gone).
 
     ``endpoints`` is the last list published (None before the first); ``ready`` is set then.
+    ``synced``: both collections listed and the pool exists; ``on_synced(synced)`` is called
+    each time that changes.
     """
 
     def __init__(self, client: KubeClient, namespace: str, pool_name: str,
                  publish: Callable[[list[str]], None], *, retry_min: float = 0.5,
-                 retry_max: float = 10.0, watch_timeout: float = 300.0) -> None:
+                 retry_max: float = 10.0, watch_timeout: float = 300.0,
+                 on_synced: Callable[[bool], None] | None = None) -> None:
         self.namespace = namespace
         self.pool_name = pool_name
         self.publish = publish
+        self.on_synced = on_synced
+        self.synced = False
         self.endpoints: list[str] | None = None
         self.ready = asyncio.Event()
         options: dict[str, Any] = {"retry_min": retry_min, "retry_max": retry_max,
@@ -124,18 +133,30 @@ class PoolDiscovery:
                         self.pool_name)
         self._pool_missing_logged = pool is None
         endpoints = endpoints_of(pool, self.pods.objects.values())
-        if endpoints == self.endpoints:
+        if endpoints != self.endpoints:
+            log.info("InferencePool %s/%s endpoints: %s", self.namespace, self.pool_name,
+                     ", ".join(endpoints) or "none")
+            try:
+                self.publish(list(endpoints))
+            except Exception:  # published again at the next change
+                log.exception("publishing the endpoints of InferencePool %s/%s failed",
+                              self.namespace, self.pool_name)
+                return
+            self.endpoints = endpoints
+            self.ready.set()
+        # After publishing: ready only once the endpoints are in.
+        self._set_synced(pool is not None)
+
+    def _set_synced(self, synced: bool) -> None:
+        if synced == self.synced:
             return
-        log.info("InferencePool %s/%s endpoints: %s", self.namespace, self.pool_name,
-                 ", ".join(endpoints) or "none")
-        try:
-            self.publish(list(endpoints))
-        except Exception:  # published again at the next change
-            log.exception("publishing the endpoints of InferencePool %s/%s failed",
-                          self.namespace, self.pool_name)
-            return
-        self.endpoints = endpoints
-        self.ready.set()
+        self.synced = synced
+        if self.on_synced is not None:
+            try:
+                self.on_synced(synced)
+            except Exception:
+                log.exception("reporting the sync of InferencePool %s/%s failed",
+                              self.namespace, self.pool_name)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Watch until ``stop`` is set."""

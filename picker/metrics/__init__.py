@@ -3,16 +3,19 @@
 They answer, per tenant and lane: how many requests ended and how (``fairway_requests_total``),
 why some were refused or demoted, how many tokens were served, waiting and in flight, how far
 each tenant is ahead of its fair share (``fairway_fairness_debt``) and how much of its token
-budget is left; and, per endpoint, how loaded it is. Everything is on an injected registry so
-tests read the values.
+budget is left; per endpoint, how loaded it is; and, per picker, what it runs
+(``fairway_build_info``) and whether it is the one serving (``fairway_leader``,
+``fairway_ready``). Everything is on an injected registry so tests read the values.
 
 Names carry the ``fairway_`` prefix and their unit (seconds, tokens, ratio; ``_total`` on
-counters). Tenant labels are capped so random tenant ids cannot blow up the series count:
-configured tenants (``set_known_tenants``) keep their name, and every other tenant is
+counters), and pass ``promtool check metrics`` (no type in a name: VTC's counter is exported as
+``fairway_virtual_service``). Tenant labels are capped so random tenant ids cannot blow up the
+series count: configured tenants (``set_known_tenants``) keep their name, and every other
+tenant is
 
 - summed into ``other`` where a sum means something: request counts, token counts, waits and
   latencies (the event metrics, and the queued/running gauges);
-- left out where it does not: ``fairway_virtual_counter``, ``fairway_fairness_debt`` and the
+- left out where it does not: ``fairway_virtual_service``, ``fairway_fairness_debt`` and the
   ``fairway_budget_*`` gauges are per-tenant positions, and the sum of many tenants' positions
   is no tenant's position.
 
@@ -23,10 +26,13 @@ dropped from the config on reload keeps its past counter series; its new events 
 
 from __future__ import annotations
 
+import os
+import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from importlib import metadata
 from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,7 +42,21 @@ disable_created_metrics()
 OTHER_TENANT = "other"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+COMMIT_ENV = "FAIRWAY_COMMIT"
+"""Environment variable carrying the source commit the image was built from (the
+``fairway_build_info`` ``commit`` label; ``unknown`` when unset)."""
+
 _Metric = TypeVar("_Metric", Counter, Histogram)
+
+
+def build_labels() -> dict[str, str]:
+    """``fairway_build_info``'s labels: the installed package's version, Python's, the commit."""
+    try:
+        version = metadata.version("fairway")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        version = "unknown"
+    return {"version": version, "python_version": platform.python_version(),
+            "commit": os.environ.get(COMMIT_ENV) or "unknown"}
 
 
 class TenantCapped(Generic[_Metric]):
@@ -93,6 +113,9 @@ class PickerMetrics:
             ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r), fold)
         self.config_reloads = Counter("fairway_config_reloads", "Config reloads by result.",
                                       ["result"], registry=r)
+        labels = build_labels()
+        Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
+              list(labels), registry=r).labels(**labels).set(1)
 
     def set_known_tenants(self, tenants: Iterable[str]) -> None:
         """Tenants that get their own label value; all others are counted as ``other``."""
@@ -115,6 +138,33 @@ class PickerMetrics:
         """Register gauges read from ``snapshot()`` at scrape time."""
         self.registry.register(_StateCollector(snapshot, self))
 
+    def add_role_collector(self, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        """Register ``fairway_leader`` and ``fairway_ready``, read from the callables at scrape
+        time (they run on the metrics server's thread: they must only read).
+
+        ``leading()``: this replica holds the Lease, or no election is configured. ``ready()``:
+        its readiness is SERVING (leading, endpoints synced, not draining), i.e. the gateway's
+        requests reach a picker that answers them. Until this is called neither is exported.
+        """
+        self.registry.register(_RoleCollector(leading, ready))
+
+
+class _RoleCollector(Collector):
+    """``fairway_leader`` and ``fairway_ready``: whether this replica is the one serving."""
+
+    def __init__(self, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        self._leading = leading
+        self._ready = ready
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "fairway_leader", "1 while this replica is the leader (holds the Lease) or no leader "
+            "election is configured; 0 on a standby.", value=1 if self._leading() else 0)
+        yield GaugeMetricFamily(
+            "fairway_ready", "1 while this replica answers the gateway: leader, endpoints "
+            "synced, not draining (its gRPC readiness is SERVING); else 0.",
+            value=1 if self._ready() else 0)
+
 
 class _StateCollector(Collector):
     """Gauges computed from the dispatcher's snapshot at each scrape: one pass over each map."""
@@ -135,9 +185,9 @@ class _StateCollector(Collector):
                       "Estimated prompt tokens of the requests held in the fair queue.")
         yield _summed(state.get("running_tokens", {}), known, "fairway_running_tokens",
                       "Tokens in flight: prompt plus output so far (or reserved).")
-        yield _known_only(state.get("counters", {}), known, "fairway_virtual_counter",
-                          "VTC counter: weighted service ÷ weight, with lifts. Configured "
-                          "tenants only.")
+        yield _known_only(state.get("counters", {}), known, "fairway_virtual_service",
+                          "VTC's virtual counter, in cost units: weighted service ÷ weight, "
+                          "with lifts. Configured tenants only.")
         yield _known_only(state.get("debt", {}), known, "fairway_fairness_debt",
                           "Virtual counter minus the smallest among the lane's backlogged "
                           "tenants: 0 for the most owed, large for a tenant served more than "

@@ -1,11 +1,33 @@
-"""Metering a response as it streams: output tokens per SSE event, ``usage`` when present."""
+"""Metering a response as it streams: output tokens per SSE event, ``usage`` when present.
+
+Each API kind has its own shapes (``picker.openai.paths.ApiKind``):
+
+* chat and completions: ``data:`` chunks with ``choices[].delta`` / ``choices[].text``, a
+  ``usage`` object (``prompt_tokens``, ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens``) in the last chunk or the body, ``finish_reason``;
+* Responses API: ``event: response.output_text.delta`` (and the other ``*.delta`` events) one
+  decode step each; ``response.completed`` / ``response.incomplete`` / ``response.failed`` carry
+  ``response.usage`` (``input_tokens``, ``output_tokens``, ``input_tokens_details.cached_tokens``)
+  and the status; the non-streaming body is that ``response`` object;
+* embeddings: a body with ``usage.prompt_tokens`` and no output (completion is always 0);
+* Anthropic Messages: ``message_start`` (``message.usage.input_tokens``), ``content_block_delta``
+  one decode step each, ``message_delta`` (``usage.output_tokens``, ``delta.stop_reason``),
+  ``message_stop``; the non-streaming body has ``usage`` and ``stop_reason``. Anthropic's
+  ``input_tokens`` leaves out prompt-cache reads and writes (``cache_read_input_tokens``,
+  ``cache_creation_input_tokens``): the prompt is their sum, the cached part the reads.
+
+Finish reasons are reported in OpenAI's words (``stop``, ``length``, ``tool_calls``) whatever the
+API, so metering records compare across kinds.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from picker.core.request import Usage
+from picker.openai.paths import ApiKind
 
 MAX_BUFFERED_BYTES = 16 * 1024 * 1024
 """A non-streaming body larger than this is passed through unparsed (no usage read from it)."""
@@ -22,6 +44,79 @@ def _usage(data: dict[str, Any]) -> Usage | None:
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(prompt, completion, cached if isinstance(cached, int) else 0)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
+
+
+def _responses_usage(response: dict[str, Any]) -> Usage | None:
+    """``usage`` of a Responses API ``response`` object."""
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+    if prompt is None or completion is None:
+        return None
+    details = usage.get("input_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached or 0)
+
+
+def _embeddings_usage(data: dict[str, Any]) -> Usage | None:
+    """An embeddings body's ``usage``: prompt only, whatever else it says."""
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+    return None if prompt is None else Usage(prompt, 0, 0)
+
+
+def _anthropic_prompt(usage: dict[str, Any]) -> tuple[int, int] | None:
+    """(prompt tokens, cached prompt tokens) of an Anthropic ``usage``, if it has the input."""
+    uncached = _int(usage.get("input_tokens"))
+    if uncached is None:
+        return None
+    read = _int(usage.get("cache_read_input_tokens")) or 0
+    written = _int(usage.get("cache_creation_input_tokens")) or 0
+    return uncached + read + written, read
+
+
+_ANTHROPIC_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                     "tool_use": "tool_calls"}
+_RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_RESPONSES_UNCOUNTED_DELTA = "response.reasoning_summary_text.delta"
+"""A summary of the reasoning, not decode steps (vLLM sends it beside ``reasoning_text.delta``)."""
+
+
+def _anthropic_finish(reason: Any) -> str | None:
+    if isinstance(reason, str) and reason:
+        return _ANTHROPIC_FINISH.get(reason, reason)
+    return None
+
+
+def _responses_finish(response: dict[str, Any]) -> str | None:
+    status = response.get("status")
+    if status == "completed":
+        return "stop"
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    if reason == "max_output_tokens":
+        return "length"
+    if isinstance(reason, str) and reason:
+        return reason
+    return status if isinstance(status, str) and status else None
+
+
+def _wants_responses_event(name: bytes) -> bool:
+    """Whether a Responses SSE event can change the count: deltas and the terminal events."""
+    return name.endswith(b".delta") or name.startswith(b"response.completed") \
+        or name.startswith(b"response.incomplete") or name.startswith(b"response.failed")
+
+
+_ANTHROPIC_EVENTS = frozenset({b"message_start", b"content_block_delta", b"message_delta",
+                               b"message_stop"})
 
 
 def _content_tokens(event: dict[str, Any]) -> int:
@@ -42,22 +137,33 @@ def _content_tokens(event: dict[str, Any]) -> int:
 class ResponseMeter:
     """Counts what a response delivers. Feed it the body chunks in order.
 
-    Streaming (``text/event-stream``): each ``data:`` event with new content counts one output
-    token, the way vLLM streams one decode step per event; a ``usage`` object, when the engine sends
-    one, is kept and wins at the end. Otherwise the body is buffered and its ``usage`` read at the
-    end.
+    Streaming (``text/event-stream``): each event with new content counts one output token, the
+    way vLLM streams one decode step per event; a ``usage`` object, when the engine sends one, is
+    kept and wins at the end. Otherwise the body is buffered and its ``usage`` read at the end.
+    ``kind`` says which API's shapes to read (the module docstring lists them).
     """
 
-    def __init__(self, streaming: bool) -> None:
+    def __init__(self, streaming: bool, kind: ApiKind = ApiKind.CHAT) -> None:
         self.streaming = streaming
+        self.kind = kind
         self.counted_tokens = 0
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
-        """The last ``finish_reason`` the response gave (``stop``, ``length``, ...)."""
+        """The last finish reason the response gave, in OpenAI's words (``stop``, ``length``)."""
         self.done = False
-        """The stream's ``data: [DONE]`` was seen."""
+        """The stream's end marker was seen (``data: [DONE]``, ``message_stop``, or a terminal
+        ``response.*`` event)."""
         self._buffer = bytearray()
         self._overflow = False
+        self._prompt: tuple[int, int] | None = None
+        """Anthropic streams: (prompt, cached) from ``message_start``, until ``message_delta``."""
+        self._take_data: Callable[[dict[str, Any]], None] = self._take_openai
+        self._wants: Callable[[bytes], bool] | None = None
+        """Whether an event named by its ``event:`` line is worth parsing (None: all are)."""
+        if kind is ApiKind.RESPONSES:
+            self._take_data, self._wants = self._take_responses, _wants_responses_event
+        elif kind is ApiKind.MESSAGES:
+            self._take_data, self._wants = self._take_anthropic, _ANTHROPIC_EVENTS.__contains__
 
     def feed(self, chunk: bytes) -> int:
         """Take the next body chunk; returns the output tokens it newly delivered."""
@@ -87,13 +193,31 @@ class ResponseMeter:
             except (UnicodeDecodeError, json.JSONDecodeError):
                 data = None
             if isinstance(data, dict):
-                self.usage = _usage(data)
-                self._take_finish_reason(data)
+                self._take_body(data)
             self._buffer.clear()
         elif self.streaming and self._buffer.strip():
             self._take_event(bytes(self._buffer))
             self._buffer.clear()
         return self.usage
+
+    def _take_body(self, data: dict[str, Any]) -> None:
+        """A whole (non-streaming) response body."""
+        kind = self.kind
+        if kind is ApiKind.RESPONSES:
+            self.usage = _responses_usage(data)
+            self.finish_reason = _responses_finish(data)
+        elif kind is ApiKind.EMBEDDINGS:
+            self.usage = _embeddings_usage(data)
+        elif kind is ApiKind.MESSAGES:
+            usage = data.get("usage")
+            prompt = _anthropic_prompt(usage) if isinstance(usage, dict) else None
+            output = _int(usage.get("output_tokens")) if isinstance(usage, dict) else None
+            if prompt is not None and output is not None:
+                self.usage = Usage(prompt[0], output, prompt[1])
+            self.finish_reason = _anthropic_finish(data.get("stop_reason"))
+        else:
+            self.usage = _usage(data)
+            self._take_finish_reason(data)
 
     def _event_end(self) -> tuple[int, int]:
         lf = self._buffer.find(b"\n\n")
@@ -103,23 +227,76 @@ class ResponseMeter:
         return lf, 2
 
     def _take_event(self, event: bytes) -> None:
+        name: bytes | None = None
         for line in event.splitlines():
             if not line.startswith(b"data:"):
+                if line.startswith(b"event:"):
+                    name = line[6:].strip()
                 continue
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 self.done = True
+                continue
+            # An event named as one that cannot change the count is not parsed (Anthropic's
+            # ping and block start/stop, the Responses API's many lifecycle events).
+            if name is not None and self._wants is not None and not self._wants(name):
                 continue
             try:
                 data = json.loads(payload)
             except (UnicodeDecodeError, json.JSONDecodeError):
                 continue
             if isinstance(data, dict):
-                self.counted_tokens += _content_tokens(data)
-                self._take_finish_reason(data)
-                usage = _usage(data)
+                self._take_data(data)
+
+    def _take_openai(self, data: dict[str, Any]) -> None:
+        self.counted_tokens += _content_tokens(data)
+        self._take_finish_reason(data)
+        usage = _usage(data)
+        if usage is not None:
+            self.usage = usage
+
+    def _take_responses(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if not isinstance(kind, str):
+            return
+        if kind.endswith(".delta"):
+            if kind != _RESPONSES_UNCOUNTED_DELTA and data.get("delta"):
+                self.counted_tokens += 1
+        elif kind in _RESPONSES_TERMINAL:
+            self.done = True
+            response = data.get("response")
+            if isinstance(response, dict):
+                usage = _responses_usage(response)
                 if usage is not None:
                     self.usage = usage
+                self.finish_reason = _responses_finish(response) or self.finish_reason
+
+    def _take_anthropic(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "content_block_delta":
+            delta = data.get("delta")
+            if isinstance(delta, dict) and (delta.get("text") or delta.get("thinking")
+                                            or delta.get("partial_json")):
+                self.counted_tokens += 1
+        elif kind == "message_delta":
+            usage = data.get("usage")
+            if isinstance(usage, dict):
+                # Newer shapes (vLLM's among them) repeat the input here; else message_start's.
+                prompt = _anthropic_prompt(usage) or self._prompt
+                output = _int(usage.get("output_tokens"))
+                if prompt is not None and output is not None:
+                    self.usage = Usage(prompt[0], output, prompt[1])
+            delta = data.get("delta")
+            if isinstance(delta, dict):
+                self.finish_reason = _anthropic_finish(delta.get("stop_reason")) \
+                    or self.finish_reason
+        elif kind == "message_start":
+            message = data.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+            if isinstance(usage, dict):
+                self._prompt = _anthropic_prompt(usage)
+        elif kind == "message_stop":
+            self.done = True
 
     def _take_finish_reason(self, data: dict) -> None:
         choices = data.get("choices")

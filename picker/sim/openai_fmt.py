@@ -15,6 +15,15 @@ It answers three questions for ``picker.sim.server``, with no I/O:
     ``CHAT_REPLY_TOKENS`` (3) for the assistant reply header. A content may be a string, null, or a
     list of parts of which only ``{"type": "text", "text": ...}`` parts count.
 
+  - ``/v1/responses`` (OpenAI Responses API): ``input`` is a string (one user message) or a list
+    of items (messages whose ``content`` is a string or parts with ``text``); ``instructions``
+    counts as one more message; then as chat.
+  - ``/v1/messages`` (Anthropic Messages): ``messages`` (content a string or blocks, of which
+    ``text`` blocks count) and ``system`` (a string or text blocks, one more message); then as
+    chat.
+  - ``/v1/embeddings``: ``input`` is a string, a list of strings, a list of token ids or a list of
+    lists of ids; the tokens of all of them (a batch is one engine request).
+
 * **How many tokens will it generate?** ``max_tokens`` (chat: ``max_completion_tokens`` first,
   then ``max_tokens``; default ``DEFAULT_MAX_TOKENS`` = 16) caps the output. With vLLM's extension
   ``ignore_eos: true`` the output is exactly ``max_tokens`` long; otherwise its length is
@@ -22,9 +31,17 @@ It answers three questions for ``picker.sim.server``, with no I/O:
   its prompt (the ``prompt`` or ``messages`` JSON), raised to vLLM's ``min_tokens`` if that is
   larger. ``finish_reason`` is ``length`` when the output reached ``max_tokens``, else ``stop``.
   The text is filler words from ``FILLER``, one word (one token by the rule above) per step.
+  The Responses API caps with ``max_output_tokens`` (default 16); Anthropic Messages with
+  ``max_tokens``, which it requires (400 without it). Embeddings generate nothing: the engine
+  prefills the prompt and the request ends in that step, without a decode step.
 
 * **What do the responses, stream chunks and errors look like?** vLLM's shapes, built by the
-  functions below.
+  functions below: chat and completions chunks as ``data:`` lines ending with ``data: [DONE]``;
+  Responses API events (``event: response.output_text.delta`` ... ``response.completed``, or
+  ``response.incomplete`` when the output reached its cap) with ``usage.input_tokens`` /
+  ``output_tokens``; Anthropic events (``message_start``, ``ping``, ``content_block_*``,
+  ``message_delta`` with ``usage`` and ``stop_reason``, ``message_stop``) and Anthropic's error
+  body on ``/v1/messages``.
 """
 
 from __future__ import annotations
@@ -46,6 +63,10 @@ FILLER = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and",
 
 CHAT = "chat"
 COMPLETION = "completion"
+RESPONSES = "responses"
+EMBEDDINGS = "embeddings"
+MESSAGES = "messages"
+EMBEDDING_DIMENSIONS = 8
 
 
 class ApiError(Exception):
@@ -57,7 +78,9 @@ class ApiError(Exception):
         self.message = message
         self.param = param
 
-    def body(self) -> dict[str, Any]:
+    def body(self, kind: str | None = None) -> dict[str, Any]:
+        if kind == MESSAGES:
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.status, self.message, self.param)
 
 
@@ -69,6 +92,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
                       "param": param, "code": status}}
+
+
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error",
+                          500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                       "message": message}}
 
 
 def count_text_tokens(text: str) -> int:
@@ -170,7 +203,19 @@ def parse_request(kind: str, body: object) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
-    if kind == CHAT:
+    if kind == EMBEDDINGS:
+        return _parse_embeddings(model, body)
+    if kind == RESPONSES:
+        prompt_tokens = responses_prompt_tokens(body.get("input"), body.get("instructions"))
+        key = json.dumps([body.get("instructions"), body.get("input")], sort_keys=True)
+        max_tokens = _optional_int(body, "max_output_tokens", 1)
+    elif kind == MESSAGES:
+        prompt_tokens = messages_prompt_tokens(body.get("messages"), body.get("system"))
+        key = json.dumps([body.get("system"), body.get("messages")], sort_keys=True)
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        if max_tokens is None:
+            raise ApiError(400, "max_tokens: Field required", "max_tokens")
+    elif kind == CHAT:
         prompt_tokens = chat_prompt_tokens(body.get("messages"))
         key = json.dumps(body.get("messages"), sort_keys=True)
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
@@ -188,7 +233,7 @@ def parse_request(kind: str, body: object) -> ParsedRequest:
     if n not in (None, 1):
         raise ApiError(400, "the simulated server supports n = 1 only", "n")
     stream = _optional_bool(body, "stream")
-    options = body.get("stream_options")
+    options = body.get("stream_options") if kind in (CHAT, COMPLETION) else None
     include_usage = continuous = False
     if options is not None:
         if not stream:
@@ -212,6 +257,90 @@ def parse_request(kind: str, body: object) -> ParsedRequest:
                          max_tokens=max_tokens, output_tokens=output, stream=stream,
                          include_usage=include_usage, continuous_usage=continuous,
                          priority=priority)
+
+
+def _parse_embeddings(model: str | None, body: dict[str, Any]) -> ParsedRequest:
+    prompt_tokens = embeddings_prompt_tokens(body.get("input"))
+    return ParsedRequest(kind=EMBEDDINGS, model=model, prompt_tokens=prompt_tokens,
+                         max_tokens=0, output_tokens=0, stream=False, include_usage=False,
+                         continuous_usage=False,
+                         priority=_optional_int(body, "priority", None) or 0)
+
+
+def responses_prompt_tokens(items: object, instructions: object) -> int:
+    """Prompt tokens of a ``/v1/responses`` ``input`` and ``instructions`` (raises ApiError)."""
+    if isinstance(items, str):
+        messages: list[object] = [{"role": "user", "content": items}]
+    elif isinstance(items, list) and items:
+        messages = [{"role": "user", "content": item} if isinstance(item, str) else item
+                    for item in items]
+    else:
+        raise ApiError(400, "input must be a string or a non-empty list of items", "input")
+    total = CHAT_REPLY_TOKENS
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ApiError(400, "instructions must be a string", "instructions")
+        total += CHAT_TOKENS_PER_MESSAGE + count_text_tokens(instructions)
+    for i, item in enumerate(messages):
+        if not isinstance(item, dict):
+            raise ApiError(400, f"input[{i}] must be a string or an object", "input")
+        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(item.get("content"), "input", i)
+    return total
+
+
+def messages_prompt_tokens(messages: object, system: object) -> int:
+    """Prompt tokens of a ``/v1/messages`` ``messages`` and ``system`` (raises ApiError)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: must be a non-empty list", "messages")
+    total = CHAT_REPLY_TOKENS
+    if system is not None:
+        if not isinstance(system, str | list):
+            raise ApiError(400, "system: must be a string or a list of text blocks", "system")
+        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(system, "system", 0)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"messages.{i}: role must be user or assistant", "messages")
+        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(message.get("content"), "messages", i)
+    return total
+
+
+def _parts_tokens(content: object, field: str, index: int) -> int:
+    """A content that is a string, null, or a list of parts/blocks whose ``text`` counts."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return count_text_tokens(content)
+    if isinstance(content, list):
+        tokens = 0
+        for part in content:
+            if not isinstance(part, dict):
+                raise ApiError(400, f"{field}[{index}] content parts must be objects", field)
+            if isinstance(part.get("text"), str):
+                tokens += count_text_tokens(part["text"])
+        return tokens
+    raise ApiError(400, f"{field}[{index}] content must be a string or a list", field)
+
+
+def embeddings_prompt_tokens(value: object) -> int:
+    """Prompt tokens of a ``/v1/embeddings`` ``input`` (raises ApiError)."""
+    if isinstance(value, str) and value:
+        return max(1, count_text_tokens(value))
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
+            return len(value)
+        if all(isinstance(v, str) and v for v in value):
+            return sum(max(1, count_text_tokens(v)) for v in value)
+        if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+            return sum(len(v) for v in value)
+    raise ApiError(400, "input must be a non-empty string, a list of strings, a list of token "
+                   "ids or a list of lists of token ids", "input")
+
+
+def embeddings_count(value: object) -> int:
+    """How many embeddings an (already validated) ``input`` asks for."""
+    if isinstance(value, list) and not all(_is_int(t) for t in value):
+        return len(value)
+    return 1
 
 
 def _is_int(value: object) -> bool:
@@ -241,8 +370,12 @@ def _optional_bool(body: dict[str, Any], name: str, param: str | None = None) ->
 # -- responses --
 
 
+_ID_PREFIX = {CHAT: "chatcmpl-", COMPLETION: "cmpl-", RESPONSES: "resp_", EMBEDDINGS: "embd-",
+              MESSAGES: "msg_"}
+
+
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
+    return _ID_PREFIX[kind] + uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> dict[str, Any]:
@@ -256,7 +389,15 @@ def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> d
 
 
 def full_response(req: ParsedRequest, response_id: str, created: int, model: str) -> dict:
-    """The non-streaming response body."""
+    """The non-streaming response body (not for embeddings: ``embeddings_response``)."""
+    if req.kind == RESPONSES:
+        return responses_object(req, response_id, created, model, "completed")
+    if req.kind == MESSAGES:
+        return {"id": response_id, "type": "message", "role": "assistant", "model": model,
+                "content": [{"type": "text", "text": generated_text(CHAT, req.output_tokens)}],
+                "stop_reason": anthropic_stop_reason(req), "stop_sequence": None,
+                "usage": {"input_tokens": req.prompt_tokens,
+                          "output_tokens": req.output_tokens}}
     text = generated_text(req.kind, req.output_tokens)
     if req.kind == CHAT:
         choice: dict[str, Any] = {
@@ -323,3 +464,153 @@ class StreamFormatter:
     @staticmethod
     def done() -> bytes:
         return b"data: [DONE]\n\n"
+
+
+def anthropic_stop_reason(req: ParsedRequest) -> str:
+    return "max_tokens" if req.finish_reason == "length" else "end_turn"
+
+
+def responses_usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The Responses API ``usage`` object."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def _responses_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": None}]}
+
+
+def responses_object(req: ParsedRequest, response_id: str, created: int, model: str,
+                     phase: str) -> dict[str, Any]:
+    """The Responses API ``response`` object: ``phase`` ``in_progress`` (no output yet) or
+    ``completed`` (its status then ``completed``, or ``incomplete`` when the output reached
+    ``max_output_tokens``)."""
+    done = phase == "completed"
+    incomplete = done and req.finish_reason == "length"
+    status = ("incomplete" if incomplete else "completed") if done else "in_progress"
+    output = [_responses_message("msg_" + response_id.removeprefix("resp_"),
+                                 generated_text(CHAT, req.output_tokens), "completed")] \
+        if done else []
+    return {"id": response_id, "object": "response", "created_at": created, "model": model,
+            "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": output, "max_output_tokens": req.max_tokens, "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0,
+            "usage": responses_usage(req.prompt_tokens, req.output_tokens) if done else None}
+
+
+def embeddings_response(req: ParsedRequest, body: dict[str, Any], response_id: str,
+                        created: int, model: str) -> dict[str, Any]:
+    """vLLM's embeddings body: one vector per input, ``usage`` with prompt tokens only."""
+    data = []
+    for index in range(embeddings_count(body.get("input"))):
+        digest = hashlib.sha256(f"{index}|{json.dumps(body.get('input'))}".encode()).digest()
+        vector = [round(b / 255.0 - 0.5, 6) for b in digest[:EMBEDDING_DIMENSIONS]]
+        data.append({"index": index, "object": "embedding", "embedding": vector})
+    return {"id": response_id, "object": "list", "created": created, "model": model,
+            "data": data, "usage": {"prompt_tokens": req.prompt_tokens,
+                                    "total_tokens": req.prompt_tokens, "completion_tokens": 0,
+                                    "prompt_tokens_details": None}}
+
+
+def _named_event(name: str, data: dict[str, Any]) -> bytes:
+    return (b"event: " + name.encode() + b"\ndata: "
+            + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+
+
+class ResponsesStreamFormatter:
+    """The SSE events of a streamed ``/v1/responses`` answer, in vLLM's (OpenAI's) shapes."""
+
+    def __init__(self, req: ParsedRequest, response_id: str, model: str,
+                 created: int | None = None) -> None:
+        self.req = req
+        self.id = response_id
+        self.item_id = "msg_" + response_id.removeprefix("resp_")
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self.sequence = 0
+
+    def _event(self, name: str, fields: dict[str, Any]) -> bytes:
+        data = {"type": name, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return _named_event(name, data)
+
+    def first(self) -> bytes:
+        """Everything before the first token: created, in progress, item and part added."""
+        response = responses_object(self.req, self.id, self.created, self.model, "in_progress")
+        return b"".join((
+            self._event("response.created", {"response": response}),
+            self._event("response.in_progress", {"response": response}),
+            self._event("response.output_item.added", {
+                "output_index": 0,
+                "item": {"id": self.item_id, "type": "message", "role": "assistant",
+                         "status": "in_progress", "content": []}}),
+            self._event("response.content_part.added", {
+                "item_id": self.item_id, "output_index": 0, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ))
+
+    def token(self, index: int) -> bytes:
+        """The delta of the ``index``-th token (1-based)."""
+        return self._event("response.output_text.delta", {
+            "item_id": self.item_id, "output_index": 0, "content_index": 0,
+            "delta": token_text(CHAT, index - 1), "logprobs": []})
+
+    def last(self) -> bytes:
+        """Text and part and item done, then ``response.completed`` (or ``.incomplete``)."""
+        text = generated_text(CHAT, self.req.output_tokens)
+        response = responses_object(self.req, self.id, self.created, self.model, "completed")
+        terminal = "response.incomplete" if response["status"] == "incomplete" \
+            else "response.completed"
+        return b"".join((
+            self._event("response.output_text.done", {
+                "item_id": self.item_id, "output_index": 0, "content_index": 0, "text": text,
+                "logprobs": []}),
+            self._event("response.content_part.done", {
+                "item_id": self.item_id, "output_index": 0, "content_index": 0,
+                "part": {"type": "output_text", "text": text, "annotations": []}}),
+            self._event("response.output_item.done", {
+                "output_index": 0, "item": _responses_message(self.item_id, text, "completed")}),
+            self._event(terminal, {"response": response}),
+        ))
+
+
+class MessagesStreamFormatter:
+    """The SSE events of a streamed ``/v1/messages`` answer, in vLLM's (Anthropic's) shapes."""
+
+    def __init__(self, req: ParsedRequest, response_id: str, model: str) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+
+    def first(self) -> bytes:
+        """``message_start`` (with the input tokens), a ``ping``, the text block's start."""
+        message = {"id": self.id, "type": "message", "role": "assistant", "content": [],
+                   "model": self.model, "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.req.prompt_tokens, "output_tokens": 0}}
+        return b"".join((
+            _named_event("message_start", {"type": "message_start", "message": message}),
+            _named_event("ping", {"type": "ping"}),
+            _named_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                 "content_block": {"type": "text", "text": ""}}),
+        ))
+
+    def token(self, index: int) -> bytes:
+        return _named_event("content_block_delta", {
+            "type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": token_text(CHAT, index - 1)}})
+
+    def last(self) -> bytes:
+        """The block's stop, ``message_delta`` (stop reason, usage), ``message_stop``."""
+        return b"".join((
+            _named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _named_event("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": anthropic_stop_reason(self.req), "stop_sequence": None},
+                "usage": {"input_tokens": self.req.prompt_tokens,
+                          "output_tokens": self.req.output_tokens}}),
+            _named_event("message_stop", {"type": "message_stop"}),
+        ))

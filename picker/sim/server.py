@@ -1,7 +1,8 @@
 """A simulated vLLM model server: what does a gateway in front of one engine see?
 
 ``python -m picker.sim.server --port P`` serves an OpenAI-compatible API (``/v1/completions``,
-``/v1/chat/completions``, JSON and SSE streaming), ``/v1/models``, ``/health`` and a vLLM-named
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``, and the Anthropic-shaped
+``/v1/messages``; JSON and SSE streaming), ``/v1/models``, ``/health`` and a vLLM-named
 Prometheus ``/metrics``, backed by the simulator's ``BatchEngine`` (continuous batching over a KV
 budget) driven by the core ``Scheduler`` with policy ``fcfs``: requests that arrive while the
 engine is full wait in its FCFS queue, exactly the behaviour a fair picker in front must avoid
@@ -23,6 +24,8 @@ Engine details, vLLM-like:
   does.
 * A client that disconnects (streaming or not, queued or running) has its request removed from the
   engine at once, freeing its KV tokens; it is counted as ``finished_reason="abort"``.
+* An embeddings request is prefilled in the step that admits it and leaves the batch before that
+  step's decode: it holds KV tokens for one step and produces no token.
 
 Programmatic use: ``SimServer(SimServerConfig(...))`` with ``await start()`` / ``await stop()``
 (or ``async with``), then ``server.port`` / ``server.url``.
@@ -50,9 +53,16 @@ from picker.sim.engine import BatchEngine
 from picker.sim.openai_fmt import (
     CHAT,
     COMPLETION,
+    EMBEDDINGS,
+    MESSAGES,
+    RESPONSES,
     ApiError,
+    MessagesStreamFormatter,
     ParsedRequest,
+    ResponsesStreamFormatter,
     StreamFormatter,
+    anthropic_error_body,
+    embeddings_response,
     error_body,
     full_response,
     new_id,
@@ -65,6 +75,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 FINISH_REASONS = ("stop", "length", "abort")
 _ABORTED = 0
 """Event value telling a waiting handler that its request was aborted (server stopping)."""
+_PREFILLED = -1
+"""Event value telling an embeddings handler that its prompt was processed (its whole work)."""
 
 
 @dataclass
@@ -244,6 +256,8 @@ class SimEngine:
         admitted = self._admit(now)
         for request in admitted:
             self.metrics.prompt_tokens.inc(request.prompt_tokens)
+            if request.max_output_tokens == 0:
+                self._finish_prefill_only(request)
         stepping = list(self.engine.running)
         finished = self.engine.decode()
         self.metrics.generation_tokens.inc(len(stepping))
@@ -257,6 +271,17 @@ class SimEngine:
             job = self._jobs.pop(request)
             job.done = True
             self.metrics.success[job.parsed.finish_reason].inc()
+
+    def _finish_prefill_only(self, request: Request) -> None:
+        """An embeddings request: its prompt was processed in this step and nothing is decoded,
+        so it leaves the batch (and frees its KV tokens) before the decode."""
+        self.engine.running.remove(request)
+        self.engine.occupancy -= request.prompt_tokens
+        self.scheduler.finish(request)
+        job = self._jobs.pop(request)
+        job.done = True
+        self.metrics.success["stop"].inc()
+        job.events.put_nowait(_PREFILLED)
 
     def _admit(self, now: float) -> list[Request]:
         if self.config.scheduling_policy != "priority":
@@ -273,10 +298,6 @@ class SimEngine:
             self.scheduler.enqueue(head.request, now)
             admitted += engine.admit(now)[1]
         return admitted
-
-
-def _json_error(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param), status=status)
 
 
 class SimServer:
@@ -300,6 +321,9 @@ class SimServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -359,28 +383,42 @@ class SimServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, CHAT)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, RESPONSES)
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, EMBEDDINGS)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, MESSAGES)
+
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            parsed = self._parse(kind, await request.read())
+            # read() takes a chunked body as well as one with a content-length.
+            body = self._decode(await request.read())
+            parsed = self._parse(kind, body)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(e.body(kind), status=e.status)
         engine = self.engine
         if engine is None or engine.closed:
-            return _json_error(503, "the engine is not running")
+            return _kind_error(kind, 503, "the engine is not running")
         response_id = new_id(kind)
         job = engine.submit(parsed, response_id)
         try:
             if parsed.stream:
                 return await self._stream(request, job, response_id)
-            return await self._whole(job, response_id)
+            return await self._whole(job, response_id, body)
         finally:
             engine.cancel(job)  # no-op when it finished; frees it when the client went away
 
-    def _parse(self, kind: str, raw: bytes) -> ParsedRequest:
+    @staticmethod
+    def _decode(raw: bytes) -> object:
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"JSON decode error: {e}") from None
+
+    def _parse(self, kind: str, body: object) -> ParsedRequest:
         parsed = parse_request(kind, body)
         if parsed.model is not None and parsed.model != self.config.model:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
@@ -391,17 +429,21 @@ class SimServer:
         if parsed.prompt_tokens > budget:
             raise ApiError(400, f"This model's maximum context length is {budget} tokens. "
                            f"However, your prompt has {parsed.prompt_tokens} tokens, which can "
-                           "never fit the KV cache.", "prompt" if kind == COMPLETION
-                           else "messages")
+                           "never fit the KV cache.", _PROMPT_FIELD.get(kind, "messages"))
         return parsed
 
-    async def _whole(self, job: Job, response_id: str) -> web.Response:
+    async def _whole(self, job: Job, response_id: str, body: object) -> web.Response:
+        kind = job.parsed.kind
         while True:
             index = await job.events.get()
             if index == _ABORTED:
-                return _json_error(503, "the server is shutting down")
-            if index >= job.parsed.output_tokens:
+                return _kind_error(kind, 503, "the server is shutting down")
+            if index == _PREFILLED or index >= job.parsed.output_tokens:
                 break
+        if kind == EMBEDDINGS:
+            assert isinstance(body, dict)  # parse_request checked it
+            return web.json_response(embeddings_response(job.parsed, body, response_id,
+                                                         int(time.time()), self.config.model))
         return web.json_response(full_response(job.parsed, response_id, int(time.time()),
                                                self.config.model))
 
@@ -411,6 +453,9 @@ class SimServer:
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await response.prepare(request)
         _ensure_nodelay(request)
+        kind = job.parsed.kind
+        if kind in (RESPONSES, MESSAGES):
+            return await self._stream_events(response, job, response_id)
         fmt = StreamFormatter(job.parsed, response_id, self.config.model)
         last = job.parsed.output_tokens
         try:
@@ -418,7 +463,7 @@ class SimServer:
                 index = await job.events.get()
                 if index == _ABORTED:
                     return response  # the server is stopping: end without [DONE]
-                if index == 1 and job.parsed.kind == CHAT:
+                if index == 1 and kind == CHAT:
                     await response.write(fmt.first())
                 await response.write(fmt.token(index))
                 if index >= last:
@@ -430,6 +475,43 @@ class SimServer:
         except ConnectionError:
             pass  # the client went away; the caller removes the request from the engine
         return response
+
+    async def _stream_events(self, response: web.StreamResponse, job: Job,
+                             response_id: str) -> web.StreamResponse:
+        """A Responses API or Anthropic Messages stream: named events, no ``[DONE]``."""
+        fmt: ResponsesStreamFormatter | MessagesStreamFormatter
+        if job.parsed.kind == RESPONSES:
+            fmt = ResponsesStreamFormatter(job.parsed, response_id, self.config.model)
+        else:
+            fmt = MessagesStreamFormatter(job.parsed, response_id, self.config.model)
+        last = job.parsed.output_tokens
+        try:
+            while True:
+                index = await job.events.get()
+                if index == _ABORTED:
+                    return response  # the server is stopping: end without the last events
+                # The opening events go with the first token, as vLLM sends them once the
+                # engine has produced something.
+                await response.write(fmt.first() + fmt.token(index) if index == 1
+                                     else fmt.token(index))
+                if index >= last:
+                    break
+            await response.write(fmt.last())
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        return response
+
+
+_PROMPT_FIELD = {COMPLETION: "prompt", CHAT: "messages", RESPONSES: "input",
+                 EMBEDDINGS: "input", MESSAGES: "messages"}
+
+
+def _kind_error(kind: str, status: int, message: str) -> web.Response:
+    """An error in the shape of the API asked (Anthropic's on ``/v1/messages``)."""
+    body = anthropic_error_body(status, message) if kind == MESSAGES \
+        else error_body(status, message)
+    return web.json_response(body, status=status)
 
 
 def _ensure_nodelay(request: web.Request) -> None:

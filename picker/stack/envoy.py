@@ -2,8 +2,11 @@
 
 Envoy calls the picker over ext_proc (``FULL_DUPLEX_STREAMED`` request body, headers and trailers
 sent) and routes through an ``ORIGINAL_DST`` cluster on the ``x-gateway-destination-endpoint``
-header the picker sets. Without a picker (``picker_port=None``) the same listener routes on that
-header as the client sent it: the baseline for measuring the picker's overhead.
+header the picker sets. It dials the picker over TLS without verifying it (``picker_tls``, on by
+default), as Envoy AI Gateway and kgateway do, and normalises every path before any filter sees
+it (``PATH_NORMALISATION``), so the picker and the model server read the same path. Without a
+picker (``picker_port=None``) the same listener routes on that header as the client sent it: the
+baseline for measuring the picker's overhead.
 
 The response reaches the picker one of two ways (``response_path``):
 
@@ -47,8 +50,8 @@ METER_DEFERRED_CLOSE = "0.25s"
 mid-stream is settled this much later."""
 
 RATELIMIT_HEADERS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
-                     "x-ratelimit-reset-tokens", "x-ratelimit-limit-requests",
-                     "x-ratelimit-remaining-requests")
+                     "x-ratelimit-reset-tokens", "x-fairway-limit-concurrent-requests",
+                     "x-fairway-remaining-concurrent-requests")
 """Set by the picker (``fairway`` metadata) and added to responses by Envoy on the meter-stream
 path, where the picker does not see the response headers in time to set them itself."""
 
@@ -58,6 +61,35 @@ ACCESS_LOG_FORMAT = (
     "upstream=%UPSTREAM_HOST% metadata=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% "
     "flags=%RESPONSE_FLAGS% duration_ms=%DURATION%\n"
 )
+
+
+PATH_NORMALISATION: dict[str, Any] = {
+    # RFC 3986 normalisation (dot segments, percent-encoded unreserved characters), then `//`
+    # merged: `/v1/./chat//completions` is `/v1/chat/completions` for the picker, the route and
+    # the model server alike.
+    "normalize_path": True,
+    "merge_slashes": True,
+    # `%2F`/`%5C` are decoded and the request forwarded with the decoded path, not redirected:
+    # the picker then sees exactly the path the engine serves (what is served is what is
+    # charged), and a client POSTing to an odd spelling is served rather than sent a redirect
+    # that the OpenAI SDKs do not follow for POST. REJECT would refuse such spellings outright;
+    # forwarding keeps them working and charged.
+    "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
+}
+"""HttpConnectionManager fields of every Envoy config fairway ships."""
+
+UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+
+
+def picker_transport_socket(sni: str | None = None) -> dict[str, Any]:
+    """TLS to the picker without a validation context: encrypted, the picker not authenticated
+    (its certificate is self-signed by default), exactly how Envoy AI Gateway and kgateway dial
+    an Endpoint Picker. ``h2`` is offered by ALPN (the picker speaks gRPC)."""
+    context: dict[str, Any] = {"@type": UPSTREAM_TLS,
+                               "common_tls_context": {"alpn_protocols": ["h2"]}}
+    if sni:
+        context["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 def _ext_proc(grpc_service: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -123,8 +155,13 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
 def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                  failure_mode_allow: bool = False, request_timeout_s: int = 300,
                  access_log: Path | None = None,
-                 response_path: str = "meter-stream") -> dict[str, Any]:
+                 response_path: str = "meter-stream", picker_tls: bool = True,
+                 picker_sni: str | None = None) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
+
+    ``picker_tls``: dial the picker over TLS without verification (the picker's default,
+    ``--secure-serving``); False for a picker started with ``--secure-serving=false``.
+    ``picker_sni``: the server name sent in the TLS handshake (optional).
 
     ``access_log``: a file that gets one line per request with the tenant, the upstream Envoy
     chose and the picker's ``envoy.lb`` metadata (the tests read it).
@@ -161,6 +198,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
             "load_assignment": {"cluster_name": "picker", "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _address(picker_port)}}]}]},
         })
+        if picker_tls:
+            clusters[-1]["transport_socket"] = picker_transport_socket(picker_sni)
     return {
         "admin": {"address": _address(admin_port)},
         "static_resources": {
@@ -173,6 +212,7 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                         "@type": "type.googleapis.com/envoy.extensions.filters.network."
                                  "http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "gateway",
+                        **PATH_NORMALISATION,
                         "access_log": [] if access_log is None else [{
                             "name": "envoy.access_loggers.file",
                             "typed_config": {

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,14 @@ class Stack:
     """How Envoy hands the response to the picker: ``meter-stream`` or ``inline`` (see envoy.py)."""
     picker_source: list[str] = field(default_factory=list)
     """Flags that replace ``--config FILE``, e.g. ``--config-map ns/name --kube-server URL``."""
+    secure_serving: bool = True
+    """The picker serves ext_proc over TLS (self-signed) and Envoy dials it without verification,
+    as the gateways do; False: both plaintext (``--secure-serving=false``)."""
+    picker_args: list[str] = field(default_factory=list)
+    """Extra flags for ``python -m picker serve`` (e.g. ``--cert-path DIR``)."""
+    envoy_bootstrap: Callable[[Stack], dict[str, Any]] | None = None
+    """Builds Envoy's bootstrap from the started stack (its ports and endpoints) instead of
+    envoy.py's, e.g. a gateway flavour of ``picker.stack.gateways``."""
     processes: list[subprocess.Popen] = field(default_factory=list)
     endpoint_addresses: list[str] = field(default_factory=list)
     grpc_port: int = 0
@@ -101,6 +110,8 @@ class Stack:
     """Envoy's admin port."""
     admin_grpc_port: int = 0
     """The picker's admin API (``fairway.v1.Admin``), as the picker reported it."""
+    health_port: int = 0
+    """The picker's gRPC health port (plaintext: liveness, readiness), as it reported it."""
     _startup_output: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     """Each waited-for process's stdout up to its ready line, by name."""
 
@@ -159,23 +170,37 @@ class Stack:
         if self.with_picker:
             self.write_picker_config(self.picker_config)
             self.grpc_port, self.metrics_port = free_port(), free_port()
-            self.admin_grpc_port = free_port()
+            self.admin_grpc_port, self.health_port = free_port(), free_port()
             source = self.picker_source or ["--config", str(self.config_path)]
             self._spawn([sys.executable, "-m", "picker", "serve", *source,
                          "--grpc-port", str(self.grpc_port),
+                         "--grpc-health-port", str(self.health_port),
                          "--metrics-port", str(self.metrics_port),
-                         "--admin-port", str(self.admin_grpc_port), "--grace", "2"],
+                         "--admin-port", str(self.admin_grpc_port), "--grace", "2",
+                         f"--secure-serving={str(self.secure_serving).lower()}",
+                         *self.picker_args],
                         "picker", "picker listening")
-            # The port it actually bound, as it printed it (the line comes before the marker's).
-            found = re.search(r"\badmin=\S+:(\d+)", self._startup_output["picker"])
+            # The ports it actually bound, as it printed them (their lines come before the
+            # marker's).
+            output = self._startup_output["picker"]
+            found = re.search(r"\badmin=\S+:(\d+)", output)
             if found:
                 self.admin_grpc_port = int(found.group(1))
+            found = re.search(r"\bhealth=\S+:(\d+)", output)
+            if found:
+                self.health_port = int(found.group(1))
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = free_port()
-        envoy_yaml = write_envoy_config(
-            self.workdir / "envoy.yaml", listen_port=self.gateway_port,
-            admin_port=self.admin_port, picker_port=self.grpc_port if self.with_picker else None,
-            access_log=self.access_log, response_path=self.response_path)
+        if self.envoy_bootstrap is not None:
+            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml.write_text(yaml.safe_dump(self.envoy_bootstrap(self), sort_keys=False))
+        else:
+            envoy_yaml = write_envoy_config(
+                self.workdir / "envoy.yaml", listen_port=self.gateway_port,
+                admin_port=self.admin_port,
+                picker_port=self.grpc_port if self.with_picker else None,
+                access_log=self.access_log, response_path=self.response_path,
+                picker_tls=self.secure_serving)
         self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
                      "--base-id", str(self.admin_port), "--concurrency", "1",
                      "--file-flush-interval-msec", "50"], "envoy", None)

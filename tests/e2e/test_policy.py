@@ -131,8 +131,9 @@ def _exact_body(max_tokens: int | None, stream: bool = False,
 def _error(body: bytes) -> dict[str, Any]:
     """The OpenAI-style error object of a refusal (its shape checked)."""
     error = json.loads(body)["error"]
-    assert {"message", "type", "code"} <= set(error), error
+    assert list(error) == ["message", "type", "param", "code"], error
     assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["code"], str) and error["code"], error  # OpenAI: a string code
     return error
 
 
@@ -367,7 +368,7 @@ def test_api_key_mode_refuses_missing_malformed_and_unknown_keys(
     assert status == 401, body
     assert got["content-type"].startswith("application/json")
     error = _error(body)
-    assert error["code"] == 401
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
     assert API_KEY not in body.decode()  # the key is never echoed back
     # The picker keeps serving.
     ok, _, answer = _post(key_stack.gateway_url, chat_body(max_tokens=3),
@@ -514,7 +515,7 @@ def test_output_limit_reject_refuses_large_max_tokens(
                             {TENANT_HEADER: "strict"})
     assert status == 400, body
     error = _error(body)
-    assert error["type"] == "invalid_request_error"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "max_tokens_exceeded")
     assert "50" in error["message"]
     assert upstream.find(marker) == []
     assert metric(stack.metrics_url, "fairway_rejections_total", tenant="strict",
@@ -598,8 +599,9 @@ def test_over_budget_gets_429_with_a_retry_after_that_works(sim_stack: Stack) ->
     answered = time.monotonic()
     assert status == 429, body
     error = _error(body)
-    assert error["type"] == "rate_limit_exceeded"
+    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
     assert "burst" in error["message"]
+    assert "x-should-retry" not in got  # a rate limit: the client may retry after the wait
     assert re.fullmatch(r"\d+", got["retry-after"]), got["retry-after"]
     retry_after = int(got["retry-after"])
     # At the refusal the bucket held between `remaining` (the previous response's header, taken
@@ -634,13 +636,15 @@ def test_rate_limit_headers_on_successful_responses(request: pytest.FixtureReque
     reset = _seconds(got["x-ratelimit-reset-tokens"])
     assert reset == pytest.approx((capacity - remaining) / rate, abs=0.1)
     # maxConcurrent 4, this request running.
-    assert got["x-ratelimit-limit-requests"] == "4"
-    assert got["x-ratelimit-remaining-requests"] == "3"
+    assert got["x-fairway-limit-concurrent-requests"] == "4"
+    assert got["x-fairway-remaining-concurrent-requests"] == "3"
+    # OpenAI's request headers mean requests per window, which fairway does not limit.
+    assert "x-ratelimit-limit-requests" not in got
     # A tenant without budgets or caps gets none.
     status, got, body = _post(stack.gateway_url, _exact_body(5),
                               {TENANT_HEADER: "nohdr"})
     assert status == 200, body
-    assert not [k for k in got if k.startswith("x-ratelimit")], got
+    assert not [k for k in got if k.startswith(("x-ratelimit", "x-fairway-"))], got
 
 
 # -- 5. demotion --
@@ -696,7 +700,7 @@ def test_tenant_queue_cap_refuses_beyond_max_queued(sim_stack: Stack) -> None:
     extra, held = asyncio.run(scenario())
     for status, got, body in extra:
         assert status == 429, body
-        assert _error(body)["type"] == "rate_limit_exceeded"
+        assert (_error(body)["type"], _error(body)["code"]) == ("requests", "tenant_queue_full")
         assert "retry-after" in got
     assert metric(m, "fairway_rejections_total", tenant="capq", reason="tenant_queue_full") == 3
     assert [status for status, _, _ in held] == [200, 200]
@@ -733,8 +737,8 @@ def test_concurrency_cap_runs_one_request_at_a_time(sim_stack: Stack) -> None:
         events = [e for e in body.decode().split("\n\n") if e.startswith("data: {")]
         assert sum(bool(json.loads(e[6:])["choices"][0]["delta"].get("content"))
                    for e in events) == 40
-        assert got["x-ratelimit-limit-requests"] == "1"
-        assert got["x-ratelimit-remaining-requests"] == "0"
+        assert got["x-fairway-limit-concurrent-requests"] == "1"
+        assert got["x-fairway-remaining-concurrent-requests"] == "0"
     running = [r for r, _ in samples]
     assert len(samples) >= 10
     assert max(running) <= 1, samples
@@ -747,7 +751,7 @@ def test_prompt_over_max_input_tokens_is_400(sim_stack: Stack) -> None:
     status, _, body = _post(url, _exact_body(4, prompt_tokens=100), headers)
     assert status == 400, body
     error = _error(body)
-    assert error["type"] == "invalid_request_error"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
     assert "100 tokens" in error["message"] and "20" in error["message"], error
     assert metric(sim_stack.metrics_url, "fairway_rejections_total", tenant="short",
                   reason="input_too_long") == 1
@@ -777,7 +781,9 @@ def test_concurrent_requests_overshoot_a_budget_only_by_estimate_error(
     assert refused, "no request was refused: the budget was never tested"
     for body in refused:
         error = _error(body)
-        assert error["type"] == "rate_limit_exceeded" and "sustained" in error["message"]
+        # The sustained budget is a quota: OpenAI's insufficient_quota, not a rate limit.
+        assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+        assert "sustained" in error["message"]
     actual = [a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] for a in admitted]
     slack = sum(max(0, used - estimate) for used in actual)
     # Refill over the test is 2000 / 86400 per second: under one token.
@@ -954,7 +960,9 @@ def test_full_queue_sheds_the_lowest_lane_first(overload_stack: Stack) -> None:
     assert [status for status, _, _ in lows] == [200, 200, 429]  # the newest low was shed
     assert "shed" in _error(lows[2][2])["message"]
     assert high[0] == 200
-    assert refused_low[0] == 429 and _error(refused_low[2])["type"] == "rate_limit_exceeded"
+    assert refused_low[0] == 429
+    assert (_error(refused_low[2])["type"], _error(refused_low[2])["code"]) == \
+        ("requests", "queue_full")
     assert metric(m, "fairway_requests_total", tenant="lo", outcome="shed") == 1
     assert metric(m, "fairway_rejections_total", tenant="lo", reason="queue_full") == 2
     assert wait_until(lambda: _engines_idle(stack), timeout=15)

@@ -27,6 +27,7 @@ from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.server import ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
 from picker.stack.launcher import Stack, free_port
+from tests.tls import tls_channel
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,8 @@ def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_launcher_reports_the_admin_port_the_picker_printed(stack: Stack) -> None:
-    assert stack.admin_grpc_port not in (0, stack.grpc_port, stack.metrics_port, stack.admin_port)
+    assert stack.admin_grpc_port not in (0, stack.grpc_port, stack.metrics_port, stack.admin_port,
+                                         stack.health_port)
     log = (stack.workdir / "picker.log").read_text()
     assert f"picker admin listening admin={stack.admin_address}\n" in log
 
@@ -124,7 +126,7 @@ async def test_endpoints_and_health_are_served_on_the_admin_port(stack: Stack) -
 
 
 async def test_the_gateways_port_does_not_serve_the_admin_api(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+    async with await tls_channel(stack.grpc_port) as channel:  # TLS, as a gateway dials it
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await admin_pb2_grpc.AdminStub(channel).ListTenants(admin_pb2.ListTenantsRequest(),
                                                                 timeout=TIMEOUT)
@@ -172,7 +174,7 @@ def test_top_names_the_address_it_cannot_reach() -> None:
 
 
 def test_top_says_when_the_address_is_not_an_admin_api(stack: Stack) -> None:
-    address = f"127.0.0.1:{stack.grpc_port}"  # the ext_proc port
+    address = f"127.0.0.1:{stack.health_port}"  # gRPC, plaintext, but only health
     done = _ctl("--once", "--admin", address)
     assert done.returncode == 1
     assert address in done.stderr and "does not serve fairway.v1.Admin" in done.stderr
@@ -197,7 +199,8 @@ async def test_serve_binds_the_admin_api_on_its_own_port_and_closes_it_on_stop(
         ready: asyncio.Future[tuple[int, int]] = loop.create_future()
         admin_ready: asyncio.Future[int] = loop.create_future()
         stop = asyncio.Event()
-        settings = ServeSettings(path, grpc_port=0, metrics_port=0, admin_port=0, grace=1.0)
+        settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
+                                 admin_port=0, grace=1.0)
         task = asyncio.create_task(serve(settings, stop, ready, admin_ready))
         try:
             grpc_port, metrics_port = await asyncio.wait_for(asyncio.shield(ready), TIMEOUT)

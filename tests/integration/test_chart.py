@@ -398,7 +398,22 @@ def test_picker_deployment(case_id: str) -> None:
 
     settings = _picker_settings(container["args"])
     assert settings.host == "0.0.0.0"
-    assert (settings.grpc_port, settings.metrics_port, settings.admin_port) == (9002, 9090, 9003)
+    assert (settings.grpc_port, settings.grpc_health_port, settings.metrics_port,
+            settings.admin_port) == (9002, 9003, 9090, 9004)
+    tls = _values(case_id)["picker"]["tls"]
+    assert settings.secure_serving == tls["enabled"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    if tls["enabled"] and tls["secretName"]:
+        # The Secret is mounted where --cert-path points, read-only, its two keys by name.
+        assert settings.cert_path is not None
+        assert mounts["tls"]["mountPath"] == str(settings.cert_path)
+        assert mounts["tls"]["readOnly"] is True
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["tls"]["secret"] == {
+            "secretName": tls["secretName"],
+            "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}
+    else:
+        assert settings.cert_path is None and "tls" not in mounts  # self-signed at start
     assert settings.config_map == config_map and settings.config_path is None
     assert settings.grace < deployment["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"]
@@ -406,10 +421,11 @@ def test_picker_deployment(case_id: str) -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"ext-proc": 9002, "metrics": 9090, "admin": 9003}
-    # Ready only while the ext_proc health is SERVING (the leader); alive on the admin port.
-    assert container["readinessProbe"]["grpc"] == {"port": 9002}
-    assert container["livenessProbe"]["grpc"] == {"port": 9003}
+    assert ports == {"ext-proc": 9002, "health": 9003, "metrics": 9090, "admin": 9004}
+    # Upstream's probes: gRPC health on 9003 (plaintext), readiness (the synced leader) and
+    # liveness (every running replica) by service name.
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert _selected(selector, deployment["spec"]["template"]["metadata"]["labels"])
 
@@ -423,8 +439,11 @@ def test_picker_service(case_id: str) -> None:
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert {name: p["port"] for name, p in ports.items()} == {
-        "ext-proc": 9002, "metrics": 9090, "admin": 9003}
-    assert ports["ext-proc"]["appProtocol"] == "kubernetes.io/h2c"
+        "ext-proc": 9002, "health": 9003, "metrics": 9090, "admin": 9004}
+    # TLS by default (upstream's Service says http2); h2c only when TLS is off.
+    tls = _values(case_id)["picker"]["tls"]["enabled"]
+    assert ports["ext-proc"]["appProtocol"] == ("http2" if tls else "kubernetes.io/h2c")
+    assert ports["health"]["appProtocol"] == "kubernetes.io/h2c"
     container_ports = {p["name"] for p in _container(deployment)["ports"]}
     assert {p["targetPort"] for p in ports.values()} <= container_ports
 
@@ -483,7 +502,7 @@ def test_operator_flags_match_the_picker_and_the_base_config(
     assert base["metadata"]["name"] == settings.base_configmap
     assert list(base["data"]) == [settings.base_key] == ["base.yaml"]
     service = _one(case_id, "Service", "picker")
-    assert settings.admin_address == f"{service['metadata']['name']}:9003"
+    assert settings.admin_address == f"{service['metadata']['name']}:9004"
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     names = {o["metadata"]["name"] for o in _objects(case_id)}
@@ -593,11 +612,13 @@ def test_network_policies() -> None:
     assert picker["spec"]["policyTypes"] == ["Ingress"]  # egress: the API and the engines
     by_port = {}
     for rule in picker["spec"]["ingress"]:
-        (port,) = rule["ports"]
-        by_port[port["port"]] = rule["from"]
+        for port in rule["ports"]:
+            by_port[port["port"]] = rule["from"]
+    gateway = [{"namespaceSelector": values["gateway"]["namespaceSelector"],
+                "podSelector": values["gateway"]["podSelector"]}]
     assert by_port == {
-        "ext-proc": [{"namespaceSelector": values["gateway"]["namespaceSelector"],
-                      "podSelector": values["gateway"]["podSelector"]}],
+        "ext-proc": gateway,
+        "health": gateway,  # gateways may health-check the picker; the kubelet is not a pod
         "metrics": [{"namespaceSelector": values["metrics"]["namespaceSelector"]}],
         "admin": [{"podSelector": operator["spec"]["podSelector"]}],
     }
@@ -670,8 +691,8 @@ def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
 def test_notes_say_what_to_do_next(case_id: str) -> None:
     notes = next(text for path, text in _rendered(case_id)[0].items()
                  if path.endswith("NOTES.txt"))
-    assert "port-forward service/" in notes and "9003:9003" in notes
-    assert "python -m picker.ctl top --admin 127.0.0.1:9003" in notes
+    assert "port-forward service/" in notes and "9004:9004" in notes
+    assert "python -m picker.ctl top --admin 127.0.0.1:9004" in notes
     assert ("kind: TenantPolicy" in notes) == _values(case_id)["operator"]["enabled"]
     assert ("Grafana" in notes) == _values(case_id)["dashboard"]["enabled"]
     assert "9002" in notes

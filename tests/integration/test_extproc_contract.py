@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.server import EXT_PROC_SERVICE, ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
+from tests.tls import tls_channel
 
 pytestmark = pytest.mark.integration
 
@@ -337,13 +338,15 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_time
         path.write_text(json.dumps(document))  # JSON is YAML
         stop = asyncio.Event()
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        settings = ServeSettings(path, grpc_port=0, metrics_port=0, admin_port=0, grace=1.0,
+        settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
+                                 admin_port=0, grace=1.0,
                                  meter_claim_timeout=meter_claim_timeout)
         task = asyncio.create_task(serve(settings, stop, ready))
         try:
             grpc_port, metrics_port = await asyncio.wait_for(
                 asyncio.shield(ready), TIMEOUT)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            # TLS, unverified: as the gateways dial it (the picker's default).
+            async with await tls_channel(grpc_port) as channel:
                 picker = Picker(grpc_port, metrics_port, addresses, channel)
                 try:
                     yield picker
@@ -394,8 +397,8 @@ async def test_headers_are_answered_after_the_whole_body_with_the_route(
 
     routed = await expect_route(stream, body)  # body echoed whole, end_of_stream set
     assert routed.header in pool.endpoints
-    # Primary first, then the other endpoint as fallback; nothing outside the pool.
-    assert sorted(routed.destinations) == sorted(pool.endpoints)
+    # Header and metadata agree (no fallbacks unless configured: ORIGINAL_DST takes one).
+    assert routed.destinations == [routed.header]
     await stream.quiet_for(0.1)
 
 
@@ -451,15 +454,29 @@ async def test_request_without_body_is_routed_at_once_and_not_queued(pool: Picke
     assert await pool.metric("fairway_requests_total") == 0
 
 
-async def test_non_inference_post_is_routed_with_its_body_and_not_charged(pool: Picker) -> None:
+async def test_unlisted_path_is_refused_404_and_not_charged(pool: Picker) -> None:
     body = b'{"model": "sim-model", "prompt": "tokenize me"}'
     stream = pool.open()
-    routed = await route(stream, body, path="/tokenize", parts=2)
-    assert routed.header in pool.endpoints
-    await relay_response(stream, 404, "application/json", [b'{"detail": "Not Found"}'])
+    await send_request(stream, body, path="/tokenize", parts=2)
+    refused = refusal(await stream.reply())
+    assert refused.status == 404
+    assert refused.error["code"] == "unknown_url"
     assert await stream.ended()
-    assert await pool.metric("fairway_requests_total") == 0
     assert await pool.metric("fairway_service_tokens_total") == 0
+
+
+async def test_listed_pass_through_post_is_routed_with_its_body_and_not_charged(
+        tmp_path: Path) -> None:
+    async with running_picker(tmp_path, routing={"passThrough": [
+            {"method": "POST", "path": "/tokenize"}]}) as picker:
+        body = b'{"model": "sim-model", "prompt": "tokenize me"}'
+        stream = picker.open()
+        routed = await route(stream, body, path="/tokenize", parts=2)
+        assert routed.header in picker.endpoints
+        await relay_response(stream, 404, "application/json", [b'{"detail": "Not Found"}'])
+        assert await stream.ended()
+        assert await picker.metric("fairway_requests_total") == 0
+        assert await picker.metric("fairway_service_tokens_total") == 0
 
 
 # -- the subset hint --
@@ -512,7 +529,7 @@ async def test_malformed_request_is_refused_400(pool: Picker, body: bytes, fragm
     assert "retry-after" not in refused.headers
     assert fragment in refused.error["message"]
     assert refused.error["type"] == "invalid_request_error"
-    assert refused.error["code"] == 400
+    assert refused.error["code"] == "invalid_request"
     assert await stream.ended()
     assert await pool.metric("fairway_rejections_total", tenant="b", reason="bad_request") == 1
 
@@ -581,7 +598,7 @@ async def test_full_queue_is_refused_429(tmp_path: Path) -> None:
         refused = refusal(await stream.reply(timeout=1.0))
         assert refused.status == 429
         assert refused.headers["retry-after"] == "1"
-        assert refused.error["type"] == "rate_limit_exceeded"
+        assert (refused.error["type"], refused.error["code"]) == ("requests", "queue_full")
         assert await stream.ended()
         assert await picker.metric("fairway_rejections_total", tenant="a",
                                    reason="queue_full") == 1
@@ -597,9 +614,9 @@ async def test_tenant_comes_from_the_trusted_headers_or_the_default(tmp_path: Pa
             "header": "X-Team", "defaultTenant": "nobody"}) as picker:
         cases: list[dict[str, str]] = [
             {"x-team": "team-a"},
-            {LLMD_HEADER: "team-b"},
+            {TENANT_HEADER: "team-b"},  # alsoAccept's default: the deprecated upstream name
             {},
-            {"x-team": "both", LLMD_HEADER: "team-b"},  # the configured header wins
+            {"x-team": "both", TENANT_HEADER: "team-b"},  # the configured header wins
             {"x-team": "someone-unconfigured"},
         ]
         for headers in cases:

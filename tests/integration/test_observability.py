@@ -1,7 +1,9 @@
 """Observability and gateway samples, checked against the real things.
 
 * The alert rules (``manifests/alerts/fairway-rules.yaml``) pass ``promtool check rules`` and
-  their unit tests (``promtool test rules``), and a real Prometheus evaluates them without error.
+  their unit tests (``promtool test rules``), and a real Prometheus evaluates them without error
+  (the "no picker serving" one finds the live picker serving).
+* The picker's ``/metrics``, after that traffic, passes ``promtool check metrics``.
 * The Grafana dashboard (``dashboards/fairway.json``; Grafana itself cannot be had here): every
   panel's PromQL, with the dashboard's variables substituted, parses in a real Prometheus and
   returns series once that Prometheus has scraped a real picker (real Envoy, the picker, two
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import importlib.metadata
 import json
 import re
 import shutil
@@ -304,6 +307,45 @@ def test_rules_evaluate_in_a_real_prometheus(observed: float, prometheus: Promet
     rules = evaluated()
     assert {rule["name"] for rule in rules} == expected
     assert [(r["name"], r["lastError"]) for r in rules if r["health"] != "ok"] == []
+
+
+def test_no_picker_serving_is_silent_while_the_picker_serves(observed: float,
+                                                             prometheus: Prometheus) -> None:
+    """The alert's expression finds the live picker serving (and would name its job if not)."""
+    (rule,) = [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+               for rule in group["rules"] if rule["alert"] == "FairwayNoPickerServing"]
+    _wait(lambda: prometheus.api("query", query="fairway_ready == 1")[1]["data"]["result"],
+          "a scrape of fairway_ready")
+    status, body = prometheus.api("query", query=rule["expr"])
+    assert status == 200, body
+    assert body["data"]["result"] == []
+    # The same expression with readiness taken away names this picker's job.
+    status, body = prometheus.api("query", query=rule["expr"].replace(
+        "(fairway_ready) > 0", "(fairway_ready) > 1"))
+    assert status == 200, body
+    assert [r["metric"] for r in body["data"]["result"]] == [{"namespace": NAMESPACE, "job": JOB}]
+
+
+# -- the picker's metrics, linted -------------------------------------------------------------
+
+def test_live_metrics_pass_promtool(observed: float, stack: Stack) -> None:
+    """``promtool check metrics`` on the page of a picker that served traffic through real
+    Envoy (every family has samples: the dashboard tests need them) reports nothing."""
+    with urllib.request.urlopen(stack.metrics_url, timeout=5) as response:
+        page = response.read()
+    families = set(re.findall(r"^# TYPE (\w+) ", page.decode(), flags=re.MULTILINE))
+    assert {"fairway_virtual_service", "fairway_build_info", "fairway_leader",
+            "fairway_ready", "fairway_requests_total"} <= families
+    assert "fairway_virtual_counter" not in families
+    assert metric(stack.metrics_url, "fairway_virtual_service", tenant="alice") > 0
+    assert metric(stack.metrics_url, "fairway_leader") == 1  # no election: it leads
+    assert metric(stack.metrics_url, "fairway_ready") == 1
+    assert metric(stack.metrics_url, "fairway_build_info",
+                  version=importlib.metadata.version("fairway")) == 1
+    done = subprocess.run([_tool("promtool"), "check", "metrics"], input=page,
+                          capture_output=True, timeout=30)
+    assert done.returncode == 0 and done.stdout == done.stderr == b"", \
+        (done.stdout + done.stderr).decode()
 
 
 # -- the dashboard -------------------------------------------------------------------------------

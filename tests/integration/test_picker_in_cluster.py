@@ -32,6 +32,7 @@ from tests.integration.test_extproc_contract import (
     send_request,
 )
 from tests.integration.test_k8s_cluster import CONFIGMAPS, NS, PODS, POOLS, RESOURCES
+from tests.tls import tls_channel
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ async def picker(url: str, **settings: Any) -> AsyncIterator[tuple[int, int]]:
     ready: asyncio.Future[tuple[int, int]] = loop.create_future()
     admin_ready: asyncio.Future[int] = loop.create_future()
     task = asyncio.create_task(serve(ServeSettings(
-        grpc_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
+        grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
         config_map=f"{NS}/fairway-picker-config", **settings), stop, ready, admin_ready))
     try:
         (grpc_port, _), admin_port = await asyncio.wait_for(
@@ -105,7 +106,7 @@ async def _weight(admin_port: int, tenant: str) -> float:
 
 
 async def _serving(grpc_port: int) -> bool:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+    async with await tls_channel(grpc_port) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE))
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -125,7 +126,7 @@ async def test_config_map_and_pool_drive_the_picker() -> None:
         async with picker(url, pool=f"{NS}/llm-pool") as (grpc_port, admin_port):
             expected = sorted(f"127.0.0.1:{s.port}" for s in (one, two))
             await _until(lambda: _endpoints_are(admin_port, expected))
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            async with await tls_channel(grpc_port) as channel:
                 box = Picker(grpc_port, 0, expected, channel)
                 stream = box.open()
                 body = chat_body(max_tokens=2)
@@ -167,7 +168,7 @@ async def test_only_the_leader_serves_and_a_standby_takes_over() -> None:
         second = await replicas.enter_async_context(picker(url, identity="two", **lease))
         await asyncio.sleep(1.5)  # longer than a renewal: the standby stays a standby
         assert await _serving(first[0]) and not await _serving(second[0])
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{second[0]}") as channel:
+        async with await tls_channel(second[0]) as channel:
             stream = Picker(second[0], 0, [], channel).open()
             await send_request(stream, chat_body(), headers={TENANT_HEADER: "a"})
             refused = refusal(await stream.reply())
@@ -182,8 +183,8 @@ async def test_the_picker_waits_for_its_config_map_instead_of_exiting() -> None:
         stop = asyncio.Event()
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(serve(ServeSettings(
-            grpc_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
-            config_map=f"{NS}/fairway-picker-config"), stop, ready))
+            grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5,
+            kube_server=url, config_map=f"{NS}/fairway-picker-config"), stop, ready))
         await asyncio.sleep(1.0)
         assert not task.done() and not ready.done()  # waiting, neither serving nor exited
         await api.create(CONFIGMAPS, _configmap(1))  # the operator writes it
@@ -197,7 +198,7 @@ async def test_a_picker_stopped_while_waiting_for_its_config_map_ends() -> None:
     async with cluster() as (url, _):
         stop = asyncio.Event()
         task = asyncio.create_task(serve(ServeSettings(
-            grpc_port=0, metrics_port=0, admin_port=0, kube_server=url,
+            grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, kube_server=url,
             config_map=f"{NS}/fairway-picker-config"), stop))
         await asyncio.sleep(0.5)
         stop.set()

@@ -40,6 +40,7 @@ from tests.integration.test_extproc_contract import (
     route,
     send_request,
 )
+from tests.tls import tls_channel
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +106,7 @@ async def spawn(config_path: Path, *extra: str) -> Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "picker", "serve", "--config", str(config_path),
         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--admin-port", "0",
-        *extra,
+        "--grpc-health-port", "0", *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     running = Process(process, grpc_port, metrics_port)
@@ -132,7 +133,8 @@ async def picker_process(tmp_path: Path, *extra: str,
         running = await spawn(path, *extra)
         try:
             await running.wait_for_output("picker listening", running.stdout)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            # TLS, unverified: as the gateways dial it (the picker's default).
+            async with await tls_channel(running.grpc_port) as channel:
                 picker = Picker(running.grpc_port, running.metrics_port, [address], channel)
                 try:
                     yield picker, running, path
@@ -178,7 +180,7 @@ async def test_prints_its_listening_line_and_serves_metrics(tmp_path: Path) -> N
         assert {"fairway_requests", "fairway_rejections", "fairway_service_tokens",
                 "fairway_weighted_service", "fairway_queue_wait_seconds", "fairway_ttft_seconds",
                 "fairway_config_reloads", "fairway_queued_requests", "fairway_running_requests",
-                "fairway_virtual_counter", "fairway_endpoint_inflight_tokens"} <= families
+                "fairway_virtual_service", "fairway_endpoint_inflight_tokens"} <= families
         assert await picker.metric("fairway_endpoint_inflight_tokens",
                                    endpoint=picker.endpoints[0]) == 0
 
@@ -195,7 +197,7 @@ async def test_hot_reload_applies_a_good_config_and_keeps_the_last_good_one(
         await picker.eventually("fairway_requests_total", 1, tenant="a", outcome="ok")
         weighted = await picker.metric("fairway_weighted_service_total", tenant="a")
         assert weighted > 0
-        assert await picker.metric("fairway_virtual_counter", tenant="a") == \
+        assert await picker.metric("fairway_virtual_service", tenant="a") == \
             pytest.approx(weighted / 4)
 
         write_config(path, {**config, "tenants": [{"id": "a"}, {"id": "b", "weight": 0}]})

@@ -138,7 +138,7 @@ def test_checks_run_in_order_input_output_queue_budget() -> None:
     assert refused(a, 50, max_output=10).reason == "tenant_queue_full"
 
 
-@pytest.mark.parametrize("args", [(-1, None, 0), (1, 0, 0), (1, None, -1), (1.5, None, 0)])
+@pytest.mark.parametrize("args", [(-1, None, 0), (1, -1, 0), (1, None, -1), (1.5, None, 0)])
 def test_admit_refuses_nonsense_counts(args: tuple[object, object, object]) -> None:
     with pytest.raises(ValueError):
         Admission({}, TenantRules()).admit("t", LANE, *args, 0.0)  # type: ignore[arg-type]
@@ -191,6 +191,7 @@ def test_the_budget_that_must_wait_longest_decides_retry_after_and_window() -> N
     a.finish(admitted(a, 900, now=10.0).reservation, 900, now=10.0)
     r = refused(a, 500, now=10.0)  # burst: 400 short at 100/s, 4 s; sustained: 380 at 2/s
     assert r.window == "sustained"
+    assert (r.reason, r.status) == ("insufficient_quota", "rate_limited")
     assert r.retry_after == pytest.approx(190.0)
 
 
@@ -391,8 +392,8 @@ def test_headers_reset_time_and_debt() -> None:
 def test_headers_for_the_concurrency_cap_and_for_a_tenant_without_limits() -> None:
     a = admission(TenantRules(max_concurrent=3, max_queued=10))
     a.start(admitted(a, 1).reservation)
-    assert a.headers("t", 0.0) == {"x-ratelimit-limit-requests": "3",
-                                   "x-ratelimit-remaining-requests": "2"}
+    assert a.headers("t", 0.0) == {"x-fairway-limit-concurrent-requests": "3",
+                                   "x-fairway-remaining-concurrent-requests": "2"}
     assert a.headers("nobody", 0.0) == {}
     assert a.tracked_tenants() == 1  # reading headers of an unknown tenant tracks nothing
 

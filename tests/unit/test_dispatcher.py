@@ -93,16 +93,33 @@ async def test_request_is_dispatched_at_once_when_an_endpoint_has_room() -> None
     assert d.busy == 1
 
 
-async def test_destinations_name_the_least_loaded_first_and_at_most_two_fallbacks() -> None:
-    d = _dispatcher(_config([A, B, C, D]))
+@pytest.mark.parametrize(("fallbacks", "expected"), [(0, [B]), (2, [B, D, C])])
+async def test_destinations_name_the_least_loaded_first_and_the_configured_fallbacks(
+        fallbacks: int, expected: list[str]) -> None:
+    d = _dispatcher(_config([A, B, C, D], routing={"fallbackEndpoints": fallbacks}))
     d.endpoints[A].inflight_tokens = 400
     d.endpoints[B].inflight_tokens = 100
     d.endpoints[C].inflight_tokens = 300
     d.endpoints[D].inflight_tokens = 200
     ticket = await _admit(d, "a", _request(50))
-    assert ticket.destinations == [B, D, C]
+    assert ticket.destinations == expected
     assert ticket.endpoint is d.endpoints[B]
     assert d.endpoints[B].inflight_tokens == 150
+
+
+async def test_the_served_endpoint_takes_over_the_accounting_of_the_primary() -> None:
+    d = _dispatcher(_config([A, B]))
+    ticket = await _admit(d, "a", _request(100))
+    primary = ticket.endpoint
+    assert primary is not None
+    other = d.endpoints[B if primary.address == A else A]
+    d.served_by(ticket, other.address)
+    assert (primary.inflight_tokens, primary.inflight_requests) == (0, 0)
+    assert (other.inflight_tokens, other.inflight_requests) == (100, 1)
+    d.served_by(ticket, "10.1.1.1:80")  # not an endpoint of the pool: ignored
+    assert ticket.endpoint is other
+    d.complete(ticket, None, "ok")
+    assert other.inflight_tokens == other.inflight_requests == 0
 
 
 async def test_requests_are_held_while_every_endpoint_is_full() -> None:
@@ -345,7 +362,7 @@ async def test_no_endpoint_when_the_subset_matches_none() -> None:
 
 
 async def test_subset_restricts_the_choice() -> None:
-    d = _dispatcher(_config([A, B, C]))
+    d = _dispatcher(_config([A, B, C], routing={"fallbackEndpoints": 2}))
     d.endpoints[B].inflight_tokens = 900
     ticket = await _admit(d, "a", _request(50), subset=frozenset({B, C}))
     assert ticket.destinations == [C, B]

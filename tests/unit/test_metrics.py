@@ -63,7 +63,7 @@ def test_existing_gauges_still_read_from_the_snapshot() -> None:
                            endpoints=[endpoint]))
     assert _value(m, "fairway_queued_requests", tenant="acme", lane="interactive") == 2
     assert _value(m, "fairway_running_requests", tenant="globex", lane="batch") == 1
-    assert _value(m, "fairway_virtual_counter", tenant="acme", lane="interactive") == 17.5
+    assert _value(m, "fairway_virtual_service", tenant="acme", lane="interactive") == 17.5
     assert _value(m, "fairway_endpoint_inflight_tokens", endpoint="10.0.0.1:8000") == 900
     assert _value(m, "fairway_endpoint_waiting_requests", endpoint="10.0.0.1:8000") == 3
     assert _value(m, "fairway_endpoint_kv_usage_ratio", endpoint="10.0.0.1:8000") == 0.4
@@ -100,7 +100,7 @@ def test_unknown_tenants_are_left_out_of_counters_debt_and_budgets() -> None:
         debt={("acme", lane): 0.0, ("u1", lane): 10.0},
         budgets={"acme": {"burst": (10.0, 100)}, "u1": {"burst": (1.0, 100)}},
     ))
-    for name in ("fairway_virtual_counter", "fairway_fairness_debt"):
+    for name in ("fairway_virtual_service", "fairway_fairness_debt"):
         assert _value(m, name, tenant="acme", lane=lane) is not None
         assert _value(m, name, tenant=OTHER_TENANT, lane=lane) is None
         assert _value(m, name, tenant="u1", lane=lane) is None

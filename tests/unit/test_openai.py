@@ -126,7 +126,8 @@ def test_parse_chat_request_uses_the_chat_estimate() -> None:
         (_body(prompt="x", max_tokens=True), "'max_tokens' must be a positive integer"),
         (_body(prompt="x", max_tokens=2.5), "'max_tokens' must be a positive integer"),
         (_body(prompt="x", max_tokens="10"), "'max_tokens' must be a positive integer"),
-        (_body(prompt="x", max_completion_tokens=0), "'max_tokens' must be a positive integer"),
+        (_body(prompt="x", max_completion_tokens=0),
+         "'max_completion_tokens' must be a positive integer"),
         (_body(prompt="x", stream="yes"), "'stream' must be true or false"),
         (_body(prompt="x", stream=1), "'stream' must be true or false"),
     ],
@@ -157,9 +158,9 @@ def test_include_usage_only_when_streaming() -> None:
 
 
 def test_error_body_is_openai_shaped() -> None:
-    decoded = json.loads(error_body("queue is full", "rate_limit_exceeded", 429))
-    assert decoded == {"error": {"message": "queue is full", "type": "rate_limit_exceeded",
-                                 "param": None, "code": 429}}
+    decoded = json.loads(error_body("over budget", "tokens", "rate_limit_exceeded"))
+    assert decoded == {"error": {"message": "over budget", "type": "tokens",
+                                 "param": None, "code": "rate_limit_exceeded"}}
     assert json.loads(error_body("x", "server_error"))["error"]["code"] is None
 
 

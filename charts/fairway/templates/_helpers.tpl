@@ -97,10 +97,12 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
-{{/* The picker's ports (fixed: the gateway, the operator and the dashboard expect them). */}}
+{{/* The picker's ports (fixed: the gateway, the operator and the dashboard expect them; the
+same as upstream's picker: ext_proc 9002, gRPC health 9003, metrics 9090; the admin API 9004). */}}
 {{- define "fairway.port.extProc" -}}9002{{- end }}
 {{- define "fairway.port.metrics" -}}9090{{- end }}
-{{- define "fairway.port.admin" -}}9003{{- end }}
+{{- define "fairway.port.health" -}}9003{{- end }}
+{{- define "fairway.port.admin" -}}9004{{- end }}
 {{- define "fairway.port.operatorHealth" -}}8080{{- end }}
 
 {{/* What values.schema.json cannot say, and a second line of defence when it is skipped. */}}
@@ -118,6 +120,9 @@ seccompProfile:
 {{- fail "networkPolicy.gateway needs a namespaceSelector or a podSelector (who may reach ext_proc)" }}
 {{- end }}
 {{- end }}
+
+{{/* Where the picker finds tls.secretName's tls.crt and tls.key (--cert-path). */}}
+{{- define "fairway.tlsMountPath" -}}/etc/fairway/tls{{- end }}
 
 {{/* One NetworkPolicy peer (a list of one) from {namespaceSelector, podSelector}; with neither,
 every namespace. */}}

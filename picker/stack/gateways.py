@@ -1,0 +1,431 @@
+"""Envoy configured the way each Gateway API implementation configures it for an InferencePool.
+
+It answers: *what does the Envoy in front of fairway look like when a user runs Envoy AI Gateway,
+kgateway or Istio instead of the Envoy of ``picker.stack.envoy``?* Each function returns an Envoy
+bootstrap (a dict; ``yaml.safe_dump`` it) whose ext_proc filter, picker cluster and pool cluster
+reproduce what that implementation's control plane generates, field by field, as far as a static
+bootstrap allows. Where the control plane resolves names through Kubernetes (the picker Service,
+the pool's pods) the bootstrap lists addresses instead (``STATIC`` clusters); everything that
+decides how the picker is called (processing modes, timeouts, metadata namespaces, TLS without
+verification, failure mode) and how the request is routed (``ORIGINAL_DST`` on the destination
+header, ``override_host`` on the ``envoy.lb`` metadata, subset load balancing) is kept. The
+sources each flavour was read from are in docs/gateways.md.
+
+The flavours differ in what the picker can see of the response, which decides what it can meter:
+
+* ``envoy-ai-gateway``, ``envoy-ai-gateway-fail-open``, ``kgateway``, ``istio``: the response
+  headers and body come inline, ``FULL_DUPLEX_STREAMED`` (each chunk round-trips the picker).
+* ``envoy-ai-gateway-buffered`` (the ``aigateway.envoyproxy.io/processing-body-mode: buffered``
+  annotation): request and response bodies ``BUFFERED``, so the picker gets the whole response
+  once, at its end.
+* ``kgateway-v2.0``: request body ``BUFFERED``, response headers and body not sent at all; the
+  picker never sees output tokens and settles every request on what admission estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from picker.stack.envoy import ACCESS_LOG_FORMAT, DESTINATION_HEADER, _address, _ext_proc
+
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+POOL = "llm-pool"
+NAMESPACE = "inference"
+PICKER_SERVICE = "fairway-picker"
+"""The chart's picker Service (release ``fairway``) and port, as an InferencePool names them."""
+PICKER_PORT = 9002
+ROUTE_TIMEOUT = "300s"
+"""The HTTPRoute's ``timeouts.request`` in manifests/gateway/ (the fair queue holds requests)."""
+
+_TYPE = "type.googleapis.com/"
+_HTTP2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+    "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    "explicit_http_config": {"http2_protocol_options": {}}}}
+_HTTP1 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+    "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    "explicit_http_config": {"http_protocol_options": {}}}}
+_UNVERIFIED_TLS = {
+    "name": "envoy.transport_sockets.tls",
+    "typed_config": {
+        "@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        # An empty validation context: the gateways encrypt the picker's channel without
+        # authenticating the picker (no CA, no SAN match), which is why the picker can serve a
+        # self-signed certificate.
+        "common_tls_context": {"validation_context": {}},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What a flavour needs to be started: ports and where the processes are."""
+
+    listen_port: int
+    admin_port: int
+    picker_port: int
+    endpoints: list[str]
+    """``host:port`` of the model servers (the pool's pods)."""
+    picker_tls: bool = True
+    """Dial the picker over TLS without verification, as the gateways do; False only for a picker
+    started with plaintext ext_proc."""
+    access_log: Path | None = None
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One gateway's way of calling the picker."""
+
+    name: str
+    build: Callable[[Wiring], dict[str, Any]]
+    meters_responses: bool
+    """The picker sees the response body, so it can charge output tokens as they are generated."""
+    request_body_mode: str
+    response_body_mode: str
+    message_timeout: str
+    """How long Envoy waits for any one answer from the picker: a request may not wait in the
+    fair queue longer (set ``queue.maxWait`` below it, or Envoy answers for the picker)."""
+    source: str
+    """Where the configuration was read from (repository and file)."""
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+def _picker_cluster(name: str, wiring: Wiring, lb_policy: str) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",  # the gateways: STRICT_DNS on <service>.<namespace>.svc
+        "connect_timeout": "10s",
+        "lb_policy": lb_policy,
+        "typed_extension_protocol_options": _HTTP2,
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _address(wiring.picker_port)},
+             "health_status": "HEALTHY"}]}]},
+    }
+    if wiring.picker_tls:
+        cluster["transport_socket"] = _UNVERIFIED_TLS
+    return cluster
+
+
+def _endpoint(address: str, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    lb_endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {
+        "address": host, "port_value": int(port)}}}}
+    if metadata is not None:
+        lb_endpoint["metadata"] = {"filter_metadata": metadata}
+    return lb_endpoint
+
+
+def _original_dst_cluster(name: str, connect_timeout: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "ORIGINAL_DST",
+        "connect_timeout": connect_timeout,
+        "lb_policy": "CLUSTER_PROVIDED",
+        "original_dst_lb_config": {"use_http_header": True,
+                                   "http_header_name": DESTINATION_HEADER},
+    }
+
+
+def _lb_policy(name: str, message: str, **fields: Any) -> dict[str, Any]:
+    return {"policies": [{"typed_extension_config": {
+        "name": name, "typed_config": {"@type": _TYPE + message, **fields}}}]}
+
+
+def _override_host_cluster(name: str, wiring: Wiring, fallback: str,
+                           report_served: bool) -> dict[str, Any]:
+    """The pool's pods as endpoints; the host is the one the picker's ``envoy.lb`` metadata names
+    (primary first, then the fallbacks for retries), else the fallback policy's choice."""
+    fallbacks = {
+        "least_request": ("envoy.load_balancing_policies.least_request",
+                          "envoy.extensions.load_balancing_policies.least_request.v3."
+                          "LeastRequest"),
+        "round_robin": ("envoy.load_balancing_policies.round_robin",
+                        "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"),
+    }
+    override: dict[str, Any] = {
+        "override_host_sources": [{"metadata": {
+            "key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}],
+        "fallback_policy": _lb_policy(*fallbacks[fallback]),
+    }
+    if report_served:
+        # Envoy writes the endpoint it actually chose back into envoy.lb, and the ext_proc filter
+        # forwards that namespace on the response: the EPP protocol's "destination endpoint
+        # served".
+        override["selected_host_key"] = {"key": LB_NAMESPACE, "path": [{"key": SERVED_KEY}]}
+    return {
+        "name": name,
+        "type": "STATIC",  # the gateways: EDS or STRICT_DNS on the pool's (shadow) Service
+        "connect_timeout": "10s",
+        "load_balancing_policy": _lb_policy(
+            "envoy.load_balancing_policies.override_host",
+            "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost", **override),
+        "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": [_endpoint(a) for a in wiring.endpoints]}]},
+    }
+
+
+def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[str, Any],
+               clusters: list[dict[str, Any]], path_options: dict[str, Any]) -> dict[str, Any]:
+    access_log = [] if wiring.access_log is None else [{
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(wiring.access_log),
+            "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+        },
+    }]
+    http_filters = [*http_filters, {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"},
+    }]
+    return {
+        "admin": {"address": _address(wiring.admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _address(wiring.listen_port),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": _TYPE + "envoy.extensions.filters.network."
+                                         "http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "gateway",
+                        "access_log": access_log,
+                        **path_options,
+                        "route_config": {"virtual_hosts": [{
+                            "name": "inference", "domains": ["*"], "routes": [route]}]},
+                        "http_filters": http_filters,
+                    },
+                }]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def _route(cluster: str, action: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The HTTPRoute's rule: ``/v1`` to the pool, with its request timeout."""
+    return {"match": {"prefix": "/v1"},
+            "route": {"cluster": cluster, "timeout": ROUTE_TIMEOUT, **(action or {})},
+            **extra}
+
+
+def _processing_mode(request_body: str, response_body: str, response_headers: str,
+                     trailers: str) -> dict[str, str]:
+    return {"request_header_mode": "SEND", "request_body_mode": request_body,
+            "request_trailer_mode": trailers, "response_header_mode": response_headers,
+            "response_body_mode": response_body, "response_trailer_mode": trailers}
+
+
+# --- Envoy AI Gateway (Envoy Gateway + the AI Gateway extension server) -------------------------
+
+def envoy_ai_gateway(wiring: Wiring, body_mode: str = "duplex", fail_open: bool = False,
+                     allow_mode_override: bool = False) -> dict[str, Any]:
+    """An HTTPRoute (or AIGatewayRoute) to an InferencePool, as the AI Gateway extension server
+    patches Envoy Gateway's output.
+
+    ``body_mode``: the pool's ``aigateway.envoyproxy.io/processing-body-mode`` annotation,
+    ``duplex`` (default) or ``buffered``; it sets the request and the response body mode.
+    ``fail_open``: ``endpointPickerRef.failureMode: FailOpen``, which switches the pool's cluster
+    from ``ORIGINAL_DST`` to ``override_host`` on the picker's metadata with a least-request
+    fallback. ``allow_mode_override``: the ``aigateway.envoyproxy.io/allow-mode-override``
+    annotation.
+    """
+    if body_mode not in ("duplex", "buffered"):
+        raise ValueError(f"body_mode must be duplex or buffered, got {body_mode!r}")
+    mode = "FULL_DUPLEX_STREAMED" if body_mode == "duplex" else "BUFFERED"
+    picker_cluster = f"envoy.clusters.endpointpicker_{POOL}_{NAMESPACE}_ext_proc"
+    ext_proc = _ext_proc(
+        {"envoy_grpc": {"cluster_name": picker_cluster,
+                        "authority": f"{PICKER_SERVICE}.{NAMESPACE}.svc:{PICKER_PORT}"}},
+        processing_mode=_processing_mode(mode, mode, "SEND", "SEND"),
+        allow_mode_override=allow_mode_override,
+        message_timeout="300s",
+        failure_mode_allow=fail_open,
+    )
+    if fail_open:
+        # Only a FailOpen pool receives envoy.lb: its override_host cluster reads the choice from
+        # there. A FailClose pool routes on the header alone.
+        ext_proc["metadata_options"] = {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}}
+    pool_cluster_name = f"httproute/{NAMESPACE}/llm-route/rule/0"
+    if fail_open:
+        pool_cluster = _override_host_cluster(pool_cluster_name, wiring, "least_request",
+                                              report_served=False)
+        pool_cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 3,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_gateway_failure": 0, "enforcing_consecutive_5xx": 0,
+            "enforcing_success_rate": 0, "base_ejection_time": "30s",
+            "max_ejection_percent": 50}
+    else:
+        pool_cluster = _original_dst_cluster(pool_cluster_name, "10s")
+    pool_cluster["typed_extension_protocol_options"] = _HTTP1  # spec.appProtocol: http
+    filter_name = f"envoy.filters.http.ext_proc/endpointpicker/{POOL}_{NAMESPACE}_ext_proc"
+    return _bootstrap(
+        wiring, [{"name": filter_name, "typed_config": ext_proc}], _route(pool_cluster_name),
+        [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
+        # Envoy Gateway's listener defaults (ClientTrafficPolicy path settings).
+        {"normalize_path": True, "merge_slashes": True,
+         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT"})
+
+
+# --- kgateway --------------------------------------------------------------------------------
+
+def kgateway(wiring: Wiring) -> dict[str, Any]:
+    """kgateway's inference extension (``endpointpicker`` plugin) in its duplex form: one static
+    ext_proc filter before the authentication stage, re-pointed per route at the pool's picker;
+    the destination header copied into ``envoy.lb`` by a header_to_metadata filter; the pool a
+    static cluster whose endpoints carry their own address under ``envoy.lb`` for subset
+    load balancing."""
+    filter_name = "envoy.filters.http.ext_proc"
+    picker_cluster = f"endpointpicker_{POOL}_{NAMESPACE}_ext_proc"
+    authority = f"{PICKER_SERVICE}.{NAMESPACE}.svc:{PICKER_PORT}"
+    ext_proc = _ext_proc(
+        {"envoy_grpc": {"cluster_name": picker_cluster, "authority": authority}},
+        processing_mode=_processing_mode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "SEND",
+                                         "SEND"),
+        message_timeout="5s",
+        failure_mode_allow=False,
+        metadata_options={"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]},
+                          "receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
+    )
+    header_to_metadata = {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": DESTINATION_HEADER, "remove": False,
+                               "on_header_present": {"metadata_namespace": LB_NAMESPACE,
+                                                     "key": DESTINATION_HEADER,
+                                                     "type": "STRING"}}],
+        },
+    }
+    pool_cluster_name = f"endpoint-picker_{POOL}_{NAMESPACE}"
+    pool_cluster = {
+        "name": pool_cluster_name,
+        "type": "STATIC",
+        "connect_timeout": "1000s",
+        "lb_policy": "ROUND_ROBIN",
+        "lb_subset_config": {
+            "subset_selectors": [{"keys": [DESTINATION_HEADER]}],
+            "fallback_policy": "NO_FALLBACK",
+        },
+        "circuit_breakers": {"thresholds": [{"max_connections": 40000,
+                                             "max_pending_requests": 40000,
+                                             "max_requests": 40000}]},
+        "load_assignment": {"cluster_name": pool_cluster_name, "endpoints": [{"lb_endpoints": [
+            _endpoint(a, {LB_NAMESPACE: {DESTINATION_HEADER: a}}) for a in wiring.endpoints]}]},
+    }
+    route = _route(
+        pool_cluster_name,
+        action={"metadata_match": {"filter_metadata": {
+            SUBSET_NAMESPACE: {SUBSET_KEY: list(wiring.endpoints)}}}},
+        typed_per_filter_config={filter_name: {
+            "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"failure_mode_allow": False, "grpc_service": {
+                "timeout": "10s",
+                "envoy_grpc": {"cluster_name": picker_cluster, "authority": authority}}},
+        }})
+    return _bootstrap(
+        wiring, [{"name": filter_name, "typed_config": ext_proc}, header_to_metadata], route,
+        [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
+        {})  # kgateway leaves Envoy's path defaults: no normalisation
+
+
+def kgateway_v2_0(wiring: Wiring) -> dict[str, Any]:
+    """kgateway 2.0's first inference plugin: one ext_proc filter per pool with a ``BUFFERED``
+    request body and no response processing at all, and an ``ORIGINAL_DST`` cluster on the
+    destination header."""
+    picker_cluster = f"endpointpicker_{POOL}_{NAMESPACE}_ext_proc"
+    authority = f"{PICKER_SERVICE}.{NAMESPACE}:{PICKER_PORT}"
+    filter_name = f"envoy.filters.http.ext_proc_{NAMESPACE}_{POOL}"
+    ext_proc = _ext_proc(
+        {"envoy_grpc": {"cluster_name": picker_cluster, "authority": authority}},
+        processing_mode={"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                         "response_header_mode": "SKIP", "request_trailer_mode": "SKIP",
+                         "response_trailer_mode": "SKIP"},
+        message_timeout="5s",
+        failure_mode_allow=False,
+    )
+    pool_cluster_name = f"endpointpicker_{POOL}_{NAMESPACE}_original_dst"
+    pool_cluster = _original_dst_cluster(pool_cluster_name, "1000s")
+    pool_cluster["circuit_breakers"] = {"thresholds": [{
+        "max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}]}
+    route = _route(pool_cluster_name, typed_per_filter_config={filter_name: {
+        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"grpc_service": {
+            "timeout": "10s",
+            "envoy_grpc": {"cluster_name": picker_cluster,
+                           "authority": f"{PICKER_SERVICE}.{NAMESPACE}.svc:{PICKER_PORT}"}}},
+    }})
+    return _bootstrap(
+        wiring, [{"name": filter_name, "typed_config": ext_proc}], route,
+        [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster], {})
+
+
+# --- Istio -------------------------------------------------------------------------------------
+
+def istio(wiring: Wiring, fail_open: bool = False) -> dict[str, Any]:
+    """Istio's gateway (pilot with ``ENABLE_GATEWAY_API_INFERENCE_EXTENSION``): one ext_proc
+    filter per listener, duplex both ways, ``envoy.lb`` forwarded and received; the pool's shadow
+    Service cluster load-balanced by ``override_host`` on the picker's metadata, reporting the
+    endpoint that served in ``envoy.lb``; TLS to the picker from the DestinationRule the
+    inference extension's guide asks for (``SIMPLE``, ``insecureSkipVerify``)."""
+    picker_cluster = f"outbound|{PICKER_PORT}||{PICKER_SERVICE}.{NAMESPACE}.svc.cluster.local"
+    ext_proc = _ext_proc(
+        {"envoy_grpc": {"cluster_name": picker_cluster}, "timeout": "10s"},
+        failure_mode_allow=fail_open,
+        processing_mode=_processing_mode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "SEND",
+                                         "SEND"),
+        message_timeout="1000s",
+        metadata_options={"receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+                          "forwarding_namespaces": {"untyped": [LB_NAMESPACE]}},
+    )
+    pool_cluster_name = f"outbound|80||{POOL}-ip-00000000.{NAMESPACE}.svc.cluster.local"
+    pool_cluster = _override_host_cluster(pool_cluster_name, wiring, "round_robin",
+                                          report_served=True)
+    pool_cluster["lb_policy"] = "CLUSTER_PROVIDED"
+    return _bootstrap(
+        wiring, [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}],
+        _route(pool_cluster_name),
+        [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
+        # Istio's default path normalisation ("BASE"): RFC 3986 only.
+        {"normalize_path": True})
+
+
+FLAVOURS: dict[str, Flavour] = {f.name: f for f in (
+    Flavour("envoy-ai-gateway", envoy_ai_gateway, True, "FULL_DUPLEX_STREAMED",
+            "FULL_DUPLEX_STREAMED", "300s",
+            "envoyproxy/ai-gateway internal/extensionserver/inferencepool.go, "
+            "post_cluster_modify.go"),
+    Flavour("envoy-ai-gateway-buffered",
+            lambda w: envoy_ai_gateway(w, body_mode="buffered"), True, "BUFFERED", "BUFFERED",
+            "300s", "envoyproxy/ai-gateway internal/extensionserver/inferencepool.go "
+                    "(processing-body-mode annotation)"),
+    Flavour("envoy-ai-gateway-fail-open", lambda w: envoy_ai_gateway(w, fail_open=True), True,
+            "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "300s",
+            "envoyproxy/ai-gateway internal/extensionserver/post_cluster_modify.go "
+            "(configureFallbackClusterForInferencePool)"),
+    Flavour("kgateway", kgateway, True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "5s",
+            "kgateway-dev/kgateway internal/kgateway/extensions2/plugins/inferenceextension/"
+            "endpointpicker/plugin.go"),
+    Flavour("kgateway-v2.0", kgateway_v2_0, False, "BUFFERED", "NONE", "5s",
+            "kgateway-dev/kgateway internal/kgateway/extensions2/plugins/inferenceextension/"
+            "endpointpicker/plugin.go (2.0)"),
+    Flavour("istio", istio, True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "1000s",
+            "istio/istio pilot/pkg/xds/filters/filters.go (BuildInferencePoolExtProcFilter), "
+            "cluster_builder.go (override_host)"),
+)}
+
+
+def gateway_config(flavour: str, wiring: Wiring) -> dict[str, Any]:
+    """The bootstrap of the named flavour (one of ``FLAVOURS``)."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"unknown gateway flavour {flavour!r}; one of {sorted(FLAVOURS)}")
+    return FLAVOURS[flavour].build(wiring)

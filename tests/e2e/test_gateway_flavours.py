@@ -1,0 +1,140 @@
+"""fairway behind Envoy configured as each Gateway API implementation configures it.
+
+For every flavour of ``picker.stack.gateways`` (Envoy AI Gateway in its three forms, kgateway
+duplex and 2.0, Istio) one stack runs: two simulated vLLM servers, the picker (ext_proc over TLS,
+dialled without verification as the gateways do) and real Envoy with that flavour's bootstrap. Each
+flavour must admit a request, route it to a model server and charge the tenant; deliver the
+picker's 429 to the client with its JSON body; and, where the flavour shows the picker the
+response, split a two-tenant backlog in the ratio of the tenants' weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from picker.sim.load import run_traffic
+from picker.sim.traffic import load_traffic
+from picker.stack.gateways import FLAVOURS, Flavour, Wiring, gateway_config
+from picker.stack.launcher import Stack
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+
+TENANTS = [{"id": "a", "weight": 1}, {"id": "b", "weight": 2}, {"id": "meter", "weight": 1},
+           {"id": "broke", "budgets": {"burst": {"tokens": 60, "per": "1h"}}}]
+
+
+def _bootstrap(flavour: str) -> Callable[[Stack], dict[str, Any]]:
+    def build(stack: Stack) -> dict[str, Any]:
+        return gateway_config(flavour, Wiring(
+            listen_port=stack.gateway_port, admin_port=stack.admin_port,
+            picker_port=stack.grpc_port, endpoints=list(stack.endpoint_addresses),
+            picker_tls=stack.secure_serving, access_log=stack.access_log))
+    return build
+
+
+@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+def gateway(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Flavour, Stack]]:
+    flavour = FLAVOURS[request.param]
+    config = {"tenants": TENANTS,
+              # Below the shortest message_timeout of the flavours (kgateway: 5 s), so a request
+              # that waits too long gets the picker's 503, not Envoy's.
+              "queue": {"maxWait": "4s"}}
+    with Stack(tmp_path_factory.mktemp(request.param), policy="vtc", endpoints=2,
+               server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
+               picker_config=config, envoy_bootstrap=_bootstrap(request.param)) as stack:
+        yield flavour, stack
+
+
+def _post(stack: Stack, tenant: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    async def go() -> tuple[int, dict[str, str], bytes]:
+        async with aiohttp.ClientSession() as session, session.post(
+                stack.gateway_url + "/v1/chat/completions", data=body,
+                headers={TENANT_HEADER: tenant, "content-type": "application/json"}) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, \
+                await response.read()
+    return asyncio.run(go())
+
+
+def _charged(stack: Stack, tenant: str, kind: str) -> float:
+    return metric(stack.metrics_url, "fairway_service_tokens_total", tenant=tenant, kind=kind)
+
+
+def _generated(stack: Stack) -> float:
+    return sum(metric(f"http://{a}/metrics", "vllm:generation_tokens_total")
+               for a in stack.endpoint_addresses)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_request_is_admitted_routed_and_charged(gateway: tuple[Flavour, Stack],
+                                                stream: bool) -> None:
+    flavour, stack = gateway
+    done = metric(stack.metrics_url, "fairway_requests_total", tenant="meter")
+    prompt, completion = _charged(stack, "meter", "prompt"), _charged(stack, "meter", "completion")
+    generated = _generated(stack)
+    extra = {"stream_options": {"include_usage": True}} if stream else {}
+    status, headers, body = _post(stack, "meter", chat_body(max_tokens=6, stream=stream, **extra))
+    assert status == 200, body
+    if stream:
+        assert headers["content-type"].startswith("text/event-stream")
+        assert body.decode().rstrip().endswith("data: [DONE]")
+    else:
+        assert json.loads(body)["usage"]["completion_tokens"] == 6
+    # Envoy sent it where the picker said: to one of the pool's servers.
+    assert wait_until(lambda: "tenant=meter " in stack.access_log.read_text()
+                      if stack.access_log.exists() else False)
+    line = [x for x in stack.access_log.read_text().splitlines() if "tenant=meter " in x][-1]
+    assert line.split("upstream=")[1].split()[0] in stack.endpoint_addresses, line
+    assert _generated(stack) - generated == 6
+    # Admitted, settled and charged to the tenant.
+    assert settled_metric(stack.metrics_url, "fairway_requests_total", done + 1,
+                          tenant="meter") == done + 1
+    assert _charged(stack, "meter", "prompt") > prompt
+    charged_completion = _charged(stack, "meter", "completion") - completion
+    if flavour.meters_responses:
+        assert charged_completion == 6  # counted from the response, as generated
+    else:
+        # The picker never sees the response: it settles on what admission reserved (max_tokens),
+        # which here is what was generated only because the simulator always generates it all.
+        assert charged_completion == 6
+
+
+def test_picker_429_reaches_the_client_with_its_json_body(
+        gateway: tuple[Flavour, Stack]) -> None:
+    _, stack = gateway
+    statuses = []
+    for _ in range(6):  # the budget (60 tokens) covers at most two requests
+        status, headers, body = _post(stack, "broke", chat_body(words=20, max_tokens=8))
+        statuses.append(status)
+        if status == 429:
+            break
+    assert statuses[-1] == 429, statuses
+    assert headers["content-type"].startswith("application/json"), headers
+    error = json.loads(body)["error"]
+    assert "budget" in error["message"], error
+    assert error["type"] and error["code"], error
+    assert int(headers["retry-after"]) >= 1
+
+
+def test_backlogged_tenants_split_service_by_weight(gateway: tuple[Flavour, Stack]) -> None:
+    flavour, stack = gateway
+    spec = {"backlog": 24, "prompt_tokens": [40, 120], "output_tokens": [20, 60],
+            "stream_fraction": 0.5, "include_usage": True}
+    traffic = load_traffic({"duration_s": 6, "seed": 3, "timeout_s": 30, "tenants": [
+        {"name": "a", **spec}, {"name": "b", **spec}]})
+    result = asyncio.run(run_traffic(traffic, stack.gateway_url))
+    tenants = result.summary["tenants"]
+    shares = {t: s["service_share"] for t, s in tenants.items()}
+    assert wait_until(lambda: metric(stack.metrics_url, "fairway_endpoint_inflight_tokens") == 0)
+    if flavour.meters_responses:
+        # Weights 1:2; first-come-first-served would give each one half.
+        assert shares["b"] == pytest.approx(2 / 3, abs=0.06), (flavour.name, shares)
+    else:
+        # Output is charged as reserved, not as generated; with every request generating its
+        # max_tokens here that is the same, so the split still follows the weights.
+        assert shares["b"] == pytest.approx(2 / 3, abs=0.06), (flavour.name, shares)
