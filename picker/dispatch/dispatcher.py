@@ -423,10 +423,12 @@ class Dispatcher:
             ticket.reserved_tokens += tokens
 
     def complete(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
-        """The request ended (``ok``, ``error``, ``cancelled``): settle and free its slot.
+        """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``): settle and free
+        its slot.
 
         Without ``usage`` it settles to what was counted: the estimated prompt and the output
-        tokens seen. Calling it again does nothing.
+        tokens seen (``unmetered``, a response the gateway never showed: the output estimate).
+        Calling it again does nothing.
         """
         if ticket.outcome is not None or ticket.dispatched_at is None:
             return
@@ -434,10 +436,13 @@ class Dispatcher:
         request = ticket.request
         reported = usage is not None
         if usage is None:
-            # A non-streaming answer without usage: the output is unknown, so the estimate stands.
+            # A non-streaming answer without usage: the output is unknown, so the estimate stands;
+            # likewise for a response the gateway never showed the picker (``unmetered``).
             output = request.generated
             if outcome == "ok" and not ticket.inference.stream:
                 output = max(output, request.estimated_output)
+            elif outcome == "unmetered":
+                output = max(output, self.output_estimate(ticket))
             usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self._tickets[request]

@@ -280,6 +280,7 @@ def _body_replaced(chunk: bytes | None) -> pb.ProcessingResponse:
 
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
 
 
 class _Exchange:
@@ -297,6 +298,12 @@ class _Exchange:
         """Each request body chunk is answered on its own (``STREAMED``)."""
         self.chunks = 0
         """Request body chunks received."""
+        self.echo_response = True
+        """Response chunks are answered by echoing them (``FULL_DUPLEX_STREAMED``); in the other
+        modes an answer without a mutation lets a chunk (or the buffered body) pass."""
+        self.response_unseen = False
+        """The gateway sends this stream no response body (``response_body_mode: NONE``) and
+        no meter stream is coming: output cannot be counted, so it is settled on the estimate."""
         self.kind: ApiKind | None = None
         """The inference API of the path; None for a pass-through path."""
         self.model: str | None = None
@@ -339,7 +346,9 @@ class _Exchange:
         if kind == "response_body":
             self.observe_response(message)
             body = message.response_body
-            return [_body("response_body", body.body, body.end_of_stream)]
+            if self.echo_response:
+                return [_body("response_body", body.body, body.end_of_stream)]
+            return [_RESPONSE_BODY_CONTINUE]
         if kind == "response_trailers":
             self.observe_response(message)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -363,6 +372,10 @@ class _Exchange:
         self.headers = _headers(message.request_headers)
         self.subset = _subset(message)
         self.plan, self.per_chunk = body_plan(message)
+        if message.HasField("protocol_config"):
+            response_mode = message.protocol_config.response_body_mode
+            self.echo_response = response_mode == _MODE.FULL_DUPLEX_STREAMED
+            self.response_unseen = response_mode == _MODE.NONE and self.meter_id is None
         try:
             # Who, which lane and which API are known from the headers: refuse before the body.
             self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
@@ -447,14 +460,10 @@ class _Exchange:
             if not self.body:
                 raise BadRequest("request body is empty")
             inference = parse_request(bytes(self.body), self.kind)
-            self.model = inference.model
-            self.ticket = await self.dispatcher.admit(
-                self.tenant, inference, self.subset, self.lane, self.request_id)
+            ticket = await self._admit(inference)
         except RequestError as error:
             self.done = True
             return [self._refuse(error)]
-        ticket = self.ticket
-        self.routed = True
         rewritten = self._rewritten(inference, ticket)
         destinations = ticket.destinations
         if self.plan is BodyPlan.BUFFERED:
@@ -478,18 +487,21 @@ class _Exchange:
         if self.kind is None:
             return self._pass_through(None)
         try:
-            inference = self._inference_from_headers()
-            self.model = inference.model
-            self.ticket = await self.dispatcher.admit(
-                self.tenant, inference, self.subset, self.lane, self.request_id)
+            ticket = await self._admit(self._inference_from_headers())
         except RequestError as error:
             self.done = True
             return [self._refuse(error)]
-        self.routed = True
-        ticket = self.ticket
         # The body is replaced whole at its end, so its length is not known yet.
         return [route(ticket.destinations, self.meter_id, ticket.ratelimit_headers,
                       remove_headers=["content-length"])]
+
+    async def _admit(self, inference: InferenceRequest) -> Ticket:
+        """Admit and queue; returns once the request is dispatched (RequestError if refused)."""
+        self.model = inference.model
+        self.ticket = await self.dispatcher.admit(self.tenant, inference, self.subset, self.lane,
+                                                  self.request_id)
+        self.routed = True
+        return self.ticket
 
     def _inference_from_headers(self) -> InferenceRequest:
         length = self.headers.get("content-length", "")
@@ -572,10 +584,15 @@ class _Exchange:
         self.dispatcher.complete(ticket, usage, "error" if self.response_failed else "ok")
 
     def abandon(self) -> None:
-        """The stream ended early (client gone, Envoy reset): settle to what was delivered."""
+        """The stream ended early (client gone, Envoy reset): settle to what was delivered.
+
+        A gateway that sends no response body ends the stream without one as a matter of
+        course: the request is settled on its estimate, not for free.
+        """
         ticket = self.ticket
         if ticket is not None and ticket.outcome is None:
-            self.dispatcher.complete(ticket, None, "cancelled")
+            unmetered = self.response_unseen and self.meter is None
+            self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

@@ -148,8 +148,10 @@ def classify(method: str, raw_path: str,
     or a pass-through path asked with a method its entries do not list; ``NotFound`` (404) for any
     other path; ``BadRequest`` (400) for a path that cannot be decoded.
     """
-    path = normalise_path(raw_path)
-    kind = INFERENCE_PATHS.get(path)
+    kind = INFERENCE_PATHS.get(raw_path)  # the usual spelling: no normalising needed
+    path = raw_path if kind is not None else normalise_path(raw_path)
+    if kind is None:
+        kind = INFERENCE_PATHS.get(path)
     if kind is not None:
         if method != INFERENCE_METHOD:
             raise MethodNotAllowed(f"{_shown(method)} is not allowed on {path}; inference "

@@ -19,7 +19,7 @@ The flavours differ in what the picker can see of the response, which decides wh
   annotation): request and response bodies ``BUFFERED``, so the picker gets the whole response
   once, at its end.
 * ``kgateway-v2.0``: request body ``BUFFERED``, response headers and body not sent at all; the
-  picker never sees output tokens and settles every request on what admission estimated.
+  picker never sees output tokens and can at most settle a request on what admission reserved.
 """
 
 from __future__ import annotations
