@@ -318,6 +318,7 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
                                     settings.meter_claim_timeout), server)
+    # The ext_proc port answers health too (gateways may check it there), the same answers.
     health_pb2_grpc.add_HealthServicer_to_server(health.servicers[1], server)
     address = f"{settings.host}:{settings.grpc_port}"
     grpc_port = server.add_insecure_port(address) if certificates is None else \

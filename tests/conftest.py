@@ -12,3 +12,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
         elif "e2e" in parts:
             item.add_marker(pytest.mark.e2e)
+        elif "faults" in parts:
+            item.add_marker(pytest.mark.faults)

@@ -57,7 +57,7 @@ from picker.dispatch import Dispatcher, Ticket
 from picker.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestError
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify
-from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest
+from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,10 @@ def served_endpoint(message: pb.ProcessingRequest) -> str | None:
     return None
 
 
-def immediate(error: RequestError,
-              extra_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
-    """An ``ImmediateResponse`` carrying the error's status and an OpenAI-style body."""
+def immediate(error: RequestError, extra_headers: dict[str, str] | None = None,
+              anthropic: bool = False) -> pb.ProcessingResponse:
+    """An ``ImmediateResponse`` carrying the error's status and an OpenAI-style body (Anthropic's
+    shape for a ``/v1/messages`` request, whose clients parse that)."""
     headers = [_set_header("content-type", "application/json")]
     if error.retry_after is not None:
         # Rounded up: a client that waits exactly this long must pass.
@@ -168,7 +169,8 @@ def immediate(error: RequestError,
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=error.http_status),
         headers=pb.HeaderMutation(set_headers=headers),
-        body=error_body(error.message, error.error_type, error.code),
+        body=anthropic_error_body(error.message, error.http_status) if anthropic
+        else error_body(error.message, error.error_type, error.code),
         details=f"fairway_{error.metric_label}",
     ))
 
@@ -551,7 +553,7 @@ class _Exchange:
                  error.metric_label, error.message)
         limits = self.dispatcher.ratelimit_headers(self.tenant) if error.http_status == 429 \
             else None
-        return immediate(error, limits)
+        return immediate(error, limits, anthropic=self.kind is ApiKind.MESSAGES)
 
     def _on_response_headers(self, message: pb.HttpHeaders) -> None:
         headers = _headers(message)

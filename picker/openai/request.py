@@ -265,3 +265,18 @@ def error_body(message: str, error_type: str, code: str | None = None,
     """
     return json.dumps({"error": {"message": message, "type": error_type, "param": param,
                                  "code": code}}).encode()
+
+
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         405: "invalid_request_error", 413: "request_too_large",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                         529: "overloaded_error"}
+"""Anthropic's error ``type`` for each HTTP status (its Messages API documents one per status)."""
+
+
+def anthropic_error_body(message: str, status: int) -> bytes:
+    """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}}``: what clients of
+    ``/v1/messages`` (the ``anthropic`` libraries) parse."""
+    return json.dumps({"type": "error", "error": {
+        "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}).encode()

@@ -54,6 +54,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from picker.openai.request import ANTHROPIC_ERROR_TYPES
+
 TOKEN_PATTERN = re.compile(r"\w+|[^\w\s]")
 CHAT_TOKENS_PER_MESSAGE = 4
 CHAT_REPLY_TOKENS = 3
@@ -94,13 +96,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "param": param, "code": status}}
 
 
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error",
-                          500: "api_error", 503: "overloaded_error"}
-
-
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
                                        "message": message}}
 
 

@@ -92,6 +92,38 @@ def picker_transport_socket(sni: str | None = None) -> dict[str, Any]:
     return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
+SERVED_ATTRIBUTE = "upstream.address"
+"""Sent with the response headers: the endpoint that served, when the gateway has no
+``x-gateway-destination-endpoint-served`` metadata of its own."""
+
+PICKER_UNAVAILABLE_BODY = {
+    "error": {"message": "the endpoint picker is unavailable (%RESPONSE_CODE_DETAILS%)",
+              "type": "server_error", "param": None, "code": "picker_unavailable"}}
+"""What a client gets when the picker cannot be reached under fail-closed, instead of an empty
+500: an OpenAI-style body, so clients' retry logic reads it as it reads the picker's own 503."""
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's local replies for a failed picker call (``status_on_error`` 503).
+
+    The picker's own refusals are local replies too, with their own body: their details start
+    ``fairway_`` (the ``ImmediateResponse``'s ``details``), so only other 503s are rewritten.
+    """
+    return {"mappers": [{
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3."
+                         "ExpressionFilter",
+                "expression": "response.code == 503 && "
+                              "!response.code_details.startsWith('fairway_')"}}},
+        "headers_to_add": [{"header": {"key": "retry-after", "value": "1"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "body_format_override": {"json_format": PICKER_UNAVAILABLE_BODY,
+                                 "content_type": "application/json"},
+    }]}
+
+
 def _ext_proc(grpc_service: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return {"@type": "type.googleapis.com/"
                      "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -111,8 +143,13 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
         stat_prefix="picker",
         # fail-closed: without the picker there is no fairness, so refuse (see README).
         failure_mode_allow=failure_mode_allow,
+        # A picker that cannot be reached is a retryable 503 (Envoy's default is a bare 500);
+        # LOCAL_REPLY gives it an OpenAI-style body.
+        status_on_error={"code": 503},
         # The picker holds its answer while the request waits in the fair queue.
         message_timeout=f"{request_timeout_s}s",
+        # The endpoint that served (after a retry, a fallback), for the picker's accounting.
+        response_attributes=[SERVED_ATTRIBUTE] if inline else [],
         processing_mode={
             "request_header_mode": "SEND",
             "response_header_mode": "SEND" if inline else "SKIP",
@@ -134,6 +171,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
             {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{request_timeout_s}s"},
             stat_prefix="meter",
             observability_mode=True,
+            response_attributes=[SERVED_ATTRIBUTE],
             deferred_close_timeout=METER_DEFERRED_CLOSE,
             failure_mode_allow=True,
             processing_mode={
@@ -213,6 +251,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                                  "http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "gateway",
                         **PATH_NORMALISATION,
+                        **({} if picker_port is None else
+                           {"local_reply_config": local_reply_config()}),
                         "access_log": [] if access_log is None else [{
                             "name": "envoy.access_loggers.file",
                             "typed_config": {

@@ -16,8 +16,14 @@ each gateway configures it, are in ``tests/e2e``.
    to drop: 429.
 4. Destination endpoint served: ``x-gateway-destination-endpoint-served`` in the response's
    ``envoy.lb`` metadata moves the request's accounting to the endpoint that served it.
-5. Fairness id: ``x-llm-d-inference-fairness-id``, and its deprecated alias
+5. Health: the gRPC health services ``liveness``, ``readiness`` and
+   ``envoy.service.ext_proc.v3.ExternalProcessor`` (on the ext_proc port here; the dedicated
+   health port, readiness on leader and pool sync, and liveness on standbys are in
+   ``tests/unit/test_health.py`` and ``tests/integration/test_picker_tls.py``).
+6. Fairness id: ``x-llm-d-inference-fairness-id``, and its deprecated alias
    ``x-gateway-inference-fairness-id``; the new name wins when both are sent.
+7. InferenceObjective: ``x-gateway-inference-objective`` names a lane only within the tenant's
+   allowed lanes (a client never picks its own priority).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.test_extproc_contract import (
     CHAT,
@@ -64,12 +71,13 @@ ENDPOINT = re.compile(r"^127\.0\.0\.1:\d+$")
 
 
 def headers_in_mode(mode: int, *, eager: bool = False, tenant: str = "a",
-                    content_length: int | None = None) -> pb.ProcessingRequest:
+                    content_length: int | None = None,
+                    response_mode: int = MODE.FULL_DUPLEX_STREAMED) -> pb.ProcessingRequest:
     message = request_headers(headers={TENANT_HEADER: tenant,
                                        **({} if content_length is None
                                           else {"content-length": str(content_length)})})
     message.protocol_config.CopyFrom(pb.ProtocolConfiguration(
-        request_body_mode=mode, response_body_mode=MODE.STREAMED,
+        request_body_mode=mode, response_body_mode=response_mode,
         send_body_without_waiting_for_header_response=eager))
     return message
 
@@ -194,6 +202,28 @@ async def test_streamed_mode_sending_the_body_early_is_held_like_full_duplex(
     assert (await stream.reply()).request_body.response.body_mutation.body == body
 
 
+@pytest.mark.parametrize("response_mode", [MODE.STREAMED, MODE.BUFFERED])
+async def test_response_chunks_pass_unchanged_outside_full_duplex(pool: Picker,
+                                                                  response_mode: int) -> None:
+    # Only FULL_DUPLEX_STREAMED takes a streamed_response echo; elsewhere Envoy would fail the
+    # stream on one, so a chunk is answered without a mutation.
+    stream = pool.open()
+    await stream.send(headers_in_mode(MODE.BUFFERED, response_mode=response_mode))
+    await stream.reply()
+    body = chat_body(max_tokens=2)
+    await stream.send(request_body(body, True))
+    routed = header_mutation(await stream.reply(), "request_body")[DESTINATION]
+    upstream = await fetch(routed, CHAT, body)
+    await stream.send(response_headers(200, upstream.content_type))
+    await stream.reply()
+    await stream.send(response_body(upstream.data, True))
+    answer = await stream.reply()
+    assert answer.WhichOneof("response") == "response_body"
+    assert not answer.response_body.response.HasField("body_mutation")
+    await pool.eventually("fairway_requests_total", 1, tenant="a", outcome="ok")
+    assert await pool.metric("fairway_service_tokens_total", tenant="a", kind="completion") == 2
+
+
 # -- 2. endpoint subset --
 
 
@@ -257,7 +287,17 @@ async def test_served_endpoint_takes_the_request_accounting(pool: Picker) -> Non
     assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
 
 
-# -- 5. fairness id --
+# -- 5. health --
+
+
+async def test_health_services_of_the_protocol_answer(pool: Picker) -> None:
+    health = health_pb2_grpc.HealthStub(pool.channel)
+    for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+# -- 6. fairness id --
 
 
 @pytest.mark.parametrize(("headers", "tenant"), [
@@ -275,7 +315,7 @@ async def test_fairness_id_from_either_header_name(pool: Picker, headers: dict[s
     await pool.eventually("fairway_requests_total", 1, tenant=tenant, outcome="ok")
 
 
-# -- 6. InferenceObjective --
+# -- 7. InferenceObjective --
 
 
 async def test_inference_objective_picks_a_lane_only_within_the_tenants_allowed_lanes(
@@ -304,3 +344,18 @@ async def test_inference_objective_picks_a_lane_only_within_the_tenants_allowed_
         upstream = await fetch(routed.header, CHAT, body)
         await relay_response(stream, 200, upstream.content_type, [upstream.data])
         await picker.eventually("fairway_requests_total", 1, tenant="b", lane="batch")
+
+
+async def test_messages_refusals_use_anthropics_error_shape(tmp_path: Path) -> None:
+    async with running_picker(tmp_path, tenants=[{"id": "a", "limits": {"maxInputTokens": 5}}]) \
+            as picker:
+        stream = picker.open()
+        body = json.dumps({"model": "sim-model", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "word " * 40}]}).encode()
+        await send_request(stream, body, path="/v1/messages", headers={TENANT_HEADER: "a"})
+        answer = await stream.reply()
+        assert answer.immediate_response.status.code == 400
+        error = json.loads(answer.immediate_response.body)
+        assert error["type"] == "error"
+        assert error["error"]["type"] == "invalid_request_error"
+        assert "more than the 5 allowed" in error["error"]["message"]
