@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -481,24 +480,16 @@ def test_gateway_envoy_yaml_passes_envoy_validate() -> None:
 def test_gateway_api_wiring() -> None:
     docs = [d for d in yaml.safe_load_all((GATEWAY / "gateway-api.yaml").read_text()) if d]
     by_kind = {doc["kind"]: doc for doc in docs}
-    assert set(by_kind) == {"Gateway", "HTTPRoute", "InferencePool", "Service"}
+    # The picker's Service and the InferencePool are the chart's: the sample must not define
+    # them again (it once re-pointed the chart's Service at nothing).
+    assert set(by_kind) == {"Gateway", "HTTPRoute"}
     gateway, route = by_kind["Gateway"], by_kind["HTTPRoute"]
-    pool, service = by_kind["InferencePool"], by_kind["Service"]
-    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert {d["metadata"]["namespace"] for d in docs} == {"inference"}
     (parent,) = route["spec"]["parentRefs"]
     assert (parent["kind"], parent["name"]) == ("Gateway", gateway["metadata"]["name"])
     backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    values = yaml.safe_load((ROOT / "charts" / "fairway" / "values.yaml").read_text())
     assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                         "name": pool["metadata"]["name"]}]
-    spec = pool["spec"]
-    assert spec["selector"]["matchLabels"] and spec["targetPorts"][0]["number"] > 0
-    picker_ref = spec["endpointPickerRef"]
-    assert picker_ref["failureMode"] == "FailClose"
-    assert (picker_ref["kind"], picker_ref["name"]) == ("Service", service["metadata"]["name"])
-    assert picker_ref["port"] == {"number": 9002}
-    assert 9002 in [port["port"] for port in service["spec"]["ports"]]
-    # The Envoy sample reaches the same Service.
-    assert gen_gateway_envoy.PICKER_HOST.startswith(
-        f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc")
-    kubernetes_validate.validate(service, "1.31", strict=True)
+                         "name": values["inferencePool"]["name"]}]
+    # The Envoy sample reaches the chart's picker Service.
+    assert gen_gateway_envoy.PICKER_HOST.startswith("fairway-picker.inference.svc")
