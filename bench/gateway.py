@@ -121,6 +121,9 @@ class Plan:
     """How Envoy hands responses to the picker (``picker.stack.envoy``)."""
     idle_tenant_reserve: str = "0s"
     """The picker's ``capacity.idleTenantReserve`` in the contended-pool runs."""
+    secure_serving: bool = True
+    """The picker serves ext_proc over TLS and Envoy dials it so (the default, as gateways do);
+    False: both plaintext, to see what TLS costs."""
 
     @property
     def fair_duration(self) -> float:
@@ -499,7 +502,8 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
                server_args=POOL_SERVER_ARGS, picker_config=config,
-               response_path=plan.response_path) as stack, \
+               response_path=plan.response_path,
+               secure_serving=plan.secure_serving) as stack, \
             measured(resources, lambda: [stack]):
         result, sampler = asyncio.run(_drive(stack, traffic, plan.sample_interval))
     return GatewayRun(label, policy, traffic.duration_s, window, result, sampler.samples,
@@ -1304,7 +1308,8 @@ def exp_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
         fast = base.endpoint_addresses[0]
         config = {**picker_config, "endpoints": [{"address": fast}]}
         with Stack(workdir / "ovh-picker", policy="vtc", endpoints=0,
-                   picker_config=config, response_path=plan.response_path) as picked:
+                   picker_config=config, response_path=plan.response_path,
+                   secure_serving=plan.secure_serving) as picked:
             stacks = [base, picked, streamer]
             probe = _client_probe(lambda: process_cpu(stacks))
             print(f"  overhead: {OVERHEAD_RATE:g} req/s ABBA, then the rate ladder", flush=True)
@@ -1898,7 +1903,9 @@ def render(data: dict[str, Any]) -> str:
         f"Mode {mode}; goals run: {', '.join(str(g) for g in meta['goals'])}; "
         f"{meta['runtime_seconds']:.0f} s. Envoy {meta['envoy_version']}, Python "
         f"{meta['python']}. Response path: {meta.get('response_path', 'inline')} "
-        "(`--response-path`; README, \"Two response paths\").",
+        "(`--response-path`; README, \"Two response paths\"). Envoy dials the picker "
+        f"{'over TLS' if meta.get('secure_serving', False) else 'in plaintext'} "
+        "(`--plaintext`).",
         "",
         f"**Shared machine**: {meta['cpu_count']} cores run everything at once: Envoy (one worker "
         "thread each), the picker (one Python process), the simulated vLLM servers (one Python "
@@ -2058,6 +2065,7 @@ def run_all(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "quick": plan.quick, "goals": sorted(plan.goals), "python": sys.version.split()[0],
         "envoy_version": envoy_version(), "cpu_count": os.cpu_count(),
         "response_path": plan.response_path,
+        "secure_serving": plan.secure_serving,
         "idle_tenant_reserve": plan.idle_tenant_reserve,
         "loadavg_start": load_start, "loadavg_end": loadavg(),
         "runtime_seconds": time.perf_counter() - started, "phase_seconds": phases,
@@ -2102,8 +2110,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-tenant-reserve", default="0s", metavar="DURATION",
                         help="the picker's capacity.idleTenantReserve in the pool runs "
                              "(default 0s: strictly work-conserving)")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="the picker's ext_proc without TLS (default: TLS, as gateways dial "
+                             "it), to measure what TLS costs")
     args = parser.parse_args(argv)
-    plan = Plan(args.quick, args.only, args.response_path, args.idle_tenant_reserve)
+    plan = Plan(args.quick, args.only, args.response_path, args.idle_tenant_reserve,
+                secure_serving=not args.plaintext)
     print(f"bench.gateway: {'quick' if plan.quick else 'full'} run of goals "
           f"{sorted(plan.goals)} on {os.cpu_count()} shared cores, load average {loadavg()}",
           flush=True)
