@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -32,11 +33,20 @@ class EndpointFigures:
     kv_budget_tokens: int | None = None
 
 
+_WANTED_LINES = re.compile(
+    r"^(?:# (?:HELP|TYPE) )?(?:vllm:num_requests_waiting|vllm:num_requests_running"
+    r"|vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc|vllm:cache_config_info)[ {].*$",
+    re.MULTILINE)
+"""The lines of the families the gate reads. A real vLLM page has hundreds of lines (histograms
+per model) and the gate reads four figures: only these lines go to the parser."""
+
+
 def parse_vllm_metrics(text: str) -> EndpointFigures:
     """The capacity-relevant figures from a vLLM ``/metrics`` page."""
     waiting = running = kv_usage = None
     budget = None
-    for family in text_string_to_metric_families(text):
+    wanted = "\n".join(_WANTED_LINES.findall(text))
+    for family in text_string_to_metric_families(wanted + "\n" if wanted else ""):
         name = family.name
         for sample in family.samples:
             if sample.name != name and name != "vllm:cache_config_info":

@@ -118,3 +118,26 @@ def test_cache_config_info_without_type_line_is_read() -> None:
 def test_unparseable_page_raises_value_error() -> None:
     with pytest.raises(ValueError):
         parse_vllm_metrics("vllm:num_requests_waiting{model_name=\"m\" 3\n")
+
+
+def test_only_the_wanted_families_are_parsed_and_lookalikes_are_not_taken() -> None:
+    noise = "".join(
+        f"# HELP vllm:request_latency_{i} x\n# TYPE vllm:request_latency_{i} histogram\n"
+        + "".join(f'vllm:request_latency_{i}_bucket{{le="{b}",model_name="m"}} {b}\n'
+                  for b in (1, 2, 5, 10))
+        for i in range(50))
+    page = (noise
+            + "# HELP vllm:num_requests_waiting_by_reason lookalike\n"
+            "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+            'vllm:num_requests_waiting_by_reason{reason="x"} 99.0\n'
+            "# HELP vllm:num_requests_waiting Waiting.\n# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="a"} 2.0\n'
+            'vllm:num_requests_waiting{model_name="b"} 1.0\n'
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n' + noise)
+    figures = parse_vllm_metrics(page)
+    assert (figures.waiting, figures.running, figures.kv_usage, figures.kv_budget_tokens) == \
+        (3.0, 4.0, 0.25, 1600)
+    assert parse_vllm_metrics(noise) == parse_vllm_metrics("")
