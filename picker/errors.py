@@ -197,3 +197,33 @@ class MethodNotAllowed(RequestError):
     http_status = 405
     metric_label = "method_not_allowed"
     code = "method_not_allowed"
+
+
+class BodyBuffersFull(RequestError):
+    """The request bodies buffered at once, all streams together, are at ``maxBufferedBytes``:
+    one more would let stalled or slow uploads take the picker's memory."""
+
+    http_status = 503
+    metric_label = "buffers_full"
+    error_type = "server_error"
+    code = "server_overloaded"
+    retry_after = 1.0
+
+
+class BodyTimeout(RequestError):
+    """No request body chunk came for ``bodyIdleTimeout``: a stalled upload gives back its
+    buffer."""
+
+    http_status = 408
+    metric_label = "body_timeout"
+    code = "request_timeout"
+
+
+class InternalError(RequestError):
+    """A fault of the picker's own (a bug): the client gets a clear 500, the fault is logged and
+    counted, and the picker keeps serving."""
+
+    http_status = 500
+    metric_label = "internal"
+    error_type = "server_error"
+    code = "internal_error"

@@ -25,11 +25,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from picker.errors import Unauthorized
+from picker.errors import BadRequest, Unauthorized
 
 Mode = Literal["header", "apiKey"]
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,252}")
+"""A tenant id from a header: what a TenantPolicy's ``tenants`` may hold (the CRD's pattern and
+length). Anything else is refused, not cleaned: ids that differ only in bytes a terminal or a
+log hides must not become one tenant, nor an 8,000-character id a row of ``picker.ctl top``."""
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""The InferenceObjective a gateway names for a request (it may ask for a lane)."""
 
 
 def hash_api_key(key: str) -> str:
@@ -129,8 +135,17 @@ class Identity:
         for name in self._headers:
             value = headers.get(name, "").strip()
             if value:
+                if not TENANT_ID.fullmatch(value):
+                    # Not echoed: it may be long, binary, or a credential sent to the wrong place.
+                    raise BadRequest(f"header {name!r} must be a tenant id: 1 to 253 characters "
+                                     "of A-Z a-z 0-9 . _ : @ / -, starting with a letter or digit")
                 return value
         return self._default_tenant
+
+    @property
+    def header_names(self) -> tuple[str, ...]:
+        """The headers a tenant is read from (``authorization`` in API-key mode)."""
+        return ("authorization",) if self._mode == "apiKey" else self._headers
 
     def _tenant_by_key(self, authorization: str | None) -> str:
         # Messages never echo the header: it may hold a real key sent to the wrong place.

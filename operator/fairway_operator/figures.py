@@ -18,6 +18,10 @@ import grpc.aio
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 
 WINDOWS = ("burst", "sustained")
+MAX_PAGE = 1000
+"""Tenants per admin API page (the picker's most)."""
+MAX_PAGES = 20
+"""Pages read per snapshot at most: the picker holds few tenants beyond the busiest."""
 
 
 class PickerUnreachable(Exception):
@@ -57,8 +61,17 @@ class AdminClient:
             ])
             self._stub = admin_pb2_grpc.AdminStub(self._channel)
         try:
-            return await self._stub.ListTenants(admin_pb2.ListTenantsRequest(),
-                                                timeout=self._timeout)
+            # The answer is paged (busiest first); a configured tenant may be on a later page.
+            answer = await self._stub.ListTenants(admin_pb2.ListTenantsRequest(limit=MAX_PAGE),
+                                                  timeout=self._timeout)
+            token, pages = answer.next_page_token, 1
+            while token and pages < MAX_PAGES:
+                page = await self._stub.ListTenants(
+                    admin_pb2.ListTenantsRequest(limit=MAX_PAGE, page_token=token),
+                    timeout=self._timeout)
+                answer.tenants.extend(page.tenants)
+                token, pages = page.next_page_token, pages + 1
+            return answer
         except grpc.aio.AioRpcError as exc:
             raise PickerUnreachable(f"{self.address}: {exc.code().name}: {exc.details()}") from None
 

@@ -9,6 +9,9 @@ they see consistent state without locks.
 Which tenants are listed: the configured ones, every tenant with a request in the picker now, and
 every tenant served within the window. The last set is what keeps unconfigured tenants visible
 without listing every id ever seen: random tenant ids drop out once their window has passed.
+Answers are paged (``limit``, ``page_token``), busiest first by window service, so one reply
+stays bounded (``MAX_PAGE`` tenants) even during a flood of random ids; only the page is built
+into messages.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import grpc
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.admin.window import DEFAULT_INTERVAL, DEFAULT_WINDOW, ServiceWindow
 from picker.dispatch import Dispatcher
+
+DEFAULT_PAGE = 100
+"""Tenants per answer when the request sets no ``limit``."""
+MAX_PAGE = 1000
+"""The most tenants one answer holds (a few hundred bytes each: far below gRPC's 4 MB)."""
 
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 """``fairway.v1.Admin``: the service name, for gRPC health."""
@@ -64,8 +72,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
                           context: grpc.aio.ServicerContext | None
                           ) -> admin_pb2.ListTenantsResponse:
-        """Every tenant the picker knows now (or those of ``request.tenants`` among them)."""
-        return self.list_tenants(request.tenants)
+        """The tenants the picker knows now (or those of ``request.tenants`` among them), one
+        page, busiest first. A malformed ``page_token`` is an INVALID_ARGUMENT."""
+        try:
+            return self.list_tenants(request.tenants, limit=request.limit,
+                                     page_token=request.page_token)
+        except ValueError as error:
+            if context is None:
+                raise
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise  # abort raises; this keeps type checkers sure the function ends here
 
     async def ListEndpoints(self, request: admin_pb2.ListEndpointsRequest,
                             context: grpc.aio.ServicerContext | None
@@ -75,8 +91,21 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     # -- the answers --
 
-    def list_tenants(self, only: Collection[str] = ()) -> admin_pb2.ListTenantsResponse:
-        """The ``ListTenants`` answer; ``only`` restricts it to those tenants (empty: all)."""
+    def list_tenants(self, only: Collection[str] = (), *, limit: int = 0,
+                     page_token: str = "") -> admin_pb2.ListTenantsResponse:
+        """The ``ListTenants`` answer; ``only`` restricts it to those tenants (empty: all).
+
+        Ordered by window service, highest first (then by name), and cut to ``limit`` tenants
+        (0: ``DEFAULT_PAGE``; at most ``MAX_PAGE``) from ``page_token`` (an offset, as a previous
+        answer's ``next_page_token`` gives it). Raises ValueError for a malformed token.
+        """
+        size = DEFAULT_PAGE if limit <= 0 else min(limit, MAX_PAGE)
+        try:
+            start = int(page_token) if page_token else 0
+        except ValueError:
+            start = -1
+        if start < 0:
+            raise ValueError(f"page_token {page_token[:40]!r} is not one this API gave")
         d = self.dispatcher
         now = d.clock()
         state = d.snapshot()
@@ -89,8 +118,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         names = configured | set(queued) | set(running) | set(windowed)
         if only:
             names &= set(only)
+        ordered = sorted(names, key=lambda t: (-windowed.get(t, 0.0), t))
+        page = ordered[start:start + size]
+        following = str(start + size) if start + size < len(ordered) else ""
         tenants = []
-        for tenant in sorted(names):
+        for tenant in page:
             lane = d.lane_of(tenant)
             key = (tenant, lane)
             counter = state["counters"].get(key)
@@ -108,7 +140,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 running_tokens=running_tokens.get(tenant, 0),
                 budgets=self._budgets(tenant, state["budgets"])))
         return admin_pb2.ListTenantsResponse(tenants=tenants, window_seconds=self.window.window,
-                                             taken_at_unix=d.wall_clock())
+                                             taken_at_unix=d.wall_clock(),
+                                             next_page_token=following,
+                                             total_tenants=len(ordered))
 
     def _budgets(self, tenant: str, tracked: Mapping[str, Mapping[str, tuple[float, int]]]
                  ) -> list[admin_pb2.BudgetWindow]:

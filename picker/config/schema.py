@@ -160,6 +160,32 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class Health:
+    """Outlier ejection of endpoints that fail, as Envoy's outlier detection does it. Failed
+    scrapes (refused, timed out, HTTP error) and requests that never reached an engine (the
+    gateway's upstream connect failure or reset) count; any success resets the count. An ejected
+    endpoint gets no requests; when its time is up one scrape or one request probes it: success
+    restores it, failure ejects it again for longer. The last endpoint in service is never
+    ejected (when every endpoint looks bad the signal is more likely wrong than the whole pool
+    gone; a request to a dead last endpoint fails with a retryable 503 and costs nothing)."""
+
+    consecutive_failures: int = field(default=3, metadata=_camel("consecutive_failures", ge=1,
+                                                                 le=100))
+    """Failures in a row that eject an endpoint."""
+    base_ejection_time: float = field(default=1.0, metadata=_camel("base_ejection_time", gt=0,
+                                                                   duration=True))
+    """The first ejection's length; the n-th lasts n times this (``maxEjectionTime`` at most)."""
+    max_ejection_time: float = field(default=30.0, metadata=_camel("max_ejection_time", gt=0,
+                                                                   duration=True))
+    """The longest ejection; also how long an endpoint must stay healthy to take one off its
+    ejection count."""
+
+    def __post_init__(self) -> None:
+        if self.max_ejection_time < self.base_ejection_time:
+            raise ConfigError("maxEjectionTime", "must be >= baseEjectionTime")
+
+
+@dataclass(frozen=True)
 class Endpoint:
     """A model server of the pool (static; InferencePool discovery comes later)."""
 
@@ -267,6 +293,13 @@ class Limits:
 
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_camel("max_body_bytes", ge=1))
     """Larger request bodies get 413."""
+    max_buffered_bytes: int = field(default=64 * 1024 * 1024,
+                                    metadata=_camel("max_buffered_bytes", ge=1))
+    """Request bodies held at once, all streams together (a body is held until its request is
+    routed); a request that would go past it gets 503 with ``Retry-After``."""
+    body_idle_timeout: float = field(default=30.0, metadata=_camel("body_idle_timeout", gt=0,
+                                                                   duration=True))
+    """A request whose body stops arriving for this long gets 408 and gives its buffer back."""
 
 
 @dataclass(frozen=True)
@@ -354,6 +387,7 @@ class PickerConfig:
     capacity: Capacity = Capacity()
     limits: Limits = Limits()
     routing: Routing = Routing()
+    health: Health = Health()
     tenants: tuple[Tenant, ...] = ()
     tenant_defaults: TenantPolicy = field(default=TenantPolicy(),
                                           metadata=_camel("tenant_defaults"))

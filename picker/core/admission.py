@@ -286,8 +286,13 @@ class Admission:
     # -- the request lifecycle --
 
     def admit(self, tenant: str, lane: str, prompt_tokens: int, max_output_tokens: int | None,
-              expected_output_tokens: int, now: float) -> Admitted | Refused:
+              expected_output_tokens: int, now: float, *,
+              cap_prompt_tokens: int | None = None) -> Admitted | Refused:
         """Decide whether a request may queue; when it may, reserve its estimate.
+
+        ``cap_prompt_tokens`` is what ``max_input_tokens`` is judged on (default
+        ``prompt_tokens``): a bound the tenant cannot talk down, where ``prompt_tokens`` is a
+        learned estimate (``picker.core.estimates``).
 
         ``max_output_tokens`` is the request's ``max_tokens`` (``None`` when it set none, 0 for a
         request that produces no output, such as embeddings);
@@ -300,9 +305,11 @@ class Admission:
             _count("max_output_tokens", max_output_tokens)
         rules = self.rules_for(tenant)
 
-        if rules.max_input_tokens is not None and prompt_tokens > rules.max_input_tokens:
+        judged = prompt_tokens if cap_prompt_tokens is None else cap_prompt_tokens
+        _count("cap_prompt_tokens", judged)
+        if rules.max_input_tokens is not None and judged > rules.max_input_tokens:
             return Refused(INPUT_TOO_LONG,
-                           f"the prompt has {prompt_tokens} tokens, more than the "
+                           f"the prompt has {judged} tokens, more than the "
                            f"{rules.max_input_tokens} allowed")
         limit = rules.max_output_tokens
         if limit is not None:
@@ -448,6 +455,8 @@ class Admission:
         idle = [tenant for tenant, state in self._tenants.items() if state.forgettable(now)]
         for tenant in idle:
             del self._tenants[tenant]
+        if len(idle) > len(self._tenants):
+            self._tenants = dict(self._tenants)  # a dict keeps its largest table: shrink it
         return len(idle)
 
     def _forget_if_idle(self, tenant: str, state: _TenantState, now: float) -> None:

@@ -15,7 +15,7 @@ reaches the tenant's counter; ``service`` keeps the undivided totals.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from picker.core.cost import CostFunction, LinearCost, request_cost
@@ -214,6 +214,39 @@ class Scheduler:
         else:
             return
         request.state = "cancelled"
+
+    # -- memory --
+
+    def forget_idle(self, keep: Collection[str] = (), keep_service: Collection[str] = ()
+                    ) -> set[str]:
+        """Forget idle tenants' counters where a fresh tenant would get the same (each lane's
+        policy decides; see ``VirtualTokenCounter.forget_idle``), and the service totals of
+        tenants then held in no lane, except those in ``keep_service`` (say, configured tenants:
+        bounded, and shown by the admin API). ``keep``: tenants with requests in the picker.
+        Returns the tenants whose service total was dropped. Service totals are accounting
+        only: no decision reads them.
+        """
+        for lane in self._lanes:
+            forget = getattr(lane.policy, "forget_idle", None)
+            if forget is not None:
+                forget(keep)
+        held: set[str] = set()
+        for lane in self._lanes:
+            held.update(getattr(lane.policy, "counters", ()))
+        gone = {tenant for tenant in self.service
+                if tenant not in held and tenant not in keep and tenant not in keep_service}
+        for tenant in gone:
+            del self.service[tenant]
+        if len(gone) > len(self.service):
+            self.service = dict(self.service)  # shrink the table a flood grew
+        return gone
+
+    def tenants_held(self) -> int:
+        """Distinct tenants with a counter in some lane or a service total (memory use)."""
+        held = set(self.service)
+        for lane in self._lanes:
+            held.update(getattr(lane.policy, "counters", ()))
+        return len(held)
 
     # -- reading state --
 

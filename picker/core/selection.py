@@ -10,8 +10,10 @@ admit yet would wait in its FCFS queue, ahead of whoever the fair queue picks ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from picker.core.health import EndpointHealth, available
 
 
 @dataclass
@@ -43,6 +45,13 @@ class EndpointState:
     """Tokens those requests held: the scraped KV use is that much too high."""
     draining: bool = False
     """Going away: gets no new requests; its in-flight requests finish."""
+    health: EndpointHealth = field(default_factory=EndpointHealth)
+    """Outlier ejection (``picker.core.health``): an ejected endpoint gets no new requests."""
+
+    def in_service(self, now: float) -> bool:
+        """Whether it may get a new request: not draining, not ejected (a probing endpoint
+        takes one request at a time)."""
+        return not self.draining and available(self.health, now)
 
     def budget(self, fallback: int) -> int:
         return self.configured_budget or self.learned_budget or fallback
@@ -82,7 +91,7 @@ def waiting(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
 def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
              prompt_tokens: int = 0) -> bool:
     """Whether the endpoint should take a request with this prompt now."""
-    if endpoint.draining:
+    if not endpoint.in_service(now):
         return False
     used = occupancy(endpoint, now, rules)
     budget = endpoint.budget(rules.fallback_budget)
@@ -94,9 +103,9 @@ def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
 def free_tokens(endpoint: EndpointState, now: float, rules: CapacityRules,
                 projected: bool = True) -> float:
     """Tokens the endpoint will still have free once its running requests have grown to their
-    expected size (``projected=False``: free now); 0 when it takes nothing (draining, engine
-    queue full)."""
-    if endpoint.draining or waiting(endpoint, now, rules) >= rules.max_waiting:
+    expected size (``projected=False``: free now); 0 when it takes nothing (draining, ejected,
+    engine queue full)."""
+    if not endpoint.in_service(now) or waiting(endpoint, now, rules) >= rules.max_waiting:
         return 0.0
     used = occupancy(endpoint, now, rules)
     if projected:
@@ -137,9 +146,11 @@ class LeastLoaded:
 
 def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
          scorer: Scorer, require_room: bool = True) -> list[EndpointState]:
-    """Candidates, best first: those with room (``require_room=False``: all but draining)."""
+    """Candidates, best first: those with room (``require_room=False``: all in service, i.e.
+    neither draining nor ejected). A failing endpoint looks least loaded (nothing in flight
+    stays there), so skipping ejected ones is what keeps traffic off a dead server."""
     candidates = [e for e in endpoints
                   if (has_room(e, now, rules, prompt_tokens) if require_room
-                      else not e.draining)]
+                      else e.in_service(now))]
     candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
     return candidates

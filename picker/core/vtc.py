@@ -11,13 +11,25 @@ decisions are made (every decoded token charges its tenant), so the heap is re-k
 charge only raises the counter, and an entry whose key has fallen behind is re-keyed when it
 reaches the top. That is exact because keys only ever lag *below* the truth: counters grow and a
 tenant's oldest request only gets younger. The one exception, a negative settlement, re-pushes the
-tenant; superseded entries are dropped by a per-tenant version number.
+tenant; superseded entries are dropped by a per-tenant version number (drawn from one counter
+per lane, so a tenant forgotten and re-created never reuses an old entry's version).
+
+Idle tenants are forgotten (``forget_idle``) once forgetting cannot change a decision: a tenant
+with nothing queued whose counter is at or below the lift floor would be lifted to the floor on
+its next enqueue anyway, and a forgotten tenant re-created at 0 is lifted to the same floor. The
+floor only rises (tenants enter at or above it and counters only grow), with one exception: a
+negative settlement (an estimate was too high) can lower a backlogged tenant's counter, and so
+the floor, by at most that estimate's excess. A tenant forgotten just before such a settlement
+re-enters that much lower than it would have; the difference is bounded by one estimate and
+goes to the forgotten tenant's advantage only in that rare window. ``lcf`` has no lift: there
+only counters still at 0 are forgotten.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Collection
 
 from picker.core.request import Request
 
@@ -39,6 +51,7 @@ class VirtualTokenCounter:
         self._backlogged = 0
         self._queued = 0
         self._last_left: str | None = None
+        self._tick = 0
 
     # -- the FairnessPolicy interface --
 
@@ -88,6 +101,39 @@ class VirtualTokenCounter:
         """How many tenants have at least one queued request."""
         return self._backlogged
 
+    def lift_floor(self) -> float:
+        """The counter a tenant entering now would be lifted to (0 with no floor, or no lift)."""
+        if not self.lift:
+            return 0.0
+        floor = self.min_backlogged_counter()
+        if floor is None and self._last_left is not None:
+            floor = self.counters[self._last_left]
+        return 0.0 if floor is None else floor
+
+    def forget_idle(self, keep: Collection[str] = ()) -> list[str]:
+        """Forget tenants whose state a fresh tenant would reproduce: nothing queued, a counter
+        at or below the lift floor, not the last tenant to leave (its counter *is* the floor) and
+        not in ``keep`` (tenants with requests running, which will still be charged). Returns
+        them. O(tenants held)."""
+        floor = self.lift_floor()
+        queues, counters = self._queues, self.counters
+        gone = [tenant for tenant, counter in counters.items()
+                if counter <= floor and not queues.get(tenant) and tenant != self._last_left
+                and tenant not in keep]
+        for tenant in gone:
+            del counters[tenant]
+            queues.pop(tenant, None)
+            self._version.pop(tenant, None)
+        if len(gone) > len(counters):
+            # A dict keeps its largest table after deletions: copy it to give a flood back.
+            self.counters, self._queues = dict(counters), dict(queues)
+            self._version = dict(self._version)
+        return gone
+
+    def tenants(self) -> int:
+        """Tenants with state in this lane (memory use)."""
+        return len(self.counters)
+
     # -- internals --
 
     def _lift(self, tenant: str) -> None:
@@ -111,21 +157,23 @@ class VirtualTokenCounter:
             self._backlogged -= 1
             self._last_left = tenant
             self._stale.discard(tenant)
+            del self._queues[tenant]  # an empty deque is ~600 bytes: idle tenants keep none
 
     def _top(self) -> _HeapEntry | None:
         heap, version, queues, counters = self._heap, self._version, self._queues, self.counters
         if self._stale:
             for tenant in self._stale:
                 queue = queues[tenant]
-                v = version[tenant] = version.get(tenant, 0) + 1
+                self._tick += 1
+                v = version[tenant] = self._tick
                 heapq.heappush(heap, (counters[tenant], queue[0].seq, tenant, v))
             self._stale.clear()
             if len(heap) > 4 * self._backlogged + 64:
                 self._compact()
         while heap:
             counter, seq, tenant, v = heap[0]
-            queue = queues[tenant]
-            if version[tenant] != v or not queue:
+            queue = queues.get(tenant)
+            if version.get(tenant) != v or not queue:
                 heapq.heappop(heap)
             elif counter != counters[tenant] or seq != queue[0].seq:
                 heapq.heapreplace(heap, (counters[tenant], queue[0].seq, tenant, v))
@@ -135,7 +183,7 @@ class VirtualTokenCounter:
 
     def _compact(self) -> None:
         version, queues = self._version, self._queues
-        self._heap = [e for e in self._heap if version[e[2]] == e[3] and queues[e[2]]]
+        self._heap = [e for e in self._heap if version.get(e[2]) == e[3] and queues.get(e[2])]
         heapq.heapify(self._heap)
 
 

@@ -20,6 +20,8 @@ import grpc
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 
 DEFAULT_ADMIN = "127.0.0.1:9004"
+TOP_LIMIT = 200
+"""Tenants asked for: the busiest page only (a screen shows fewer; the rest are counted)."""
 CLEAR = "\x1b[H\x1b[2J"
 """Cursor home, then erase the screen."""
 
@@ -99,15 +101,17 @@ def render(address: str, tenants: admin_pb2.ListTenantsResponse,
     ``max_columns``: cut each line, so that none wraps and shifts the rows below.
     """
     taken = time.strftime("%H:%M:%S", time.localtime(tenants.taken_at_unix))
+    # The answer is one page: the tenants beyond it are counted, not listed.
+    total = max(tenants.total_tenants, len(tenants.tenants))
     title = (f"fairway top  {address}  {taken}  share of weighted service over the last "
-             f"{tenants.window_seconds:g}s  ({len(tenants.tenants)} tenants)")
+             f"{tenants.window_seconds:g}s  ({total} tenants)")
     rows = tenant_rows(tenants)
     bottom = ["", *_table(ENDPOINT_COLUMNS, endpoint_rows(endpoints))]
-    hidden = 0
+    hidden = total - len(rows)
     if max_lines is not None:
         room = max(1, max_lines - 2 - len(bottom) - 1)  # title, header, a "more" line
         if len(rows) > room:
-            hidden = len(rows) - room
+            hidden += len(rows) - room
             rows = rows[:room]
     lines = [title, *_table(TENANT_COLUMNS, rows)]
     if hidden:
@@ -122,7 +126,7 @@ def fetch(stub: admin_pb2_grpc.AdminStub, address: str, timeout: float
           ) -> tuple[admin_pb2.ListTenantsResponse, admin_pb2.ListEndpointsResponse]:
     """Both answers; raises Unreachable with a message naming ``address``."""
     try:
-        return (stub.ListTenants(admin_pb2.ListTenantsRequest(), timeout=timeout),
+        return (stub.ListTenants(admin_pb2.ListTenantsRequest(limit=TOP_LIMIT), timeout=timeout),
                 stub.ListEndpoints(admin_pb2.ListEndpointsRequest(), timeout=timeout))
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else None

@@ -23,6 +23,8 @@ from typing import Any
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Request, Usage
 from picker.core.admission import Admission, Refused, Reservation
+from picker.core.estimates import TenantEstimates
+from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
 from picker.core.lanes import Scheduler
 from picker.core.selection import (
     EndpointState,
@@ -49,6 +51,7 @@ from picker.errors import (
     RequestError,
     ShuttingDown,
 )
+from picker.identity import OBJECTIVE_HEADER
 from picker.metering import MeteringRecord, MeteringSink
 from picker.metrics import PickerMetrics
 from picker.openai import InferenceRequest
@@ -56,8 +59,6 @@ from picker.openai import InferenceRequest
 log = logging.getLogger(__name__)
 
 OUTPUT_EWMA_ALPHA = 0.2
-PROMPT_SCALE_ALPHA = 0.1
-"""How fast the prompt estimate's calibration follows the engine's reported prompt counts."""
 PRUNE_INTERVAL = 30.0
 """Seconds between sweeps that forget tenants whose budgets have refilled."""
 
@@ -116,9 +117,8 @@ class Dispatcher:
         self.scorer: Scorer = scorer if scorer is not None else LeastLoaded()
         self.endpoints: dict[str, EndpointState] = {}
         self._tickets: dict[Request, Ticket] = {}
-        self._output_average: dict[str, float] = {}
-        self._prompt_scale: dict[str, float] = {}
-        """Per model: engine-reported prompt tokens ÷ the body estimate (tokenizers differ)."""
+        self.estimates = TenantEstimates(config.capacity.default_output_tokens)
+        """Per tenant: prompt calibration and output estimates (see ``picker.core.estimates``)."""
         self._closed = False
         self.standby = False
         """A replica that is not the elected leader: it refuses requests (retryable 503)."""
@@ -179,9 +179,17 @@ class Dispatcher:
             self.metering.close()
             self.metering = sink
         self.admission.update(*admission_rules(config), self.clock())
+        self.estimates.default_output = float(config.capacity.default_output_tokens)
         self.identity = identity(config)
+        self.identity_headers = frozenset((*self.identity.header_names,
+                                           config.tenancy.lane_header.lower(), OBJECTIVE_HEADER))
+        """Headers that name who a request is or where it runs: sent twice, the request is
+        refused."""
         self.config = config
         self.rules = capacity_rules(config)
+        self.health_rules = HealthRules(config.health.consecutive_failures,
+                                        config.health.base_ejection_time,
+                                        config.health.max_ejection_time)
         self._tenant_lanes = {t.id: t.lane for t in config.tenants if t.lane is not None}
         self._allowed_lanes = {t.id: frozenset((t.lane or config.lanes[0].name,
                                                 *t.allowed_lanes)) for t in config.tenants}
@@ -248,14 +256,18 @@ class Dispatcher:
         now = self.clock()
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
-        if not any(not e.draining and (subset is None or e.address in subset)
+        if not any(e.in_service(now) and (subset is None or e.address in subset)
                    for e in self.endpoints.values()):
             raise NoEndpoint("no endpoint is available for this request")
-        prompt = max(1, round(inference.prompt_tokens
-                              * self._prompt_scale.get(inference.model, 1.0)))
-        expected = self._expected_output(tenant, inference.max_tokens)
+        # The tenant's own calibration only: no other tenant's reports move this estimate, and
+        # the cap is judged on at least the body's own size (``TenantEstimates.prompt_floor``).
+        prompt = self.estimates.prompt_tokens(tenant, inference.model, inference.prompt_tokens,
+                                              now)
+        expected = self._expected_output(tenant, inference.max_tokens, inference.stream)
         self._note_arrival(tenant, prompt + expected, now)
-        decision = self.admission.admit(tenant, lane, prompt, inference.max_tokens, expected, now)
+        decision = self.admission.admit(
+            tenant, lane, prompt, inference.max_tokens, expected, now,
+            cap_prompt_tokens=self.estimates.prompt_floor(inference.prompt_tokens, prompt))
         if isinstance(decision, Refused):
             raise refusal_error(decision)
         if self._queued_total() >= self.config.queue.max_queued \
@@ -323,9 +335,10 @@ class Dispatcher:
         elif not ticket.parked:
             self.pump()
 
-    def _expected_output(self, tenant: str, max_tokens: int | None) -> int:
-        average = self._output_average.get(tenant,
-                                           float(self.config.capacity.default_output_tokens))
+    def _expected_output(self, tenant: str, max_tokens: int | None, stream: bool = False) -> int:
+        # Streams have their own estimate, learned from the streams' counted output: a tenant's
+        # short non-streaming answers cannot talk down how much room its streams are given.
+        average = self.estimates.output(tenant, self.clock(), stream=stream)
         if max_tokens is None:
             return max(1, round(average))
         # A cap of 0 (embeddings) means no output at all: the estimate is 0, not 1.
@@ -392,6 +405,38 @@ class Dispatcher:
             self._parked[tenant] = parked
             self._single.pop(tenant, None)
 
+    # -- endpoint health (outlier ejection, ``picker.core.health``) --
+
+    def endpoint_failed(self, address: str, reason: str) -> None:
+        """A scrape of ``address`` failed, or a request sent there never reached its engine."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            return
+        now = self.clock()
+        # The last endpoint in service is never ejected (see picker.core.health).
+        others = any(e is not endpoint and e.in_service(now) for e in self.endpoints.values())
+        if record_failure(endpoint.health, now, self.health_rules, reason, may_eject=others):
+            log.warning("endpoint %s ejected for %.3gs after %s", address,
+                        endpoint.health.ejected_until - now, reason)
+
+    def endpoint_ok(self, address: str) -> None:
+        """``address`` answered (a scrape, or a response from its engine)."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is not None and record_success(endpoint.health, self.clock(),
+                                                   self.health_rules):
+            log.warning("endpoint %s restored", address)
+            self.pump()
+
+    def upstream_failed(self, ticket: Ticket, reason: str) -> None:
+        """The gateway reports that the request never reached an engine (connect failure,
+        reset before the response began): its endpoint's failure counts towards ejection and
+        the request is settled to nothing (``upstream_failed``)."""
+        if ticket.outcome is not None or ticket.dispatched_at is None:
+            return
+        if ticket.endpoint is not None:
+            self.endpoint_failed(ticket.endpoint.address, reason)
+        self.complete(ticket, Usage(0, 0, 0), "upstream_failed")
+
     def served_by(self, ticket: Ticket, address: str) -> None:
         """The gateway reports the endpoint that actually served the request (after a retry it
         may be a fallback): its load moves there, so the endpoint that failed is not charged."""
@@ -399,6 +444,8 @@ class Dispatcher:
         primary = ticket.endpoint
         if served is None or primary is None or served is primary or ticket.outcome is not None:
             return
+        # The gateway retries only when the primary failed (connect failure, reset).
+        self.endpoint_failed(primary.address, "the gateway retried on a fallback")
         for endpoint, sign in ((primary, -1), (served, 1)):
             endpoint.inflight_tokens += sign * ticket.reserved_tokens
             endpoint.projected_tokens += sign * ticket.projected_tokens
@@ -423,8 +470,8 @@ class Dispatcher:
             ticket.reserved_tokens += tokens
 
     def complete(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
-        """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``): settle and free
-        its slot.
+        """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``,
+        ``upstream_failed``): settle and free its slot.
 
         Without ``usage`` it settles to what was counted: the estimated prompt and the output
         tokens seen (``unmetered``, a response the gateway never showed: the output estimate).
@@ -442,7 +489,8 @@ class Dispatcher:
             if outcome == "ok" and not ticket.inference.stream:
                 output = max(output, request.estimated_output)
             elif outcome == "unmetered":
-                output = max(output, self.output_estimate(ticket))
+                output = max(output, self._expected_output(
+                    ticket.tenant, _output_cap(ticket), ticket.inference.stream))
             usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self._tickets[request]
@@ -452,21 +500,23 @@ class Dispatcher:
             ticket.endpoint.inflight_requests -= 1
             ticket.endpoint.completed_since_scrape += 1
             ticket.endpoint.released_since_scrape += ticket.reserved_tokens
-        if reported and usage.prompt_tokens > 0:
-            # Learn how the engine's tokenizer compares with the body estimate, per model.
-            model = ticket.inference.model
-            sample = usage.prompt_tokens / ticket.inference.prompt_tokens
-            scale = self._prompt_scale.get(model)
-            self._prompt_scale[model] = sample if scale is None else \
-                scale + PROMPT_SCALE_ALPHA * (sample - scale)
-        # Requests without output (embeddings) would drag the tenant's average towards 0.
-        if not ticket.inference.stream and outcome == "ok" and reported \
-                and ticket.inference.max_tokens != 0:
-            previous = self._output_average.get(ticket.tenant)
-            sample = float(usage.completion_tokens)
-            self._output_average[ticket.tenant] = sample if previous is None else \
-                previous + OUTPUT_EWMA_ALPHA * (sample - previous)
+            if outcome == "ok":  # its engine answered
+                record_success(ticket.endpoint.health, self.clock(), self.health_rules)
         now = self.clock()
+        if reported and usage.prompt_tokens > 0:
+            # How the engine's tokenizer compares with the body estimate, per tenant and model.
+            self.estimates.learn_prompt(ticket.tenant, ticket.inference.model,
+                                        ticket.inference.prompt_tokens, usage.prompt_tokens, now)
+        # Requests without output (embeddings) would drag the tenant's average towards 0.
+        cap = _output_cap(ticket)
+        if ticket.inference.stream and cap != 0:
+            # A stream's own counted output; one cut short (cancelled, failed, stopped at its
+            # max_tokens) may only raise the estimate.
+            self.estimates.learn_output(
+                ticket.tenant, usage.completion_tokens, now, stream=True,
+                complete=outcome == "ok" and (cap is None or usage.completion_tokens < cap))
+        elif outcome == "ok" and reported and cap != 0:
+            self.estimates.learn_output(ticket.tenant, usage.completion_tokens, now)
         if ticket.reservation is not None and ticket.reservation.state != "done":
             self.admission.finish(ticket.reservation,
                                   usage.prompt_tokens + usage.completion_tokens, now)
@@ -475,11 +525,29 @@ class Dispatcher:
         self._meter(ticket, usage, outcome, now, estimated=not reported)
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_INTERVAL
-            self.admission.prune(now)
-            window = self.config.capacity.idle_tenant_reserve
-            self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
+            self.forget_idle(now)
         self._forget_drained()
         self.pump()
+
+    def forget_idle(self, now: float) -> None:
+        """Forget per-tenant state that forgetting cannot change a decision for: admission
+        buckets refilled to full, estimates past their ttl (they read as the default), VTC
+        counters at or below the lift floor (re-created identically by the lift), and reserve
+        entries past their window. Runs every ``PRUNE_INTERVAL`` from ``complete``."""
+        self.admission.prune(now)
+        self.estimates.prune(now)
+        active = {ticket.tenant for ticket in self._tickets.values()}
+        self.scheduler.forget_idle(active, {tenant.id for tenant in self.config.tenants})
+        window = self.config.capacity.idle_tenant_reserve
+        self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
+
+    def tenants_held(self) -> dict[str, int]:
+        """How many tenants each part of the picker holds state for (memory, benchmarks)."""
+        return {"admission": self.admission.tracked_tenants(),
+                "estimates": len(self.estimates.tenants()),
+                "scheduler": self.scheduler.tenants_held(),
+                "queues": len(self._in_queue) + len(self._parked),
+                "recent": len(self._recent)}
 
     def ratelimit_headers(self, tenant: str) -> dict[str, str]:
         """``x-ratelimit-*`` headers for ``tenant`` now (empty without budgets or caps)."""
@@ -533,7 +601,7 @@ class Dispatcher:
 
     def _projected(self, ticket: Ticket) -> int:
         return ticket.request.prompt_tokens + self._expected_output(
-            ticket.tenant, _output_cap(ticket))
+            ticket.tenant, _output_cap(ticket), ticket.inference.stream)
 
     def _backlogged(self, tenant: str) -> bool:
         """More than one request of the tenant is waiting: it keeps the pool busy by itself.
@@ -600,6 +668,7 @@ class Dispatcher:
             ticket.reserved_tokens += estimate
         primary.inflight_tokens += ticket.reserved_tokens
         primary.inflight_requests += 1
+        on_dispatch(primary.health, now)
         ticket.projected_tokens = self._projected(ticket)
         primary.projected_tokens += ticket.projected_tokens
         self.metrics.queue_wait.labels(ticket.tenant, ticket.lane).observe(now - ticket.arrived_at)

@@ -54,7 +54,16 @@ from google.protobuf import struct_pb2
 from picker.config.schema import PickerConfig
 from picker.core.request import Usage
 from picker.dispatch import Dispatcher, Ticket
-from picker.errors import BadRequest, BodyTooLarge, NoEndpoint, RequestError
+from picker.errors import (
+    BadRequest,
+    BodyBuffersFull,
+    BodyTimeout,
+    BodyTooLarge,
+    InternalError,
+    NoEndpoint,
+    RequestError,
+)
+from picker.identity import OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
@@ -67,7 +76,6 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 MODEL_HEADER = "x-gateway-model-name"
 """Set by GIE gateways from the body's model: the model of a request routed before its body."""
 METER_NAMESPACE = "fairway"
@@ -119,6 +127,18 @@ def _headers(message: pb.HttpHeaders) -> dict[str, str]:
     return {h.key.lower(): _header_value(h) for h in message.headers.headers}
 
 
+def _repeated(message: pb.HttpHeaders, names: frozenset[str]) -> str | None:
+    """The first of ``names`` (lower case) the request carries more than once, if any."""
+    seen: set[str] = set()
+    for header in message.headers.headers:
+        key = header.key.lower()
+        if key in names:
+            if key in seen:
+                return key
+            seen.add(key)
+    return None
+
+
 def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key,
                                                                   raw_value=value.encode()))
@@ -150,6 +170,22 @@ def served_endpoint(message: pb.ProcessingRequest) -> str | None:
     for attributes in message.attributes.values():
         value = attributes.fields.get(UPSTREAM_ADDRESS_ATTRIBUTE)
         if value is not None and value.string_value:
+            return value.string_value
+    return None
+
+
+UPSTREAM_FAILURE_DETAILS = ("upstream_reset_before_response_started", "response_timeout",
+                            "upstream_per_try_timeout", "no_healthy_upstream")
+"""``response.code_details`` of an Envoy answer given because no engine answered: connect
+failure or reset before the response began, no response in time, no host."""
+
+
+def upstream_failure(message: pb.ProcessingRequest) -> str | None:
+    """Why the gateway answered without an engine (its ``response.code_details`` attribute, in
+    ``response_attributes``), or None when an engine answered or the gateway does not say."""
+    for attributes in message.attributes.values():
+        value = attributes.fields.get("response.code_details")
+        if value is not None and value.string_value.startswith(UPSTREAM_FAILURE_DETAILS):
             return value.string_value
     return None
 
@@ -285,13 +321,26 @@ _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
 
 
+class BodyBudget:
+    """Request body bytes held at once by all streams together (``limits.maxBufferedBytes``)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
+
+
 class _Exchange:
     """One HTTP request's ext_proc conversation."""
 
     def __init__(self, dispatcher: Dispatcher, config: PickerConfig,
-                 meter_id: str | None = None) -> None:
+                 meter_id: str | None = None, bodies: BodyBudget | None = None) -> None:
         self.dispatcher = dispatcher
         self.config = config
+        self.bodies = bodies if bodies is not None else BodyBudget()
+        self.held = 0
+        """Bytes of this request's body counted in ``bodies``."""
+        self.body_complete = False
         self.meter_id = meter_id
         """Set when the response comes on a separate meter stream (named by this id)."""
         self.headers: dict[str, str] = {}
@@ -334,6 +383,7 @@ class _Exchange:
             return await self._on_request_body(message.request_body)
         if kind == "request_trailers":
             # Trailers end a request whose last body chunk did not say end_of_stream.
+            self.body_complete = True
             replies = [] if self.routed or self.done else await self._body_complete()
             return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
@@ -356,6 +406,32 @@ class _Exchange:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
+    @property
+    def receiving_body(self) -> bool:
+        """Headers came, the body has not finished: a stall here holds a buffer (and, when routed
+        at the headers, an endpoint's room)."""
+        return bool(self.headers) and not self.body_complete and not self.done
+
+    def release_body(self) -> None:
+        """The body has been handed on (or the request ended): its bytes leave the budget."""
+        if self.held:
+            self.bodies.used -= self.held
+            self.held = 0
+            self.body = bytearray()
+
+    def stalled(self) -> pb.ProcessingResponse:
+        """The body stopped arriving for ``bodyIdleTimeout``."""
+        seconds = self.config.limits.body_idle_timeout
+        return self._refuse_mid_request(BodyTimeout(
+            f"no request body data for {seconds:g}s"))[0]
+
+    def fault(self, error: Exception) -> list[pb.ProcessingResponse]:
+        """A bug met while handling a message: a clear 500, the request settled, nothing lost."""
+        if self.done and self.ticket is None:
+            return []
+        return self._refuse_mid_request(InternalError(
+            f"the endpoint picker failed on this request ({type(error).__name__})"))
+
     def observe_response(self, message: pb.ProcessingRequest) -> None:
         """Meter one response message (inline or from the meter stream); answers nothing."""
         kind = message.WhichOneof("request")
@@ -363,6 +439,10 @@ class _Exchange:
             served = served_endpoint(message)
             if served is not None and self.ticket is not None:
                 self.dispatcher.served_by(self.ticket, served)
+            failure = upstream_failure(message)
+            if failure is not None and self.ticket is not None:
+                # Never reached an engine: settled to nothing, counted against the endpoint.
+                self.dispatcher.upstream_failed(self.ticket, failure)
             self._on_response_headers(message.response_headers)
         elif kind == "response_body":
             self._on_response_body(message.response_body)
@@ -373,12 +453,17 @@ class _Exchange:
                                   ) -> list[pb.ProcessingResponse]:
         self.headers = _headers(message.request_headers)
         self.subset = _subset(message)
+        repeated = _repeated(message.request_headers, self.dispatcher.identity_headers)
         self.plan, self.per_chunk = body_plan(message)
         if message.HasField("protocol_config"):
             response_mode = message.protocol_config.response_body_mode
             self.echo_response = response_mode == _MODE.FULL_DUPLEX_STREAMED
             self.response_unseen = response_mode == _MODE.NONE and self.meter_id is None
         try:
+            if repeated is not None:
+                # Proxies disagree on which copy counts (Envoy logs the first, a dict keeps the
+                # last): a request naming two tenants or lanes is refused, not guessed at.
+                raise BadRequest(f"header {repeated!r} is sent more than once")
             # Who, which lane and which API are known from the headers: refuse before the body.
             self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
                                  self.config.routing.pass_through_set)
@@ -431,9 +516,18 @@ class _Exchange:
     async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.done:
             return []
+        if body.end_of_stream:
+            self.body_complete = True
+        size = len(body.body)
+        limits = self.config.limits
+        if size and self.bodies.used + size > limits.max_buffered_bytes:
+            return self._refuse_mid_request(BodyBuffersFull(
+                "the gateway's picker is holding too many request bodies; retry shortly"))
+        self.bodies.used += size
+        self.held += size
         self.body += body.body
         self.chunks += 1
-        if len(self.body) > self.config.limits.max_body_bytes:
+        if len(self.body) > limits.max_body_bytes:
             return self._refuse_mid_request(BodyTooLarge(
                 f"request body exceeds {self.config.limits.max_body_bytes} bytes"))
         if self.plan is BodyPlan.AT_HEADERS:
@@ -542,8 +636,12 @@ class _Exchange:
 
     def _refuse_mid_request(self, error: RequestError) -> list[pb.ProcessingResponse]:
         self.done = self.answered = True
-        if self.ticket is not None:
-            self.dispatcher.complete(self.ticket, Usage(0, 0, 0), "error")
+        self.release_body()
+        if self.ticket is not None and self.ticket.outcome is None:
+            if self.body_complete and self.routed and self.plan is not BodyPlan.AT_HEADERS:
+                self.dispatcher.complete(self.ticket, None, "error")  # it reached the engine
+            else:
+                self.dispatcher.complete(self.ticket, Usage(0, 0, 0), "error")
         return [self._refuse(error)]
 
     def _refuse(self, error: RequestError) -> pb.ProcessingResponse:
@@ -610,20 +708,42 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._id_prefix = os.urandom(4).hex()
         self._ids = itertools.count(1)
         self._awaiting_meter: dict[str, tuple[_Exchange, asyncio.TimerHandle]] = {}
+        self.bodies = BodyBudget()
+        dispatcher.metrics.buffered_body_bytes.set_function(lambda: self.bodies.used)
+        self._faults_logged: set[str] = set()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         metered = any(key == RESPONSE_PATH_METADATA and value == METER_STREAM
                       for key, value in context.invocation_metadata() or ())
         meter_id = f"{self._id_prefix}-{next(self._ids)}" if metered else None
-        exchange = _Exchange(self.dispatcher, self._config(), meter_id)
+        config = self._config()
+        exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies)
         handed_over = False
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
-                if message.observability_mode:
-                    await self._meter(message, request_iterator)
+            while True:
+                try:
+                    if exchange.receiving_body:
+                        async with asyncio.timeout(config.limits.body_idle_timeout):
+                            message = await anext(messages)
+                    else:
+                        message = await anext(messages)
+                except StopAsyncIteration:
                     return
-                replies = await exchange.handle(message)
+                except TimeoutError:
+                    yield exchange.stalled()
+                    return
+                if message.observability_mode:
+                    await self._meter(message, messages)
+                    return
+                try:
+                    replies = await exchange.handle(message)
+                except Exception as error:  # the one guard: a bug must not fail the stream bare
+                    self._fault(error)
+                    replies = exchange.fault(error)
+                if exchange.routed and exchange.body_complete:
+                    exchange.release_body()
                 if meter_id is not None and exchange.ticket is not None and not handed_over:
                     # Before the route goes out: the meter stream can open as soon as it has.
                     self._await_meter(meter_id, exchange)
@@ -633,8 +753,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if exchange.done and exchange.ticket is None:
                     return
         finally:
+            exchange.release_body()
             if not handed_over:
                 exchange.abandon()
+
+    def _fault(self, error: Exception) -> None:
+        kind = type(error).__name__
+        self.dispatcher.metrics.faults.labels(kind).inc()
+        if kind not in self._faults_logged:  # once per kind: a flood must not flood the log
+            self._faults_logged.add(kind)
+            log.exception("fault while handling a request (logged once per kind; counted in "
+                          "fairway_faults_total)", exc_info=error)
 
     def _await_meter(self, meter_id: str, exchange: _Exchange) -> None:
         """The request is routed; its response will come on a meter stream named ``meter_id``."""

@@ -113,6 +113,12 @@ class PickerMetrics:
             ["tenant", "lane"], buckets=LATENCY_BUCKETS, registry=r), fold)
         self.config_reloads = Counter("fairway_config_reloads", "Config reloads by result.",
                                       ["result"], registry=r)
+        self.faults = Counter("fairway_faults", "Faults of the picker's own (bugs) met while "
+                              "serving a request, by exception type; each got a clear 500.",
+                              ["kind"], registry=r)
+        self.buffered_body_bytes = Gauge(
+            "fairway_buffered_body_bytes", "Request body bytes held at once, all streams "
+            "(limits.maxBufferedBytes bounds it).", registry=r)
         labels = build_labels()
         Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
               list(labels), registry=r).labels(**labels).set(1)
@@ -259,10 +265,16 @@ def _endpoints(endpoints: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
                                 "Scraped vllm:num_requests_waiting.", labels=["endpoint"])
     kv = GaugeMetricFamily("fairway_endpoint_kv_usage_ratio",
                            "Scraped vllm:kv_cache_usage_perc (0..1).", labels=["endpoint"])
+    ejected = GaugeMetricFamily("fairway_endpoint_ejected",
+                                "1 while the endpoint is ejected for failing (or being probed "
+                                "after an ejection), else 0.", labels=["endpoint"])
     for endpoint in endpoints:
         inflight.add_metric([endpoint.address], endpoint.inflight_tokens)
+        health = getattr(endpoint, "health", None)
+        ejected.add_metric([endpoint.address],
+                           float(health is not None and health.ejected_until is not None))
         if endpoint.waiting is not None:
             waiting.add_metric([endpoint.address], endpoint.waiting)
         if endpoint.kv_usage is not None:
             kv.add_metric([endpoint.address], endpoint.kv_usage)
-    yield from (inflight, waiting, kv)
+    yield from (inflight, waiting, kv, ejected)

@@ -147,6 +147,9 @@ def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT) -> InferenceRequest
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # Thousands of nested brackets: valid JSON that no inference API uses.
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     model = data.get("model")

@@ -3,6 +3,11 @@
 Parsed with prometheus_client's text parser. Figures older than ``metricsStaleAfter`` are ignored by
 the capacity check, which then relies on the picker's own in-flight accounting; an endpoint that
 exports no metrics (404) is polled rarely and runs on that accounting alone.
+
+Each scrape is also a health check: a refused connection, a timeout or an HTTP error counts as a
+failure of the endpoint, any answer as a success (``Dispatcher.endpoint_failed``/``endpoint_ok``,
+outlier ejection in ``picker.core.health``). An ejected endpoint is not scraped until its
+ejection time is up; the next scrape is then its probe.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.core.health import EJECTED
 from picker.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -91,7 +97,8 @@ class Scraper:
     async def scrape_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
         now = self.dispatcher.clock()
         endpoints = [e for e in self.dispatcher.endpoints.values()
-                     if self._no_metrics_until.get(e.address, 0.0) <= now]
+                     if self._no_metrics_until.get(e.address, 0.0) <= now
+                     and e.health.state(now) != EJECTED]
         await asyncio.gather(*(self._scrape(session, e.address, timeout) for e in endpoints))
         self.dispatcher.pump()
 
@@ -100,14 +107,20 @@ class Scraper:
             async with session.get(f"http://{address}/metrics",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 if response.status == 404:
+                    self.dispatcher.endpoint_ok(address)  # up, without metrics
                     self._no_metrics_until[address] = (self.dispatcher.clock()
                                                        + NO_METRICS_RETRY_SECONDS)
                     return
                 if response.status != 200:
+                    self.dispatcher.endpoint_failed(address, f"scrape: HTTP {response.status}")
                     return
                 text = await response.text()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return  # the figures go stale; capacity falls back to own accounting
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # The figures go stale (capacity falls back to own accounting) and the failure
+            # counts towards ejecting the endpoint.
+            self.dispatcher.endpoint_failed(address, f"scrape: {type(exc).__name__}")
+            return
+        self.dispatcher.endpoint_ok(address)
         try:
             figures = parse_vllm_metrics(text)
         except ValueError as exc:

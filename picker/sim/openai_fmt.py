@@ -194,8 +194,21 @@ class ParsedRequest:
         return "length" if self.output_tokens >= self.max_tokens else "stop"
 
 
-def parse_request(kind: str, body: object) -> ParsedRequest:
-    """Validate a decoded JSON body of ``kind`` (``chat`` or ``completion``); raises ApiError."""
+def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int) -> ApiError:
+    """vLLM's 400 for a request whose prompt plus ``max_tokens`` exceeds the context (its
+    wording, from ``OpenAIServing._validate_input``)."""
+    return ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                    f"This model's maximum context length is {max_model_len} tokens and your "
+                    f"request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len} "
+                    f"- {prompt_tokens}).")
+
+
+def parse_request(kind: str, body: object, max_model_len: int | None = None) -> ParsedRequest:
+    """Validate a decoded JSON body of ``kind`` (``chat`` or ``completion``); raises ApiError.
+
+    ``max_model_len``: the context (prompt + generated tokens) a request must fit, as vLLM's
+    ``--max-model-len``: an explicit ``max_tokens`` beyond it is refused
+    (``context_length_error``), a defaulted one is cut to what is left."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -227,6 +240,12 @@ def parse_request(kind: str, body: object) -> ParsedRequest:
         max_tokens = _optional_int(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
+        if max_model_len is not None and prompt_tokens < max_model_len:
+            max_tokens = min(max_tokens, max_model_len - prompt_tokens)
+    elif max_model_len is not None and prompt_tokens < max_model_len \
+            and max_tokens > max_model_len - prompt_tokens:
+        # (A prompt that alone reaches the context gets the server's own prompt error.)
+        raise context_length_error(max_model_len, prompt_tokens, max_tokens)
     n = _optional_int(body, "n", 1)
     if n not in (None, 1):
         raise ApiError(400, "the simulated server supports n = 1 only", "n")

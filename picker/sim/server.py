@@ -18,6 +18,13 @@ Engine details, vLLM-like:
 * ``--max-num-seqs`` caps the running requests; ``--kv-budget-tokens`` caps the KV occupancy at
   admission (``prompt + generated`` of every running request, as ``BatchEngine`` counts it). A
   request whose prompt alone exceeds the budget is refused with 400.
+* ``--max-model-len`` is the context a request must fit, prompt plus ``max_tokens`` (default
+  32768, the simulated model's own context, as vLLM defaults to the model's).
+  A request beyond it gets vLLM's 400 in vLLM's words: a prompt alone too long, or ``'max_tokens'
+  or 'max_completion_tokens' is too large``; one without ``max_tokens`` has its default cut to
+  what the context leaves. (vLLM also refuses to start when its KV cache cannot hold one request
+  of the whole context; the simulator does not, so a tiny ``--kv-budget-tokens`` can model a
+  busy engine.)
 * ``--scheduling-policy priority`` honours the body field ``priority`` (int, lower first, default
   0, FCFS among equals): waiting requests sit in a heap and the best one is handed to the FCFS
   scheduler only when it fits. Under ``fcfs`` a non-zero ``priority`` is refused with 400, as vLLM
@@ -91,6 +98,8 @@ class SimServerConfig:
     model: str = "sim-model"
     scheduling_policy: str = "fcfs"
     block_size: int = 16
+    max_model_len: int = 32768
+    """The context (prompt + generated tokens) a request must fit: the simulated model's."""
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 1:
@@ -103,6 +112,8 @@ class SimServerConfig:
             raise ValueError("block_size must be >= 1")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
 
 
 class EngineMetrics:
@@ -366,7 +377,7 @@ class SimServer:
         model = self.config.model
         return web.json_response({"object": "list", "data": [{
             "id": model, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": model, "parent": None, "max_model_len": self.config.kv_budget_tokens}]})
+            "root": model, "parent": None, "max_model_len": self.config.max_model_len}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         engine = self.engine
@@ -419,17 +430,23 @@ class SimServer:
             raise ApiError(400, f"JSON decode error: {e}") from None
 
     def _parse(self, kind: str, body: object) -> ParsedRequest:
-        parsed = parse_request(kind, body)
+        context = self.config.max_model_len
+        parsed = parse_request(kind, body, max_model_len=context)
         if parsed.model is not None and parsed.model != self.config.model:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
         if parsed.priority and self.config.scheduling_policy != "priority":
             raise ApiError(400, f"Got priority {parsed.priority} but Priority scheduling is not "
                            "enabled.", "priority")
+        if parsed.prompt_tokens > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. "
+                           f"However, your request has {parsed.prompt_tokens} input tokens. "
+                           "Please reduce the length of the input messages.",
+                           _PROMPT_FIELD.get(kind, "messages"))
         budget = self.config.kv_budget_tokens
         if parsed.prompt_tokens > budget:
-            raise ApiError(400, f"This model's maximum context length is {budget} tokens. "
-                           f"However, your prompt has {parsed.prompt_tokens} tokens, which can "
-                           "never fit the KV cache.", _PROMPT_FIELD.get(kind, "messages"))
+            raise ApiError(400, f"This model's maximum context length is {context} tokens, but "
+                           f"your prompt of {parsed.prompt_tokens} tokens can never fit the KV "
+                           f"cache ({budget} tokens).", _PROMPT_FIELD.get(kind, "messages"))
         return parsed
 
     async def _whole(self, job: Job, response_id: str, body: object) -> web.Response:
@@ -541,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model)
     p.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy)
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context length, prompt + max_tokens (default %(default)s)")
     return p
 
 
@@ -548,7 +567,8 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
     return SimServerConfig(host=args.host, port=args.port,
                            kv_budget_tokens=args.kv_budget_tokens, step_ms=args.step_ms,
                            max_num_seqs=args.max_num_seqs, model=args.model,
-                           scheduling_policy=args.scheduling_policy, block_size=args.block_size)
+                           scheduling_policy=args.scheduling_policy, block_size=args.block_size,
+                           max_model_len=args.max_model_len)
 
 
 async def serve(config: SimServerConfig) -> None:

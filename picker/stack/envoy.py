@@ -19,14 +19,82 @@ The response reaches the picker one of two ways (``response_path``):
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+TENANT_HEADER = "x-llm-d-inference-fairness-id"
+"""The header the gateway writes the authenticated tenant into (the picker's default
+``tenancy.header``)."""
+IDENTITY_HEADERS = (TENANT_HEADER, "x-gateway-inference-fairness-id")
+"""Both names the picker reads a tenant from by default (``tenancy.header``, ``alsoAccept``)."""
+CLIENT_CONTROLLED_HEADERS = (*IDENTITY_HEADERS, "x-fairway-lane", "x-gateway-inference-objective")
+"""Headers only the gateway may write: the tenant, the lane and the objective decide a request's
+weight, queue and budget, so a client's own copies are removed before any filter sees them."""
+
+IDENTITY_MODES = ("strip", "jwt", "trusted-client")
+"""How the gateway establishes the tenant (``envoy_config(identity=...)``):
+
+* ``strip`` (default): client copies of ``CLIENT_CONTROLLED_HEADERS`` removed; the picker finds
+  the tenant itself (``tenancy.mode: apiKey``) or charges its default tenant.
+* ``jwt``: removed, then ``jwt_authn`` verifies the caller's JWT (401 without a valid one) and
+  writes the tenant claim into ``TENANT_HEADER`` (``claim_to_headers``).
+* ``trusted-client``: TEST ONLY. Nothing removed: the client's headers reach the picker as if an
+  authenticating gateway had written them (the tests and benchmarks stand in for that gateway).
+  Never deploy it: any client can then choose its tenant.
+"""
+
+
+@dataclass(frozen=True)
+class JwtIdentity:
+    """The JWT issuer whose tokens name the tenant (``identity="jwt"``)."""
+
+    issuer: str
+    jwks: dict[str, Any]
+    """The issuer's JSON Web Key Set, inlined (``local_jwks``)."""
+    claim: str = "tenant"
+    """The claim holding the tenant id."""
+    audiences: tuple[str, ...] = ()
+
+
+def early_header_removal(
+        headers: tuple[str, ...] = CLIENT_CONTROLLED_HEADERS) -> list[dict[str, Any]]:
+    """HttpConnectionManager ``early_header_mutation_extensions`` removing ``headers``.
+
+    Early: before route selection and before every HTTP filter, so no filter (the picker's
+    ext_proc included) ever sees a client's copy. A route's ``request_headers_to_remove`` (what a
+    Gateway API ``RequestHeaderModifier`` becomes) is applied by the router, after the filters:
+    too late to hide a header from ext_proc.
+    """
+    return [{"name": "envoy.http.early_header_mutation.header_mutation", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation."
+                 "header_mutation.v3.HeaderMutation",
+        "mutations": [{"remove": name} for name in headers]}}]
+
+
+def jwt_authn_filter(jwt: JwtIdentity, header: str = TENANT_HEADER) -> dict[str, Any]:
+    """``jwt_authn`` requiring a valid token on every request and writing its tenant claim into
+    ``header`` (after the client's copies were removed: ``early_header_removal``)."""
+    provider: dict[str, Any] = {
+        "issuer": jwt.issuer,
+        "local_jwks": {"inline_string": json.dumps(jwt.jwks, sort_keys=True)},
+        "claim_to_headers": [{"header_name": header, "claim_name": jwt.claim}],
+        "forward": False,
+    }
+    if jwt.audiences:
+        provider["audiences"] = list(jwt.audiences)
+    return {"name": "envoy.filters.http.jwt_authn", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3."
+                 "JwtAuthentication",
+        "providers": {"tenant-issuer": provider},
+        "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "tenant-issuer"}}]}}
 
 
 def envoy_binary() -> str:
@@ -95,6 +163,12 @@ def picker_transport_socket(sni: str | None = None) -> dict[str, Any]:
 SERVED_ATTRIBUTE = "upstream.address"
 """Sent with the response headers: the endpoint that served, when the gateway has no
 ``x-gateway-destination-endpoint-served`` metadata of its own."""
+CODE_DETAILS_ATTRIBUTE = "response.code_details"
+"""Sent with the response headers: why Envoy answered as it did. A request that never reached an
+engine says ``upstream_reset_before_response_started{connection_failure...}`` (or
+``...{remote_reset}``, ``response_timeout``) here: the picker settles it to nothing and
+counts the failure against the endpoint (outlier ejection)."""
+RESPONSE_ATTRIBUTES = [SERVED_ATTRIBUTE, CODE_DETAILS_ATTRIBUTE]
 
 PICKER_UNAVAILABLE_BODY = {
     "error": {"message": "the endpoint picker is unavailable (%RESPONSE_CODE_DETAILS%)",
@@ -103,13 +177,39 @@ PICKER_UNAVAILABLE_BODY = {
 500: an OpenAI-style body, so clients' retry logic reads it as it reads the picker's own 503."""
 
 
+MODEL_SERVER_UNAVAILABLE_BODY = {
+    "error": {"message": "the model server did not answer (%RESPONSE_CODE_DETAILS%); "
+                         "nothing was charged, retry",
+              "type": "server_error", "param": None, "code": "model_server_unavailable"}}
+"""What a client gets when the request never reached an engine (connect failure, reset before
+the response, no answer in time): the picker settles it to nothing and ejects a failing endpoint,
+so a retry goes elsewhere."""
+
+UPSTREAM_FAILURE_MAPPER: dict[str, Any] = {
+    "filter": {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3."
+                     "ExpressionFilter",
+            "expression": "response.code >= 500 && "
+                          "(response.code_details.startsWith('upstream_') || "
+                          "response.code_details in "
+                          "['response_timeout', 'no_healthy_upstream'])"}}},
+    "headers_to_add": [{"header": {"key": "retry-after", "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+    "body_format_override": {"json_format": MODEL_SERVER_UNAVAILABLE_BODY,
+                             "content_type": "application/json"},
+}
+"""Local reply for a request that never reached an engine (checked before the picker's)."""
+
+
 def local_reply_config() -> dict[str, Any]:
     """Envoy's local replies for a failed picker call (``status_on_error`` 503).
 
     The picker's own refusals are local replies too, with their own body: their details start
     ``fairway_`` (the ``ImmediateResponse``'s ``details``), so only other 503s are rewritten.
     """
-    return {"mappers": [{
+    return {"mappers": [UPSTREAM_FAILURE_MAPPER, {
         "filter": {"extension_filter": {
             "name": "envoy.access_loggers.extension_filters.cel",
             "typed_config": {
@@ -122,6 +222,60 @@ def local_reply_config() -> dict[str, Any]:
         "body_format_override": {"json_format": PICKER_UNAVAILABLE_BODY,
                                  "content_type": "application/json"},
     }]}
+
+
+RETRY_POLICY: dict[str, Any] = {
+    # Only failures where the request never reached an engine: retrying one that did would run
+    # (and bill) the generation twice. ``reset-before-request`` (not ``reset``) for the same reason.
+    "retry_on": "connect-failure,refused-stream,reset-before-request",
+    "num_retries": 2,
+    # A retry goes to another host (override_host takes the picker's next fallback).
+    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                              "typed_config": {
+                                  "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                                           "previous_hosts.v3.PreviousHostsPredicate"}}],
+    "host_selection_retry_max_attempts": 3,
+}
+"""The pool route's retries, over the picker's fallbacks (``routing.fallbackEndpoints``)."""
+
+
+def pool_cluster(endpoints: list[str] | None) -> dict[str, Any]:
+    """The model servers' cluster.
+
+    With ``endpoints`` (the stack, which knows them): STATIC, load-balanced by ``override_host``
+    on the picker's ``envoy.lb`` metadata, primary first and then the fallbacks, so a retry
+    (``RETRY_POLICY``) goes to the picker's next choice. Without: ``ORIGINAL_DST`` on the
+    destination header, which takes one address and cannot retry elsewhere (Envoy would dial the
+    same address again); a plain Envoy with no control plane to list the pool's pods has only
+    this form, and relies on the picker ejecting a failing endpoint (one retryable 503 with
+    ``Retry-After``, then traffic goes elsewhere).
+    """
+    if not endpoints:
+        return {"name": "pool", "type": "ORIGINAL_DST", "connect_timeout": "2s",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "original_dst_lb_config": {"use_http_header": True,
+                                           "http_header_name": DESTINATION_HEADER}}
+    lb_endpoints = []
+    for address in endpoints:
+        host, port = address.rsplit(":", 1)
+        lb_endpoints.append({"endpoint": {"address": {"socket_address": {
+            "address": host.strip("[]"), "port_value": int(port)}}}})
+    policy = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+    return {
+        "name": "pool", "type": "STATIC", "connect_timeout": "2s",
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": policy + "override_host.v3.OverrideHost",
+                "override_host_sources": [{"metadata": {
+                    "key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": policy + "round_robin.v3.RoundRobin"}}}]},
+            }}}]},
+        "load_assignment": {"cluster_name": "pool",
+                            "endpoints": [{"lb_endpoints": lb_endpoints}]},
+    }
 
 
 def _ext_proc(grpc_service: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -149,7 +303,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
         # The picker holds its answer while the request waits in the fair queue.
         message_timeout=f"{request_timeout_s}s",
         # The endpoint that served (after a retry, a fallback), for the picker's accounting.
-        response_attributes=[SERVED_ATTRIBUTE] if inline else [],
+        response_attributes=RESPONSE_ATTRIBUTES if inline else [],
         processing_mode={
             "request_header_mode": "SEND",
             "response_header_mode": "SEND" if inline else "SKIP",
@@ -171,7 +325,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
             {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{request_timeout_s}s"},
             stat_prefix="meter",
             observability_mode=True,
-            response_attributes=[SERVED_ATTRIBUTE],
+            response_attributes=RESPONSE_ATTRIBUTES,
             deferred_close_timeout=METER_DEFERRED_CLOSE,
             failure_mode_allow=True,
             processing_mode={
@@ -194,7 +348,9 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                  failure_mode_allow: bool = False, request_timeout_s: int = 300,
                  access_log: Path | None = None,
                  response_path: str = "meter-stream", picker_tls: bool = True,
-                 picker_sni: str | None = None) -> dict[str, Any]:
+                 picker_sni: str | None = None, identity: str = "strip",
+                 jwt: JwtIdentity | None = None,
+                 endpoints: list[str] | None = None) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
 
     ``picker_tls``: dial the picker over TLS without verification (the picker's default,
@@ -203,24 +359,27 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
 
     ``access_log``: a file that gets one line per request with the tenant, the upstream Envoy
     chose and the picker's ``envoy.lb`` metadata (the tests read it).
+
+    ``identity``: how the tenant is established, one of ``IDENTITY_MODES`` (``jwt`` needs
+    ``jwt``); every mode but the test-only ``trusted-client`` removes the client's copies of
+    ``CLIENT_CONTROLLED_HEADERS`` first.
     """
+    if identity not in IDENTITY_MODES:
+        raise ValueError(f"identity must be one of {IDENTITY_MODES}, got {identity!r}")
+    if (identity == "jwt") != (jwt is not None):
+        raise ValueError("identity='jwt' and a JwtIdentity go together")
     if response_path not in RESPONSE_PATHS:
         raise ValueError(f"response_path must be one of {RESPONSE_PATHS}, got {response_path!r}")
-    http_filters = [] if picker_port is None else \
-        _picker_filters(failure_mode_allow, request_timeout_s, response_path)
+    http_filters = [] if jwt is None else [jwt_authn_filter(jwt)]
+    if picker_port is not None:
+        http_filters += _picker_filters(failure_mode_allow, request_timeout_s, response_path)
     http_filters.append({
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/"
                                   "envoy.extensions.filters.http.router.v3.Router"},
     })
-    clusters: list[dict[str, Any]] = [{
-        "name": "pool",
-        "type": "ORIGINAL_DST",
-        "connect_timeout": "2s",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "original_dst_lb_config": {"use_http_header": True,
-                                   "http_header_name": DESTINATION_HEADER},
-    }]
+    clusters: list[dict[str, Any]] = [pool_cluster(
+        endpoints if picker_port is not None else None)]
     if picker_port is not None:
         clusters.append({
             "name": "picker",
@@ -251,6 +410,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                                  "http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "gateway",
                         **PATH_NORMALISATION,
+                        **({} if identity == "trusted-client" else
+                           {"early_header_mutation_extensions": early_header_removal()}),
                         **({} if picker_port is None else
                            {"local_reply_config": local_reply_config()}),
                         "access_log": [] if access_log is None else [{
@@ -274,7 +435,9 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                                  "keep_empty_value": False} for name in RATELIMIT_HEADERS],
                             "routes": [{"match": {"prefix": "/"},
                                         "route": {"cluster": "pool",
-                                                  "timeout": f"{request_timeout_s}s"}}],
+                                                  "timeout": f"{request_timeout_s}s",
+                                                  **({} if not endpoints or picker_port is None
+                                                     else {"retry_policy": RETRY_POLICY})}}],
                         }]},
                         "http_filters": http_filters,
                     },

@@ -20,6 +20,14 @@ The flavours differ in what the picker can see of the response, which decides wh
   once, at its end.
 * ``kgateway-v2.0``: request body ``BUFFERED``, response headers and body not sent at all; the
   picker never sees output tokens and can at most settle a request on what admission reserved.
+
+Every flavour removes the client's copies of the tenant, lane and objective headers before any
+filter runs (the HttpConnectionManager's ``early_header_mutation_extensions``), which is what each
+implementation generates from the early-header policy in its sample (manifests/gateway/): Envoy
+Gateway's ClientTrafficPolicy ``headers.earlyRequestHeaders``, kgateway's ListenerPolicy
+``earlyRequestHeaderModifier``, an Istio EnvoyFilter. An HTTPRoute ``RequestHeaderModifier``
+alone is not enough: Envoy applies it in the router, after the picker's ext_proc filter has read
+the headers. ``Wiring.trusted_client_identity`` (tests only) leaves them in.
 """
 
 from __future__ import annotations
@@ -29,7 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from picker.stack.envoy import ACCESS_LOG_FORMAT, DESTINATION_HEADER, _address, _ext_proc
+from picker.stack.envoy import (
+    ACCESS_LOG_FORMAT,
+    DESTINATION_HEADER,
+    _address,
+    _ext_proc,
+    early_header_removal,
+)
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -75,6 +89,9 @@ class Wiring:
     """Dial the picker over TLS without verification, as the gateways do; False only for a picker
     started with plaintext ext_proc."""
     access_log: Path | None = None
+    trusted_client_identity: bool = False
+    """TEST ONLY: keep the client's tenant, lane and objective headers, as if an authenticating
+    gateway had written them (the flavour tests send the tenant themselves). Never deploy it."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +215,8 @@ def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[s
                         "stat_prefix": "gateway",
                         "access_log": access_log,
                         **path_options,
+                        **({} if wiring.trusted_client_identity else
+                           {"early_header_mutation_extensions": early_header_removal()}),
                         "route_config": {"virtual_hosts": [{
                             "name": "inference", "domains": ["*"], "routes": [route]}]},
                         "http_filters": http_filters,

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from picker.stack.envoy import envoy_binary, write_envoy_config
+from picker.stack.envoy import JwtIdentity, envoy_binary, write_envoy_config
 
 
 def free_port() -> int:
@@ -99,6 +99,18 @@ class Stack:
     as the gateways do; False: both plaintext (``--secure-serving=false``)."""
     picker_args: list[str] = field(default_factory=list)
     """Extra flags for ``python -m picker serve`` (e.g. ``--cert-path DIR``)."""
+    identity: str = "trusted-client"
+    """How envoy.py's Envoy establishes the tenant (``picker.stack.envoy.IDENTITY_MODES``). The
+    default is the TEST-ONLY ``trusted-client``: the tests, benchmarks and demos send the tenant
+    header themselves, standing in for a gateway that authenticated them; ``strip`` and ``jwt``
+    are what a deployment runs (manifests/gateway/envoy.yaml, envoy-jwt.yaml)."""
+    jwt: JwtIdentity | None = None
+    """The JWT issuer of ``identity="jwt"``."""
+    gateway_retries: bool = False
+    """Envoy routes with ``override_host`` over the started endpoints and retries a request that
+    never reached an engine on the picker's fallback (``routing.fallbackEndpoints: 1``). Off:
+    ``ORIGINAL_DST`` on the header, which also reaches endpoints added later (discovery,
+    reload) but cannot retry elsewhere."""
     envoy_bootstrap: Callable[[Stack], dict[str, Any]] | None = None
     """Builds Envoy's bootstrap from the started stack (its ports and endpoints) instead of
     envoy.py's, e.g. a gateway flavour of ``picker.stack.gateways``."""
@@ -200,11 +212,46 @@ class Stack:
                 admin_port=self.admin_port,
                 picker_port=self.grpc_port if self.with_picker else None,
                 access_log=self.access_log, response_path=self.response_path,
-                picker_tls=self.secure_serving)
+                picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
+                endpoints=self.endpoint_addresses if self.gateway_retries else None)
         self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
                      "--base-id", str(self.admin_port), "--concurrency", "1",
                      "--file-flush-interval-msec", "50"], "envoy", None)
         _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
+
+    @property
+    def envoy_process(self) -> subprocess.Popen:
+        """The running Envoy (the last one started)."""
+        return next(p for p in reversed(self.processes) if p.args[0] == envoy_binary())
+
+    @property
+    def picker_process(self) -> subprocess.Popen:
+        """The running picker (the last one started)."""
+        return next(p for p in reversed(self.processes)
+                    if "picker" in p.args and "serve" in p.args)
+
+    def restart_envoy(self) -> None:
+        """SIGKILL Envoy and start it again on the same ports with the same config file."""
+        old = self.envoy_process
+        os.killpg(old.pid, signal.SIGKILL)
+        old.wait(10)
+        self.processes.remove(old)
+        # Same base id, and the dead one's hot-restart shared memory is still there: without
+        # this flag the new Envoy reported ready but refused connections on the listener.
+        args = list(old.args)
+        if "--disable-hot-restart" not in args:
+            args.append("--disable-hot-restart")
+        self._spawn(args, "envoy", None)
+        _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
+
+    def restart_picker(self) -> None:
+        """Start the picker again (after it died or was killed) on the same ports and config."""
+        old = self.picker_process
+        if old.poll() is None:
+            os.killpg(old.pid, signal.SIGKILL)
+            old.wait(10)
+        self.processes.remove(old)
+        self._spawn(list(old.args), "picker", "picker listening")
 
     def write_picker_config(self, overrides: dict[str, Any]) -> None:
         """(Re)write the picker's config file; the running picker hot-reloads it."""
@@ -213,6 +260,8 @@ class Stack:
             "endpoints": [{"address": a} for a in self.endpoint_addresses],
             "capacity": {"scrapeInterval": "50ms"},
         }
+        if self.gateway_retries:
+            config["routing"] = {"fallbackEndpoints": 1}
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}

@@ -34,7 +34,8 @@ def _bootstrap(mode: str, eager: bool):  # type: ignore[no-untyped-def]
     def build(stack: Stack) -> dict[str, Any]:
         config = envoy_config(listen_port=stack.gateway_port, admin_port=stack.admin_port,
                               picker_port=stack.grpc_port, access_log=stack.access_log,
-                              picker_tls=stack.secure_serving)
+                              picker_tls=stack.secure_serving,
+                              identity="trusted-client")  # the test sends the tenant itself
         manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         picker = manager["typed_config"]["http_filters"][0]["typed_config"]
         picker["processing_mode"]["request_body_mode"] = mode

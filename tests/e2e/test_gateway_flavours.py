@@ -33,7 +33,10 @@ def _bootstrap(flavour: str) -> Callable[[Stack], dict[str, Any]]:
         return gateway_config(flavour, Wiring(
             listen_port=stack.gateway_port, admin_port=stack.admin_port,
             picker_port=stack.grpc_port, endpoints=list(stack.endpoint_addresses),
-            picker_tls=stack.secure_serving, access_log=stack.access_log))
+            picker_tls=stack.secure_serving, access_log=stack.access_log,
+            # The test sends the tenant header itself, standing in for the authenticating
+            # gateway (tests/faults/test_forged_identity.py checks the flavours strip it).
+            trusted_client_identity=True))
     return build
 
 

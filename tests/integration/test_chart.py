@@ -698,3 +698,25 @@ def test_notes_say_what_to_do_next(case_id: str) -> None:
     assert "9002" in notes
     assert ("delete the leader pod" in notes) == (_values(case_id)["picker"]["replicas"] > 1)
 
+
+
+@pytest.mark.parametrize("case_id", ["default", "ha"])
+def test_notes_say_the_tenancy_mode_and_what_the_gateway_must_do(case_id: str) -> None:
+    notes = next(text for path, text in _rendered(case_id)[0].items()
+                 if path.endswith("NOTES.txt"))
+    tenancy = _values(case_id)["config"]["tenancy"]
+    assert tenancy.get("mode", "header") == "header"
+    header = tenancy["header"]
+    assert "Tenancy mode: header" in notes and "Tenancy mode: apiKey." not in notes
+    assert f"set {header} from authentication" in notes
+    for name in ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
+                 "x-fairway-lane", "x-gateway-inference-objective"):
+        assert name in notes
+
+
+def test_notes_in_api_key_mode_say_authorization_reaches_the_picker() -> None:
+    assert _values("no-operator")["config"]["tenancy"]["mode"] == "apiKey"
+    notes = next(text for path, text in _rendered("no-operator")[0].items()
+                 if path.endswith("NOTES.txt"))
+    assert "Tenancy mode: apiKey." in notes and "Authorization" in notes
+    assert "Tenancy mode: header" not in notes

@@ -52,6 +52,14 @@ _PARENT_REF = {"type": "object", "additionalProperties": False, "required": ["na
                               "port": _PORT}}
 _CONTROLLER = r"^[a-z0-9.-]+/[A-Za-z0-9/\-._~%!$&'()*+,;=:]+$"
 _DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+_HEADER_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9!#$%&'*+\-.^_\x60|~]+$",
+                "minLength": 1, "maxLength": 256}
+_HEADER_VALUES = {"type": "array", "maxItems": 16, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "value"],
+    "properties": {"name": _HEADER_NAME, "value": {"type": "string", "maxLength": 4096}}}}
+_HEADER_FILTER = {"type": "object", "additionalProperties": False, "properties": {
+    "set": _HEADER_VALUES, "add": _HEADER_VALUES,
+    "remove": {"type": "array", "maxItems": 16, "uniqueItems": True, "items": _HEADER_NAME}}}
 GATEWAY_API_V1 = {
     "GatewayClass": {"type": "object", "properties": {"spec": {
         "type": "object", "additionalProperties": False, "required": ["controllerName"],
@@ -87,11 +95,20 @@ GATEWAY_API_V1 = {
                         "properties": {"group": {"type": "string"}, "kind": {"type": "string"},
                                        "name": _NAME, "namespace": _NAME, "port": _PORT,
                                        "weight": {"type": "integer", "minimum": 0}}}},
+                    "filters": {"type": "array", "maxItems": 16, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["type"],
+                        "properties": {"type": {"enum": ["RequestHeaderModifier"]},
+                                       "requestHeaderModifier": _HEADER_FILTER}}},
                     "timeouts": {"type": "object", "additionalProperties": False,
                                  "properties": {"request": _DURATION,
                                                 "backendRequest": _DURATION}}}}}}}}},
 }
-PARSE_ONLY_KINDS = {"DestinationRule"}
+PARSE_ONLY_KINDS = {"DestinationRule": "networking.istio.io/v1",
+                    "EnvoyFilter": "networking.istio.io/v1alpha3",
+                    "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
+                    "SecurityPolicy": "gateway.envoyproxy.io/v1alpha1",
+                    "ListenerPolicy": "gateway.kgateway.dev/v1alpha1"}
+"""Kinds of the implementations' own APIs (no schema here): their apiVersion is checked."""
 
 
 def _load(name: str) -> list[dict]:
@@ -177,7 +194,7 @@ def test_every_sample_object_passes_its_schema(sample: str) -> None:
             assert obj["apiVersion"] == "gateway.networking.k8s.io/v1"
             jsonschema.Draft7Validator(GATEWAY_API_V1[kind]).validate(obj)
         elif kind in PARSE_ONLY_KINDS:
-            assert obj["apiVersion"] == "networking.istio.io/v1"
+            assert obj["apiVersion"] == PARSE_ONLY_KINDS[kind]
         else:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         if kind != "GatewayClass":  # cluster-scoped

@@ -37,6 +37,9 @@ EXPECTED: dict[type[RequestError], tuple[int, str, str, str]] = {
     errors.NoEndpoint: (503, "server_error", "no_endpoint_available", "no_endpoint"),
     errors.ShuttingDown: (503, "server_error", "shutting_down", "shutting_down"),
     errors.NotLeader: (503, "server_error", "not_leader", "not_leader"),
+    errors.BodyBuffersFull: (503, "server_error", "server_overloaded", "buffers_full"),
+    errors.BodyTimeout: (408, "invalid_request_error", "request_timeout", "body_timeout"),
+    errors.InternalError: (500, "server_error", "internal_error", "internal"),
 }
 
 SNAKE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")

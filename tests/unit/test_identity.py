@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from picker.errors import RequestError, Unauthorized
+from picker.errors import BadRequest, RequestError, Unauthorized
 from picker.identity import Identity, KeyEntry, hash_api_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +210,16 @@ def test_check_still_works() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert ": ok (" in result.stdout
+
+
+@pytest.mark.parametrize("value", ["x" * 254, "team a", "-x", "tëam", "a\x00b", "tab\there"])
+def test_a_header_tenant_outside_the_id_rule_is_refused(value: str) -> None:
+    identity = Identity.trusted_header(["x-tenant"], "anonymous")
+    with pytest.raises(BadRequest, match="must be a tenant id"):
+        identity.tenant({"x-tenant": value})
+
+
+@pytest.mark.parametrize("value", ["a", "team-a", "org/team.a", "user@example.com", "x" * 253,
+                                   "ns:tenant_1"])
+def test_tenant_ids_of_the_rule_pass(value: str) -> None:
+    assert Identity.trusted_header(["x-tenant"], "anonymous").tenant({"x-tenant": value}) == value

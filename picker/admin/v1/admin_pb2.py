@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x61irway/v1/admin.proto\x12\nfairway.v1\"%\n\x12ListTenantsRequest\x12\x0f\n\x07tenants\x18\x01 \x03(\t\"Q\n\x0c\x42udgetWindow\x12\x0e\n\x06window\x18\x01 \x01(\t\x12\x18\n\x10remaining_tokens\x18\x02 \x01(\x01\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x03\"\xd2\x02\n\x0bTenantState\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nconfigured\x18\x04 \x01(\x08\x12\x17\n\x0fvirtual_counter\x18\x05 \x01(\x01\x12\x15\n\rfairness_debt\x18\x06 \x01(\x01\x12\x15\n\rservice_share\x18\x07 \x01(\x01\x12\x16\n\x0ewindow_service\x18\x08 \x01(\x01\x12\x15\n\rtotal_service\x18\t \x01(\x01\x12\x17\n\x0fqueued_requests\x18\n \x01(\x03\x12\x15\n\rqueued_tokens\x18\x0b \x01(\x03\x12\x18\n\x10running_requests\x18\x0c \x01(\x03\x12\x16\n\x0erunning_tokens\x18\r \x01(\x03\x12)\n\x07\x62udgets\x18\x0e \x03(\x0b\x32\x18.fairway.v1.BudgetWindow\"n\n\x13ListTenantsResponse\x12(\n\x07tenants\x18\x01 \x03(\x0b\x32\x17.fairway.v1.TenantState\x12\x16\n\x0ewindow_seconds\x18\x02 \x01(\x01\x12\x15\n\rtaken_at_unix\x18\x03 \x01(\x01\"\x16\n\x14ListEndpointsRequest\"\xa0\x01\n\rEndpointState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x15\n\rbudget_tokens\x18\x02 \x01(\x03\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x03\x12\x19\n\x11inflight_requests\x18\x04 \x01(\x03\x12\x0f\n\x07waiting\x18\x05 \x01(\x01\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"E\n\x15ListEndpointsResponse\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.fairway.v1.EndpointState2\xad\x01\n\x05\x41\x64min\x12N\n\x0bListTenants\x12\x1e.fairway.v1.ListTenantsRequest\x1a\x1f.fairway.v1.ListTenantsResponse\x12T\n\rListEndpoints\x12 .fairway.v1.ListEndpointsRequest\x1a!.fairway.v1.ListEndpointsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x61irway/v1/admin.proto\x12\nfairway.v1\"H\n\x12ListTenantsRequest\x12\x0f\n\x07tenants\x18\x01 \x03(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Q\n\x0c\x42udgetWindow\x12\x0e\n\x06window\x18\x01 \x01(\t\x12\x18\n\x10remaining_tokens\x18\x02 \x01(\x01\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x03\"\xd2\x02\n\x0bTenantState\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nconfigured\x18\x04 \x01(\x08\x12\x17\n\x0fvirtual_counter\x18\x05 \x01(\x01\x12\x15\n\rfairness_debt\x18\x06 \x01(\x01\x12\x15\n\rservice_share\x18\x07 \x01(\x01\x12\x16\n\x0ewindow_service\x18\x08 \x01(\x01\x12\x15\n\rtotal_service\x18\t \x01(\x01\x12\x17\n\x0fqueued_requests\x18\n \x01(\x03\x12\x15\n\rqueued_tokens\x18\x0b \x01(\x03\x12\x18\n\x10running_requests\x18\x0c \x01(\x03\x12\x16\n\x0erunning_tokens\x18\r \x01(\x03\x12)\n\x07\x62udgets\x18\x0e \x03(\x0b\x32\x18.fairway.v1.BudgetWindow\"\x9e\x01\n\x13ListTenantsResponse\x12(\n\x07tenants\x18\x01 \x03(\x0b\x32\x17.fairway.v1.TenantState\x12\x16\n\x0ewindow_seconds\x18\x02 \x01(\x01\x12\x15\n\rtaken_at_unix\x18\x03 \x01(\x01\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t\x12\x15\n\rtotal_tenants\x18\x05 \x01(\x03\"\x16\n\x14ListEndpointsRequest\"\xa0\x01\n\rEndpointState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x15\n\rbudget_tokens\x18\x02 \x01(\x03\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x03\x12\x19\n\x11inflight_requests\x18\x04 \x01(\x03\x12\x0f\n\x07waiting\x18\x05 \x01(\x01\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"E\n\x15ListEndpointsResponse\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.fairway.v1.EndpointState2\xad\x01\n\x05\x41\x64min\x12N\n\x0bListTenants\x12\x1e.fairway.v1.ListTenantsRequest\x1a\x1f.fairway.v1.ListTenantsResponse\x12T\n\rListEndpoints\x12 .fairway.v1.ListEndpointsRequest\x1a!.fairway.v1.ListEndpointsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairway.v1.admin_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTTENANTSREQUEST']._serialized_start=38
-  _globals['_LISTTENANTSREQUEST']._serialized_end=75
-  _globals['_BUDGETWINDOW']._serialized_start=77
-  _globals['_BUDGETWINDOW']._serialized_end=158
-  _globals['_TENANTSTATE']._serialized_start=161
-  _globals['_TENANTSTATE']._serialized_end=499
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=501
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=611
-  _globals['_LISTENDPOINTSREQUEST']._serialized_start=613
-  _globals['_LISTENDPOINTSREQUEST']._serialized_end=635
-  _globals['_ENDPOINTSTATE']._serialized_start=638
-  _globals['_ENDPOINTSTATE']._serialized_end=798
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=800
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=869
-  _globals['_ADMIN']._serialized_start=872
-  _globals['_ADMIN']._serialized_end=1045
+  _globals['_LISTTENANTSREQUEST']._serialized_end=110
+  _globals['_BUDGETWINDOW']._serialized_start=112
+  _globals['_BUDGETWINDOW']._serialized_end=193
+  _globals['_TENANTSTATE']._serialized_start=196
+  _globals['_TENANTSTATE']._serialized_end=534
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=537
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=695
+  _globals['_LISTENDPOINTSREQUEST']._serialized_start=697
+  _globals['_LISTENDPOINTSREQUEST']._serialized_end=719
+  _globals['_ENDPOINTSTATE']._serialized_start=722
+  _globals['_ENDPOINTSTATE']._serialized_end=882
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=884
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=953
+  _globals['_ADMIN']._serialized_start=956
+  _globals['_ADMIN']._serialized_end=1129
 # @@protoc_insertion_point(module_scope)

@@ -7,10 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ListTenantsRequest(_message.Message):
-    __slots__ = ("tenants",)
+    __slots__ = ("tenants", "limit", "page_token")
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+    limit: int
+    page_token: str
+    def __init__(self, tenants: _Optional[_Iterable[str]] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class BudgetWindow(_message.Message):
     __slots__ = ("window", "remaining_tokens", "capacity_tokens")
@@ -55,14 +59,18 @@ class TenantState(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., lane: _Optional[str] = ..., weight: _Optional[float] = ..., configured: _Optional[bool] = ..., virtual_counter: _Optional[float] = ..., fairness_debt: _Optional[float] = ..., service_share: _Optional[float] = ..., window_service: _Optional[float] = ..., total_service: _Optional[float] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., budgets: _Optional[_Iterable[_Union[BudgetWindow, _Mapping]]] = ...) -> None: ...
 
 class ListTenantsResponse(_message.Message):
-    __slots__ = ("tenants", "window_seconds", "taken_at_unix")
+    __slots__ = ("tenants", "window_seconds", "taken_at_unix", "next_page_token", "total_tenants")
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TAKEN_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TENANTS_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantState]
     window_seconds: float
     taken_at_unix: float
-    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantState, _Mapping]]] = ..., window_seconds: _Optional[float] = ..., taken_at_unix: _Optional[float] = ...) -> None: ...
+    next_page_token: str
+    total_tenants: int
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantState, _Mapping]]] = ..., window_seconds: _Optional[float] = ..., taken_at_unix: _Optional[float] = ..., next_page_token: _Optional[str] = ..., total_tenants: _Optional[int] = ...) -> None: ...
 
 class ListEndpointsRequest(_message.Message):
     __slots__ = ()

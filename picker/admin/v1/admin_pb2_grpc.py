@@ -50,8 +50,8 @@ class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListTenants(self, request, context):
-        """Every tenant the picker knows now: configured ones, and others with requests in the picker
-        or service in the current window.
+        """The tenants the picker knows now (configured ones, and others with requests in the picker
+        or service in the current window), busiest first by service share, one page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

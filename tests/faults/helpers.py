@@ -1,0 +1,83 @@
+"""What the fault scenarios share: a client that always returns (status, headers, OpenAI error
+body), the check of an OpenAI error, and the check that the picker's gauges drained to zero."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import aiohttp
+
+from picker.stack.launcher import Stack
+from tests.e2e.conftest import TENANT_HEADER, metric, wait_until
+
+CHAT = "/v1/chat/completions"
+GAUGES = ("fairway_queued_requests", "fairway_running_requests",
+          "fairway_endpoint_inflight_tokens")
+
+
+def post(stack: Stack, tenant: str, body: bytes, timeout: float = 20.0
+         ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """One blocking request through the gateway: status, lower-cased headers, parsed JSON body
+    (``{}`` when empty or not JSON)."""
+    request = urllib.request.Request(stack.gateway_url + CHAT, data=body, headers={
+        TENANT_HEADER: tenant, "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, headers, raw = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        status, headers, raw = error.code, error.headers, error.read()
+    return status, {k.lower(): v for k, v in headers.items()}, _json(raw)
+
+
+async def apost(session: aiohttp.ClientSession, stack: Stack, tenant: str, body: bytes
+                ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """``post`` for asyncio: many at once on one session."""
+    async with session.post(stack.gateway_url + CHAT, data=body, headers={
+            TENANT_HEADER: tenant, "content-type": "application/json"}) as response:
+        raw = await response.read()
+        return response.status, {k.lower(): v for k, v in response.headers.items()}, _json(raw)
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw or b"{}")
+    except ValueError:
+        return {"_raw": raw[:200].decode(errors="replace")}
+    return value if isinstance(value, dict) else {"_raw": value}
+
+
+def assert_openai_error(status: int, headers: dict[str, str], body: dict[str, Any],
+                        expected_status: int, code: str, retryable: bool) -> None:
+    """The refusal is ``expected_status`` with an OpenAI-shaped body naming ``code``, and carries
+    ``Retry-After`` exactly when retrying can help."""
+    assert status == expected_status, (status, headers, body)
+    error = body.get("error")
+    assert isinstance(error, dict), body
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    assert error["code"] == code, error
+    assert isinstance(error["message"], str) and error["message"], error
+    if retryable:
+        assert float(headers["retry-after"]) > 0, headers
+    else:
+        assert "retry-after" not in headers, headers
+
+
+def gauges(stack: Stack) -> dict[str, float]:
+    """The picker's queued, running and in-flight gauges, each summed over its labels."""
+    return {name: metric(stack.metrics_url, name) for name in GAUGES}
+
+
+def gauges_drain(stack: Stack, timeout: float = 15.0) -> dict[str, float]:
+    """The gauges once all are 0 (or as they are at the timeout, for the assertion's message)."""
+    wait_until(lambda: not any(gauges(stack).values()), timeout)
+    return gauges(stack)
+
+
+def engine_requests(stack: Stack) -> float:
+    """Requests the simulated servers finished, whatever the reason (stop, length, abort): every
+    request that reached an engine, once it is over."""
+    return sum(metric(f"http://{address}/metrics", "vllm:request_success_total")
+               for address in stack.endpoint_addresses)
