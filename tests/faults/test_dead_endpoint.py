@@ -89,8 +89,9 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
     stack = plain_stack
     status, _, _ = _post(stack, chat_body(max_tokens=2))
     assert status == 200
-    prompt = settled_metric(stack.metrics_url, "fairway_service_tokens_total", 0.0, timeout=0.5,
-                            tenant="a", kind="prompt")
+    assert wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total", tenant="a",
+                                     outcome="ok") == 1)  # settled a moment after the answer
+    prompt = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="a", kind="prompt")
     assert prompt > 0
     _kill(_server(stack, 0))
     statuses = []
@@ -161,8 +162,12 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
     stack = retrying_stack
     status, _, _ = _post(stack, chat_body(max_tokens=2))
     assert status == 200
-    prompt = settled_metric(stack.metrics_url, "fairway_service_tokens_total", 0.0, timeout=0.5,
-                            tenant="a", kind="prompt")
+    # The meter stream settles a moment after the client has its answer: wait for it, then read
+    # what one request's prompt costs.
+    assert wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total", tenant="a",
+                                     outcome="ok") == 1)
+    prompt = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="a", kind="prompt")
+    assert prompt > 0
     with ThreadPoolExecutor(12) as pool:
         results = [pool.submit(_stream, stack) for _ in range(12)]
         # Some are streaming on each server, the rest queue in the picker; then server 0 dies.
