@@ -14,7 +14,9 @@ tenants. The config's meaning for the core (cost, capacity, admission rules) is 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +61,8 @@ from picker.openai import InferenceRequest
 log = logging.getLogger(__name__)
 
 OUTPUT_EWMA_ALPHA = 0.2
+SCRAPE_SNAPSHOT_TIMEOUT = 5.0
+"""Seconds a Prometheus scrape waits for the event loop to take the state snapshot."""
 PRUNE_INTERVAL = 30.0
 """Seconds between sweeps that forget tenants whose budgets have refilled."""
 
@@ -137,7 +141,34 @@ class Dispatcher:
         self.config = config
         self.scheduler = self._new_scheduler(config)
         self.apply_config(config)
-        self.metrics.add_state_collector(self.snapshot)
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._loop_thread = threading.get_ident()
+        self.metrics.add_state_collector(self._scrape_snapshot)
+
+    def _scrape_snapshot(self) -> dict[str, Any]:
+        """``snapshot`` for a Prometheus scrape, taken on the event loop's thread.
+
+        The metrics server answers on a thread of its own while the loop changes the queue; a
+        snapshot taken there would iterate dicts that change under it ("dictionary changed size
+        during iteration", seen under load as the scrape failing with wsgiref's error page).
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running() \
+                or threading.get_ident() == self._loop_thread:
+            return self.snapshot()
+        taken: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                taken.set_result(self.snapshot())
+            except Exception as error:  # the scrape reports it; the loop carries on
+                taken.set_exception(error)
+
+        loop.call_soon_threadsafe(take)
+        return taken.result(timeout=SCRAPE_SNAPSHOT_TIMEOUT)
 
     # -- configuration --
 
