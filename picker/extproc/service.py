@@ -127,16 +127,18 @@ def _headers(message: pb.HttpHeaders) -> dict[str, str]:
     return {h.key.lower(): _header_value(h) for h in message.headers.headers}
 
 
-def _repeated(message: pb.HttpHeaders, names: frozenset[str]) -> str | None:
-    """The first of ``names`` (lower case) the request carries more than once, if any."""
-    seen: set[str] = set()
+def _request_headers(message: pb.HttpHeaders,
+                     watched: frozenset[str]) -> tuple[dict[str, str], str | None]:
+    """The headers (lower-cased names), and the first of ``watched`` sent more than once: one
+    pass over the headers, on the per-request path."""
+    headers: dict[str, str] = {}
+    repeated = None
     for header in message.headers.headers:
         key = header.key.lower()
-        if key in names:
-            if key in seen:
-                return key
-            seen.add(key)
-    return None
+        if repeated is None and key in headers and key in watched:
+            repeated = key
+        headers[key] = _header_value(header)
+    return headers, repeated
 
 
 def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -365,8 +367,6 @@ class _Exchange:
         self.ticket: Ticket | None = None
         self.meter: ResponseMeter | None = None
         self.response_failed = False
-        self.answered = False
-        """The request headers have been answered (routed or refused)."""
         self.routed = False
         self.done = False
 
@@ -451,9 +451,9 @@ class _Exchange:
 
     async def _on_request_headers(self, message: pb.ProcessingRequest
                                   ) -> list[pb.ProcessingResponse]:
-        self.headers = _headers(message.request_headers)
+        self.headers, repeated = _request_headers(message.request_headers,
+                                                  self.dispatcher.identity_headers)
         self.subset = _subset(message)
-        repeated = _repeated(message.request_headers, self.dispatcher.identity_headers)
         self.plan, self.per_chunk = body_plan(message)
         if message.HasField("protocol_config"):
             response_mode = message.protocol_config.response_body_mode
@@ -472,12 +472,11 @@ class _Exchange:
             if self.kind is not None and message.request_headers.end_of_stream:
                 raise BadRequest("request body is empty")
         except RequestError as error:
-            self.done = self.answered = True
+            self.done = True
             return [self._refuse(error)]
         if message.request_headers.end_of_stream:
             return self._pass_through(None)
         if self.plan is BodyPlan.BUFFERED:
-            self.answered = True
             return [_HEADERS_CONTINUE]
         if self.plan is BodyPlan.AT_HEADERS:
             return await self._route_before_body()
@@ -499,7 +498,7 @@ class _Exchange:
     def _pass_through(self, body: bytes | None) -> list[pb.ProcessingResponse]:
         """A listed non-inference path (``GET /v1/models``): nothing to queue or charge; routed
         to the least-loaded endpoint."""
-        self.answered = self.routed = True
+        self.routed = True
         candidates = self.dispatcher.candidates(self.subset)
         if not candidates:
             self.done = True
@@ -549,7 +548,6 @@ class _Exchange:
         """The whole body is in (HOLD or BUFFERED): admit, queue, and route."""
         if self.plan is BodyPlan.AT_HEADERS:
             return self._finish_routed_body() if self.ticket is not None else []
-        self.answered = True
         if self.kind is None:
             return self._pass_through(bytes(self.body))
         try:
@@ -579,7 +577,6 @@ class _Exchange:
 
     async def _route_before_body(self) -> list[pb.ProcessingResponse]:
         """AT_HEADERS: admit on what the headers say, since the upstream is chosen now."""
-        self.answered = True
         if self.kind is None:
             return self._pass_through(None)
         try:
@@ -635,7 +632,7 @@ class _Exchange:
         return json.dumps(inference.body, separators=(",", ":")).encode()
 
     def _refuse_mid_request(self, error: RequestError) -> list[pb.ProcessingResponse]:
-        self.done = self.answered = True
+        self.done = True
         self.release_body()
         if self.ticket is not None and self.ticket.outcome is None:
             if self.body_complete and self.routed and self.plan is not BodyPlan.AT_HEADERS:

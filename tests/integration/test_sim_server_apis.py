@@ -8,7 +8,6 @@ through Envoy depend on the two agreeing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,31 +20,13 @@ from picker.core.request import Usage
 from picker.openai import ResponseMeter
 from picker.openai.paths import ApiKind
 from picker.sim.openai_fmt import CHAT_REPLY_TOKENS, CHAT_TOKENS_PER_MESSAGE
-from picker.sim.server import SimServer, SimServerConfig
+from picker.sim.server import SimServer
+from tests.integration.test_sim_server import http, sim, words
 
 RESPONSES_PATH = "/v1/responses"
 EMBEDDINGS_PATH = "/v1/embeddings"
 MESSAGES_PATH = "/v1/messages"
-
-
-@contextlib.asynccontextmanager
-async def sim(**overrides: Any) -> AsyncIterator[SimServer]:
-    server = SimServer(SimServerConfig(**{"step_ms": 2.0, **overrides}))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def words(n: int) -> str:
-    return " ".join(["word"] * n)
+__all__ = ["http"]  # the fixture, imported for the tests below
 
 
 async def post_raw(http: aiohttp.ClientSession, server: SimServer, path: str,
