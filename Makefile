@@ -41,8 +41,11 @@ experiments: setup
 test: setup lint
 	$(PY) -m pytest -q
 
+# Style, the import contracts of pyproject.toml (layers; docs/architecture.md) and types.
 lint: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy picker/core picker/config
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

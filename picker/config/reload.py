@@ -8,6 +8,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal, overload
 
 from picker.config.schema import PickerConfig, load_config
 
@@ -50,6 +51,10 @@ class ConfigApplier:
             return None
         return self._apply(self._deferred, count_failure=False)
 
+    @overload
+    def _apply(self, config: PickerConfig, count_failure: Literal[True]) -> str: ...
+    @overload
+    def _apply(self, config: PickerConfig, count_failure: bool) -> str | None: ...
     def _apply(self, config: PickerConfig, count_failure: bool) -> str | None:
         try:
             self.apply(config)

@@ -411,8 +411,8 @@ class PickerConfig:
         require_unique([t.id for t in self.tenants], "tenants[{}].id", "tenant")
         for i, tenant in enumerate(self.tenants):
             require_known(tenant.lane, lane_names, f"tenants[{i}].lane", "lane")
-            for j, lane in enumerate(tenant.allowed_lanes):
-                require_known(lane, lane_names, f"tenants[{i}].allowedLanes[{j}]", "lane")
+            for j, allowed in enumerate(tenant.allowed_lanes):
+                require_known(allowed, lane_names, f"tenants[{i}].allowedLanes[{j}]", "lane")
             if tenant.over_budget is not None:
                 require_known(tenant.over_budget.lane, lane_names,
                               f"tenants[{i}].overBudget.lane", "lane")

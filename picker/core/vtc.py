@@ -163,10 +163,10 @@ class VirtualTokenCounter:
         heap, version, queues, counters = self._heap, self._version, self._queues, self.counters
         if self._stale:
             for tenant in self._stale:
-                queue = queues[tenant]
+                backlog = queues[tenant]
                 self._tick += 1
                 v = version[tenant] = self._tick
-                heapq.heappush(heap, (counters[tenant], queue[0].seq, tenant, v))
+                heapq.heappush(heap, (counters[tenant], backlog[0].seq, tenant, v))
             self._stale.clear()
             if len(heap) > 4 * self._backlogged + 64:
                 self._compact()

@@ -19,6 +19,8 @@ from picker.core.admission import (
     TenantRules,
 )
 from picker.core.cost import CostFunction
+from picker.core.gate import GateRules, LaneRules
+from picker.core.health import HealthRules
 from picker.core.selection import CapacityRules
 from picker.errors import (
     ConfigError,
@@ -50,6 +52,33 @@ def capacity_rules(config: PickerConfig) -> CapacityRules:
         c.fallback_kv_budget_tokens
     return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
                          stale_after=c.metrics_stale_after)
+
+
+def gate_rules(config: PickerConfig) -> GateRules:
+    """Lanes, capacity, health, queue limits and routing, as the gate applies them."""
+    lanes = config.lanes
+    return GateRules(
+        lanes=tuple(LaneRules(lane.name, lane.engine_priority) for lane in lanes),
+        holding=config.scheduling.policy != "fcfs",
+        capacity=capacity_rules(config),
+        health=HealthRules(config.health.consecutive_failures, config.health.base_ejection_time,
+                           config.health.max_ejection_time),
+        max_queued=config.queue.max_queued,
+        shed_lower_lanes=config.queue.overload == "shedLowerLanes",
+        fallback_endpoints=config.routing.fallback_endpoints,
+        idle_tenant_reserve=config.capacity.idle_tenant_reserve,
+        default_output_tokens=config.capacity.default_output_tokens,
+        tenant_lanes={t.id: t.lane for t in config.tenants if t.lane is not None},
+        allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
+                       for t in config.tenants},
+        configured_tenants=frozenset(t.id for t in config.tenants))
+
+
+def endpoint_budgets(config: PickerConfig) -> dict[str, int | None]:
+    """The configured endpoints and each one's KV budget (``None``: learned or the fallback)."""
+    pool = config.capacity.kv_budget_tokens
+    return {e.address: e.kv_budget_tokens or (pool if isinstance(pool, int) else None)
+            for e in config.endpoints}
 
 
 def _bucket(budget: Budget | None) -> BucketRule | None:

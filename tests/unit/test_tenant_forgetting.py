@@ -166,7 +166,7 @@ async def test_a_forgotten_tenant_comes_back_where_a_remembered_one_would() -> N
         d = Dispatcher(load_config(CONFIG), clock=clock,
                        metrics=PickerMetrics(CollectorRegistry()))
         if not forget:
-            d.forget_idle = lambda now: None  # type: ignore[method-assign]
+            d.gate.forget_idle = lambda now: None  # type: ignore[method-assign]
         for i in range(200):
             await _serve(d, f"flood-{i}", 30, 40)
         clock.now += d.estimates.ttl + 1

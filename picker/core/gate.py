@@ -1,0 +1,656 @@
+"""The gate: which queued request leaves next, to which endpoint, and what its tenant is charged.
+
+It answers every question the picker asks about a request between its headers and its end, in
+one place and without a clock or an event loop (time is passed in): may it queue (admission,
+caps, a full queue, shedding a lower lane), how big is it (the tenant's own estimates), may it
+enter the fair queue or must it park at its tenant's concurrency cap, which queued request goes
+now and where (the fair queue's head when an endpoint has room; a light tenant's request ahead
+of a head that has to wait; the idle-tenant reserve), what the engine is asked (its priority),
+and how it is settled. The asyncio dispatcher (``picker.dispatch``) adds futures, timeouts and
+cancellation; the pool simulator (``picker.sim.pool``) drives the very same object against
+simulated engines, so what the simulator shows is what the gateway does.
+
+An adapter observes the gate's decisions through a ``GateListener``: a request dispatched, one
+that left the queue unserved, one settled. The gate never calls back into the gate from there.
+
+Invariants (checked in ``tests/unit/test_gate.py``):
+
+* every request in the fair queue may be dispatched: queued plus running stays within its
+  tenant's concurrency cap (the others are parked, first in first out per tenant);
+* ``single`` holds exactly the tenants with one request in the fair queue and none parked;
+* an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
+  over the requests dispatched there and not yet settled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from picker.core.admission import Admission, Refused, Reservation
+from picker.core.estimates import TenantEstimates
+from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
+from picker.core.lanes import Scheduler
+from picker.core.request import Request, Usage
+from picker.core.selection import (
+    CapacityRules,
+    EndpointState,
+    LeastLoaded,
+    Scorer,
+    free_tokens,
+    keeps_reserve,
+    rank,
+)
+
+FOOTPRINT_EWMA_ALPHA = 0.2
+"""How fast a tenant's typical footprint (for the idle-tenant reserve) follows its requests."""
+PRUNE_INTERVAL = 30.0
+"""Seconds between sweeps that forget tenants whose state no longer changes a decision."""
+
+NO_ENDPOINT = "no_endpoint"
+QUEUE_FULL = "queue_full"
+
+
+@dataclass(frozen=True, slots=True)
+class Turnaway:
+    """The request may not queue for a reason of the pool, not of its tenant."""
+
+    reason: str
+    """``no_endpoint`` (nothing in service for it) or ``queue_full``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRules:
+    """One lane as the gate sees it (see ``picker.config.schema.Lane``)."""
+
+    name: str
+    engine_priority: int | None = None
+    """The vLLM ``priority`` its requests carry; ``None``: the lane sets none."""
+
+
+@dataclass(frozen=True)
+class GateRules:
+    """What the gate is told (``picker.dispatch.from_config.gate_rules`` maps the config)."""
+
+    lanes: tuple[LaneRules, ...] = (LaneRules("default"),)
+    """Highest first."""
+    holding: bool = True
+    """False in pass-through (``fcfs``) mode: requests are dispatched at once, anywhere."""
+    capacity: CapacityRules = field(default_factory=CapacityRules)
+    health: HealthRules = field(default_factory=HealthRules)
+    max_queued: int = 10_000
+    """Requests the picker holds (queued and parked) before it refuses new ones."""
+    shed_lower_lanes: bool = False
+    """A full queue refuses the newest request of a lower lane instead of the new one."""
+    fallback_endpoints: int = 0
+    """Endpoints named after the primary, for the gateway to retry on."""
+    idle_tenant_reserve: float = 0.0
+    """Seconds a tenant counts as recently active for the reserve (0: no reserve)."""
+    default_output_tokens: int = 256
+    tenant_lanes: Mapping[str, str] = field(default_factory=dict)
+    """A tenant's own lane, when not the first."""
+    allowed_lanes: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """Lanes a tenant may ask for (its own included)."""
+    configured_tenants: frozenset[str] = frozenset()
+    """Tenants the config names: their service totals are kept while they idle."""
+
+    def lane_rank(self) -> dict[str, int]:
+        return {lane.name: i for i, lane in enumerate(self.lanes)}
+
+
+@dataclass(eq=False)
+class Passage:
+    """One request's passage through the gate."""
+
+    tenant: str
+    lane: str
+    request: Request
+    arrived_at: float
+    model: str
+    body_prompt_tokens: int
+    """The prompt's size as estimated from the body (the tenant's calibration not applied)."""
+    body_max_tokens: int | None
+    """``max_tokens`` as the body set it (0 for embeddings: no output)."""
+    stream: bool
+    subset: frozenset[str] | None = None
+    request_id: str = ""
+    reservation: Reservation | None = None
+    """Its hold on the tenant's budgets and caps (admission)."""
+    demoted: bool = False
+    max_tokens: int | None = None
+    """The output limit the engine must get, when admission clamped or set it."""
+    destinations: list[str] = field(default_factory=list)
+    endpoint: EndpointState | None = None
+    dispatched_at: float | None = None
+    first_byte_at: float | None = None
+    reserved_tokens: int = 0
+    """Tokens this request adds to its endpoint's in-flight count."""
+    projected_tokens: int = 0
+    """Tokens it is expected to hold at its end (prompt + expected output)."""
+    outcome: str | None = None
+    finish_reason: str | None = None
+    """As the engine reported it (``stop``, ``length``), when the response said."""
+    ratelimit_headers: dict[str, str] = field(default_factory=dict)
+    """``x-ratelimit-*`` for the response, as admission saw the tenant's budgets."""
+    parked: bool = False
+    """Held outside the fair queue because its tenant is at its concurrency cap."""
+    shed_for: str | None = None
+    """The lane of the request it was shed from the full queue for."""
+
+    @property
+    def output_cap(self) -> int | None:
+        """The output cap the engine works to: admission's when it set one, else the body's (0,
+        for embeddings, is a cap and not "none")."""
+        return self.max_tokens if self.max_tokens is not None else self.body_max_tokens
+
+
+P = TypeVar("P", bound=Passage)
+
+
+class GateListener(Protocol):
+    """What an adapter is told of the gate's decisions (metrics, metering, waking a waiter)."""
+
+    def dispatched(self, passage: Any, now: float) -> None:
+        """``passage`` left the queue for ``passage.endpoint``."""
+
+    def dropped(self, passage: Any, outcome: str, now: float) -> None:
+        """``passage`` left the queue unserved (``queue_timeout``, ``cancelled``, ``shed``,
+        ``shutdown``); it was charged nothing."""
+
+    def settled(self, passage: Any, usage: Usage, outcome: str, now: float,
+                estimated: bool) -> None:
+        """A dispatched ``passage`` ended and its tenant was charged ``usage``."""
+
+
+class _Silent:
+    def dispatched(self, passage: Any, now: float) -> None:
+        pass
+
+    def dropped(self, passage: Any, outcome: str, now: float) -> None:
+        pass
+
+    def settled(self, passage: Any, usage: Usage, outcome: str, now: float,
+                estimated: bool) -> None:
+        pass
+
+
+class Gate:
+    """The fair queue in front of a pool of endpoints, and the pool's ledger."""
+
+    def __init__(self, rules: GateRules, scheduler: Scheduler, admission: Admission, *,
+                 now: float, scorer: Scorer | None = None,
+                 listener: GateListener | None = None) -> None:
+        self.rules = rules
+        self.scheduler = scheduler
+        self.admission = admission
+        self.scorer: Scorer = scorer if scorer is not None else LeastLoaded()
+        self.listener: GateListener = listener if listener is not None else _Silent()
+        self.estimates = TenantEstimates(rules.default_output_tokens)
+        """Per tenant: prompt calibration and output estimates (see ``picker.core.estimates``)."""
+        self.endpoints: dict[str, EndpointState] = {}
+        self.passages: dict[Request, Passage] = {}
+        """Every request in the gate: queued, parked or running."""
+        self._parked: dict[str, list[Passage]] = {}
+        """Per tenant, requests waiting for the tenant to drop under its concurrency cap."""
+        self._in_queue: dict[str, list[Passage]] = {}
+        """Per tenant, its requests in the fair queue (parked ones not counted)."""
+        self._single: dict[str, Passage] = {}
+        """Tenants with exactly one request in the fair queue (and none parked): the requests
+        that may go ahead of a head that has to wait (see ``pump``)."""
+        self._recent: dict[str, tuple[float, float]] = {}
+        """Per tenant: last arrival and typical footprint (tokens), for the idle reserve."""
+        self._lane_rank = rules.lane_rank()
+        self._next_prune = now + PRUNE_INTERVAL
+
+    # -- rules --
+
+    def set_rules(self, rules: GateRules) -> None:
+        self.rules = rules
+        self._lane_rank = rules.lane_rank()
+        self.estimates.default_output = float(rules.default_output_tokens)
+
+    def set_endpoints(self, budgets: Mapping[str, int | None]) -> None:
+        """The pool is now these endpoints (address → configured KV budget): new ones join,
+        missing ones drain (their requests finish; then they are forgotten)."""
+        for address, state in self.endpoints.items():
+            state.draining = address not in budgets
+            state.configured_budget = budgets.get(address, state.configured_budget)
+        for address, budget in budgets.items():
+            if address not in self.endpoints:
+                self.endpoints[address] = EndpointState(address, configured_budget=budget)
+        self._forget_drained()
+
+    def _forget_drained(self) -> None:
+        for address in [a for a, e in self.endpoints.items()
+                        if e.draining and e.inflight_requests == 0]:
+            del self.endpoints[address]
+
+    def lane_of(self, tenant: str) -> str:
+        """The tenant's configured lane, else the first lane."""
+        return self.rules.tenant_lanes.get(tenant) or self.rules.lanes[0].name
+
+    def choose_lane(self, tenant: str, asked: str | None) -> str | None:
+        """The lane a request runs in: the tenant's own, or one its policy allows it to ask
+        for; ``None`` for any other lane (refused)."""
+        default = self.lane_of(tenant)
+        if not asked or asked == default:
+            return default
+        return asked if asked in self.rules.allowed_lanes.get(tenant, ()) else None
+
+    def engine_priority(self, lane: str) -> int | None:
+        """The vLLM ``priority`` the lane's requests carry (``None``: the lane sets none)."""
+        return self.rules.lanes[self._lane_rank[lane]].engine_priority
+
+    # -- admission --
+
+    def admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
+              prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
+              subset: frozenset[str] | None = None,
+              request_id: str = "") -> P | Refused | Turnaway:
+        """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
+        set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
+
+        ``lane``: the lane asked for (already checked with ``choose_lane``); default the
+        tenant's. ``prompt_tokens``: the body's estimate.
+        """
+        lane = lane or self.lane_of(tenant)
+        # Only whether one exists: ranking them here would be work pump() does again.
+        if not any(e.in_service(now) and (subset is None or e.address in subset)
+                   for e in self.endpoints.values()):
+            return Turnaway(NO_ENDPOINT)
+        # The tenant's own calibration only: no other tenant's reports move this estimate, and
+        # the cap is judged on at least the body's own size (``TenantEstimates.prompt_floor``).
+        prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
+        expected = self.expected_output(tenant, max_tokens, stream, now)
+        self._note_arrival(tenant, prompt + expected, now)
+        decision = self.admission.admit(
+            tenant, lane, prompt, max_tokens, expected, now,
+            cap_prompt_tokens=self.estimates.prompt_floor(prompt_tokens, prompt))
+        if isinstance(decision, Refused):
+            return decision
+        if self.queued_total() >= self.rules.max_queued and not self._shed_for(decision.lane,
+                                                                                now):
+            self.admission.finish(decision.reservation, 0, now)
+            return Turnaway(QUEUE_FULL)
+        clamped = decision.max_output_tokens
+        request = Request(tenant=tenant, prompt_tokens=prompt, lane=decision.lane,
+                          max_output_tokens=clamped or 0, arrival=now)
+        passage = build(
+            tenant=tenant, lane=decision.lane, request=request, arrived_at=now, model=model,
+            body_prompt_tokens=prompt_tokens, body_max_tokens=max_tokens, stream=stream,
+            subset=subset, request_id=request_id, reservation=decision.reservation,
+            demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None)
+        self.passages[request] = passage
+        self._place(passage, now)
+        return passage
+
+    def expected_output(self, tenant: str, max_tokens: int | None, stream: bool,
+                        now: float) -> int:
+        """The output a request is expected to produce: the tenant's estimate, capped."""
+        # Streams have their own estimate, learned from the streams' counted output: a tenant's
+        # short non-streaming answers cannot talk down how much room its streams are given.
+        average = self.estimates.output(tenant, now, stream=stream)
+        if max_tokens is None:
+            return max(1, round(average))
+        # A cap of 0 (embeddings) means no output at all: the estimate is 0, not 1.
+        return min(max_tokens, max(1, round(min(average, max_tokens))))
+
+    def output_estimate(self, passage: Passage, now: float) -> int:
+        """Expected output of a non-streaming request: the tenant's moving average, capped."""
+        return self.expected_output(passage.tenant, passage.output_cap, False, now)
+
+    def _note_arrival(self, tenant: str, tokens: int, now: float) -> None:
+        """Remember when the tenant last sent and how big its requests are (for the reserve)."""
+        if self.rules.idle_tenant_reserve:
+            _, footprint = self._recent.get(tenant, (now, float(tokens)))
+            self._recent[tenant] = (now, footprint + FOOTPRINT_EWMA_ALPHA * (tokens - footprint))
+
+    def queued_total(self) -> int:
+        """Requests waiting (queued and parked)."""
+        # Counted, not scanned: this runs for every request admitted.
+        return self.scheduler.queued() + sum(map(len, self._parked.values()))
+
+    def _shed_for(self, lane: str, now: float) -> bool:
+        """Make room in a full queue for a request of ``lane``: refuse the newest queued request
+        of the lowest lane below it (``shedLowerLanes``). False when there is none."""
+        if not self.rules.shed_lower_lanes:
+            return False
+        rank = self._lane_rank.get(lane, 0)
+        lower = [p for p in self.passages.values() if p.dispatched_at is None
+                 and self._lane_rank.get(p.lane, 0) > rank]
+        if not lower:
+            return False
+        victim = max(lower, key=lambda p: (self._lane_rank.get(p.lane, 0), p.arrived_at))
+        victim.shed_for = lane
+        self.drop(victim, "shed", now)
+        return True
+
+    # -- the fair queue and the parking lot --
+
+    def _place(self, passage: Passage, now: float) -> None:
+        """Into the fair queue (dispatched at once if it may go), or parked at the tenant's
+        concurrency cap; pass-through mode dispatches it at once."""
+        tenant = passage.tenant
+        if self._may_queue(tenant) or not self.rules.holding:
+            self._enqueue(passage, now)
+        else:
+            passage.parked = True
+            self._parked.setdefault(tenant, []).append(passage)
+            self._single.pop(tenant, None)
+        if not self.rules.holding:
+            self._dispatch(passage, self.candidates(passage.subset, now, require_room=False),
+                           now)
+        elif not passage.parked:
+            self.pump(now)
+
+    def _enqueue(self, passage: Passage, now: float) -> None:
+        passage.parked = False
+        self.scheduler.enqueue(passage.request, now)
+        queued = self._in_queue.setdefault(passage.tenant, [])
+        queued.append(passage)
+        self._update_single(passage.tenant, queued)
+
+    def _may_queue(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may enter the fair queue: every request there may be
+        dispatched, so queued plus running stays within the tenant's concurrency cap."""
+        if tenant in self._parked:
+            return False  # first in, first out among the tenant's own requests
+        cap = self.admission.rules_for(tenant).max_concurrent
+        return cap is None or \
+            len(self._in_queue.get(tenant, ())) + self.admission.running(tenant) < cap
+
+    def _queue_remove(self, passage: Passage) -> None:
+        queued = self._in_queue[passage.tenant]
+        queued.remove(passage)
+        if not queued:
+            del self._in_queue[passage.tenant]
+        self._update_single(passage.tenant, queued)
+
+    def _update_single(self, tenant: str, queued: list[Passage]) -> None:
+        if len(queued) == 1 and tenant not in self._parked:
+            self._single[tenant] = queued[0]
+        else:
+            self._single.pop(tenant, None)
+
+    def _unpark(self, tenant: str, now: float) -> None:
+        parked = self._parked.pop(tenant, None)
+        while parked and self._may_queue(tenant):
+            self._enqueue(parked.pop(0), now)
+        if parked:
+            self._parked[tenant] = parked
+            self._single.pop(tenant, None)
+
+    # -- dispatching --
+
+    def pump(self, now: float) -> None:
+        """Dispatch queued requests while the fair queue's next choice has an endpoint with
+        room, or a light tenant's request has room while the head waits."""
+        if not self.rules.holding:
+            return
+        scheduler = self.scheduler
+        while scheduler.queued():
+            request = scheduler.peek(now)
+            if request is None:
+                return
+            passage = self.passages[request]
+            candidates = self.candidates(passage.subset, now, require_room=True,
+                                         prompt_tokens=request.prompt_tokens)
+            if candidates and self._backlogged(passage.tenant):
+                reserve = self._idle_reserve(now, passage.tenant)
+                if reserve:
+                    # Only endpoints that leave the room kept for a light tenant's next request
+                    # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
+                    pool, size = list(self.endpoints.values()), self._projected(passage, now)
+                    candidates = [c for c in candidates if keeps_reserve(
+                        pool, c, size, reserve, now, self.rules.capacity)]
+            if not candidates:
+                # The head waits for room. A light tenant's request that fits need not wait
+                # behind it: light tenants have one request queued at most, so they cannot
+                # starve the head, and holding them would leave room unused.
+                light = self._light_request(now, passage)
+                if light is None:
+                    return
+                passage, candidates = light
+            self._dispatch(passage, candidates, now)
+
+    def _projected(self, passage: Passage, now: float) -> int:
+        return passage.request.prompt_tokens + self.expected_output(
+            passage.tenant, passage.output_cap, passage.stream, now)
+
+    def _backlogged(self, tenant: str) -> bool:
+        """More than one request of the tenant is waiting: it keeps the pool busy by itself.
+        (A light tenant has at most the one that just arrived.)"""
+        return len(self._in_queue.get(tenant, ())) > 1 or tenant in self._parked
+
+    def _idle_reserve(self, now: float, exclude: str) -> float:
+        """Tokens to keep free for recently active tenants that are not backlogged."""
+        window = self.rules.idle_tenant_reserve
+        if not window:
+            return 0.0
+        reserve = 0.0
+        for tenant, (last, footprint) in list(self._recent.items()):
+            if now - last > window:
+                del self._recent[tenant]
+            elif tenant != exclude and not self._backlogged(tenant):
+                reserve = max(reserve, footprint)
+        return reserve
+
+    def _light_request(self, now: float,
+                       head: Passage) -> tuple[Passage, list[EndpointState]] | None:
+        """The earliest queued request of a light tenant, in the head's lane or a higher one,
+        that has room."""
+        free = max((free_tokens(e, now, self.rules.capacity, projected=False)
+                    for e in self.endpoints.values()), default=0.0)
+        if free <= 0:
+            return None
+        head_rank = self._lane_rank.get(head.lane, 0)
+        for passage in self._single.values():  # about arrival order; no sort on this hot path
+            if passage is head or passage.request.prompt_tokens > free \
+                    or self._lane_rank.get(passage.lane, 0) > head_rank:
+                continue
+            candidates = self.candidates(passage.subset, now, require_room=True,
+                                         prompt_tokens=passage.request.prompt_tokens)
+            if candidates:
+                return passage, candidates
+        return None
+
+    def candidates(self, subset: frozenset[str] | None, now: float, *,
+                   require_room: bool = False, prompt_tokens: int = 0) -> list[EndpointState]:
+        """Endpoints that may take a request (in ``subset``, when given), best first."""
+        pool = [e for e in self.endpoints.values() if subset is None or e.address in subset]
+        return rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
+                    require_room=require_room)
+
+    def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float) -> None:
+        request = passage.request
+        self.scheduler.dispatch(request, now)
+        self._queue_remove(passage)
+        # Past its concurrency cap only in pass-through mode, which dispatches at once.
+        if passage.reservation is not None and (self.rules.holding or
+                                                self.admission.may_start(passage.tenant)):
+            self.admission.start(passage.reservation)
+        passage.ratelimit_headers = self.admission.headers(passage.tenant, now)
+        primary = candidates[0]
+        passage.endpoint = primary
+        passage.destinations = [e.address for e in
+                                candidates[: 1 + self.rules.fallback_endpoints]]
+        passage.dispatched_at = now
+        passage.reserved_tokens = request.prompt_tokens
+        if not passage.stream:
+            estimate = self.output_estimate(passage, now)
+            self.scheduler.charge_estimate(request, estimate)
+            passage.reserved_tokens += estimate
+        primary.inflight_tokens += passage.reserved_tokens
+        primary.inflight_requests += 1
+        on_dispatch(primary.health, now)
+        passage.projected_tokens = self._projected(passage, now)
+        primary.projected_tokens += passage.projected_tokens
+        self.listener.dispatched(passage, now)
+
+    # -- the request's end --
+
+    def drop(self, passage: Passage, outcome: str, now: float) -> None:
+        """Take a request that was never dispatched out of the gate (``queue_timeout``,
+        ``cancelled``, ``shed``, ``shutdown``), charging nothing. Doing it again does nothing."""
+        if passage.outcome is not None or passage.dispatched_at is not None:
+            return
+        passage.outcome = outcome
+        if passage.parked:
+            self._parked[passage.tenant].remove(passage)
+            if not self._parked[passage.tenant]:
+                del self._parked[passage.tenant]
+                self._update_single(passage.tenant, self._in_queue.get(passage.tenant, []))
+        else:
+            self.scheduler.cancel(passage.request)
+            self._queue_remove(passage)
+        self.passages.pop(passage.request, None)
+        if passage.reservation is not None:
+            self.admission.finish(passage.reservation, 0, now)  # nothing was served
+        self._unpark(passage.tenant, now)
+        self.listener.dropped(passage, outcome, now)
+
+    def charge_output(self, passage: Passage, tokens: int) -> None:
+        """Tokens streamed back: charge them and count them against the endpoint."""
+        if tokens <= 0 or passage.outcome is not None or passage.dispatched_at is None:
+            return
+        self.scheduler.charge_output(passage.request, tokens)
+        if passage.stream and passage.endpoint is not None:
+            # A streaming request's KV footprint grows with each token; a non-streaming one had
+            # its whole estimate reserved at dispatch.
+            passage.endpoint.inflight_tokens += tokens
+            passage.reserved_tokens += tokens
+
+    def complete(self, passage: Passage, usage: Usage | None, outcome: str,
+                 now: float) -> None:
+        """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``,
+        ``upstream_failed``): settle and free its slot, then dispatch what may go.
+
+        Without ``usage`` it settles to what was counted: the estimated prompt and the output
+        tokens seen (``unmetered``, a response the gateway never showed: the output estimate).
+        Calling it again does nothing.
+        """
+        if passage.outcome is not None or passage.dispatched_at is None:
+            return
+        passage.outcome = outcome
+        request = passage.request
+        reported = usage is not None
+        if usage is None:
+            output = request.generated
+            if outcome == "ok" and not passage.stream:
+                output = max(output, request.estimated_output)
+            elif outcome == "unmetered":
+                output = max(output, self.expected_output(
+                    passage.tenant, passage.output_cap, passage.stream, now))
+            usage = Usage(request.prompt_tokens, output, 0)
+        self.scheduler.finish(request, usage)
+        del self.passages[request]
+        endpoint = passage.endpoint
+        if endpoint is not None:
+            endpoint.inflight_tokens -= passage.reserved_tokens
+            endpoint.projected_tokens -= passage.projected_tokens
+            endpoint.inflight_requests -= 1
+            endpoint.completed_since_scrape += 1
+            endpoint.released_since_scrape += passage.reserved_tokens
+            if outcome == "ok":  # its engine answered
+                record_success(endpoint.health, now, self.rules.health)
+        self._learn(passage, usage, outcome, reported, now)
+        if passage.reservation is not None and passage.reservation.state != "done":
+            self.admission.finish(passage.reservation,
+                                  usage.prompt_tokens + usage.completion_tokens, now)
+        self._unpark(passage.tenant, now)
+        self.listener.settled(passage, usage, outcome, now, not reported)
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_INTERVAL
+            self.forget_idle(now)
+        self._forget_drained()
+        self.pump(now)
+
+    def _learn(self, passage: Passage, usage: Usage, outcome: str, reported: bool,
+               now: float) -> None:
+        """What the tenant's estimates learn from a settled request."""
+        if reported and usage.prompt_tokens > 0:
+            # How the engine's tokenizer compares with the body estimate, per tenant and model.
+            self.estimates.learn_prompt(passage.tenant, passage.model,
+                                        passage.body_prompt_tokens, usage.prompt_tokens, now)
+        # Requests without output (embeddings) would drag the tenant's average towards 0.
+        cap = passage.output_cap
+        if passage.stream and cap != 0:
+            # A stream's own counted output; one cut short (cancelled, failed, stopped at its
+            # max_tokens) may only raise the estimate.
+            self.estimates.learn_output(
+                passage.tenant, usage.completion_tokens, now, stream=True,
+                complete=outcome == "ok" and (cap is None or usage.completion_tokens < cap))
+        elif outcome == "ok" and reported and cap != 0:
+            self.estimates.learn_output(passage.tenant, usage.completion_tokens, now)
+
+    # -- endpoint health (outlier ejection, ``picker.core.health``) --
+
+    def endpoint_failed(self, address: str, reason: str, now: float) -> bool:
+        """A scrape of ``address`` failed, or a request sent there never reached its engine.
+        True when this ejected it."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            return False
+        # The last endpoint in service is never ejected (see picker.core.health).
+        others = any(e is not endpoint and e.in_service(now) for e in self.endpoints.values())
+        return record_failure(endpoint.health, now, self.rules.health, reason, may_eject=others)
+
+    def endpoint_ok(self, address: str, now: float) -> bool:
+        """``address`` answered (a scrape, or a response from its engine). True when this
+        restored it (and requests that waited for it were dispatched)."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is None or not record_success(endpoint.health, now, self.rules.health):
+            return False
+        self.pump(now)
+        return True
+
+    def upstream_failed(self, passage: Passage, reason: str, now: float) -> bool:
+        """The gateway reports that the request never reached an engine (connect failure,
+        reset before the response began): its endpoint's failure counts towards ejection and
+        the request is settled to nothing (``upstream_failed``). True when that ejected it."""
+        if passage.outcome is not None or passage.dispatched_at is None:
+            return False
+        ejected = passage.endpoint is not None and \
+            self.endpoint_failed(passage.endpoint.address, reason, now)
+        self.complete(passage, Usage(0, 0, 0), "upstream_failed", now)
+        return ejected
+
+    def served_by(self, passage: Passage, address: str, now: float) -> bool:
+        """The gateway reports the endpoint that actually served the request (after a retry it
+        may be a fallback): its load moves there, so the endpoint that failed is not charged.
+        True when that ejected the primary."""
+        served = self.endpoints.get(address)
+        primary = passage.endpoint
+        if served is None or primary is None or served is primary or passage.outcome is not None:
+            return False
+        # The gateway retries only when the primary failed (connect failure, reset).
+        ejected = self.endpoint_failed(primary.address, "the gateway retried on a fallback", now)
+        for endpoint, sign in ((primary, -1), (served, 1)):
+            endpoint.inflight_tokens += sign * passage.reserved_tokens
+            endpoint.projected_tokens += sign * passage.projected_tokens
+            endpoint.inflight_requests += sign
+        passage.endpoint = served
+        return ejected
+
+    # -- memory --
+
+    def forget_idle(self, now: float) -> None:
+        """Forget per-tenant state that forgetting cannot change a decision for: admission
+        buckets refilled to full, estimates past their ttl (they read as the default), VTC
+        counters at or below the lift floor (re-created identically by the lift), and reserve
+        entries past their window."""
+        self.admission.prune(now)
+        self.estimates.prune(now)
+        active = {passage.tenant for passage in self.passages.values()}
+        self.scheduler.forget_idle(active, self.rules.configured_tenants)
+        window = self.rules.idle_tenant_reserve
+        self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
+
+    def tenants_held(self) -> dict[str, int]:
+        """How many tenants each part of the gate holds state for (memory, benchmarks)."""
+        return {"admission": self.admission.tracked_tenants(),
+                "estimates": len(self.estimates.tenants()),
+                "scheduler": self.scheduler.tenants_held(),
+                "queues": len(self._in_queue) + len(self._parked),
+                "recent": len(self._recent)}
