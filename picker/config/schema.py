@@ -105,6 +105,20 @@ class Scheduling:
     """``vtc``: fair queueing, requests held until an endpoint has room. ``lcf``: VTC without the
     lift (for comparison). ``fcfs``: pass-through, every request dispatched at once (what a gateway
     without fairness does)."""
+    engine_policy: Literal["fcfs", "priority"] = field(default="fcfs",
+                                                        metadata=_camel("engine_policy"))
+    """How the pool's engines schedule their own queue (vLLM's ``--scheduling-policy``; vLLM
+    refuses a request with a ``priority`` other than 0 unless it runs ``priority``). With
+    ``priority`` the picker writes an engine priority into every request that reflects its
+    tenant's standing: ``2 × lane rank`` (or the lane's ``enginePriority``), plus 1 when the
+    tenant is backlogged in the picker, so a light tenant's request runs before a flood's in the
+    engine and the engine, not the picker, makes room for it (see ``preempt``)."""
+    preempt: bool = True
+    """With ``enginePolicy: priority``: when no endpoint has room, a request may still go to an
+    endpoint whose running requests of a worse engine priority hold at least its prompt (the
+    engine preempts them for it, as vLLM's priority scheduler does), instead of waiting for a
+    request to finish. The bound is what the engine can preempt: requests already sent this way
+    count against it. ``false``: requests wait for room."""
 
 
 @dataclass(frozen=True)
@@ -407,6 +421,8 @@ class PickerConfig:
                                       f"objective {objective!r} already asks for lane "
                                       f"{owner[objective]!r}")
                 owner[objective] = lane.name
+        if self.scheduling.engine_policy == "priority":
+            self._check_engine_priorities()
         require_unique([e.address for e in self.endpoints], "endpoints[{}].address", "endpoint")
         require_unique([t.id for t in self.tenants], "tenants[{}].id", "tenant")
         for i, tenant in enumerate(self.tenants):
@@ -418,6 +434,22 @@ class PickerConfig:
                               f"tenants[{i}].overBudget.lane", "lane")
         require_known(self.tenant_defaults.over_budget.lane, lane_names,
                       "tenantDefaults.overBudget.lane", "lane")
+
+    def _check_engine_priorities(self) -> None:
+        """With engines in priority mode a lane's requests take two engine priorities (light,
+        backlogged): set lanes' ``enginePriority`` on all lanes or none, at least 2 apart and
+        increasing down the list, so the lanes stay strictly ordered in the engine."""
+        given = [lane.engine_priority for lane in self.lanes]
+        if all(p is None for p in given):
+            return
+        for i, priority in enumerate(given):
+            if priority is None:
+                raise ConfigError(f"lanes[{i}].enginePriority", "must be set on every lane "
+                                  "when another lane sets it (scheduling.enginePolicy: priority)")
+            if i and priority < (given[i - 1] or 0) + 2:
+                raise ConfigError(f"lanes[{i}].enginePriority",
+                                  f"must be at least {(given[i - 1] or 0) + 2} (2 above the lane "
+                                  "before it: scheduling.enginePolicy: priority)")
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         """The configured entry of ``tenant_id``, if any."""

@@ -85,6 +85,12 @@ class GateRules:
     """A full queue refuses the newest request of a lower lane instead of the new one."""
     fallback_endpoints: int = 0
     """Endpoints named after the primary, for the gateway to retry on."""
+    engine_policy: str = "fcfs"
+    """How the engines order their own queue: ``fcfs`` or ``priority`` (see
+    ``engine_priority_for``)."""
+    preempt: bool = True
+    """With ``priority`` engines: a request may go to a full endpoint whose running requests of a
+    worse engine priority hold at least its prompt (see ``_preemptible``)."""
     idle_tenant_reserve: float = 0.0
     """Seconds a tenant counts as recently active for the reserve (0: no reserve)."""
     default_output_tokens: int = 256
@@ -137,6 +143,12 @@ class Passage:
     """Held outside the fair queue because its tenant is at its concurrency cap."""
     shed_for: str | None = None
     """The lane of the request it was shed from the full queue for."""
+    engine_priority: int | None = None
+    """The vLLM ``priority`` the engine gets (set at dispatch; ``None``: none is sent)."""
+    preempting: bool = False
+    """Sent to an endpoint without room, for the engine to preempt worse requests for it."""
+    flooding: bool = False
+    """Sent with the backlogged standing (priority engines; see ``Gate.engine_priority_for``)."""
 
     @property
     def output_cap(self) -> int | None:
@@ -200,6 +212,8 @@ class Gate:
         that may go ahead of a head that has to wait (see ``pump``)."""
         self._recent: dict[str, tuple[float, float]] = {}
         """Per tenant: last arrival and typical footprint (tokens), for the idle reserve."""
+        self._flooding: dict[str, int] = {}
+        """Per tenant, its requests running with the backlogged standing (priority engines)."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
 
@@ -239,8 +253,34 @@ class Gate:
         return asked if asked in self.rules.allowed_lanes.get(tenant, ()) else None
 
     def engine_priority(self, lane: str) -> int | None:
-        """The vLLM ``priority`` the lane's requests carry (``None``: the lane sets none)."""
-        return self.rules.lanes[self._lane_rank[lane]].engine_priority
+        """The vLLM ``priority`` the lane's requests carry (``None``: the lane sets none); with
+        ``priority`` engines, that of its light tenants (see ``engine_priority_for``)."""
+        rank = self._lane_rank[lane]
+        configured = self.rules.lanes[rank].engine_priority
+        if self.rules.engine_policy != "priority":
+            return configured
+        return 2 * rank if configured is None else configured
+
+    def engine_priority_for(self, passage: Passage) -> int | None:
+        """The engine priority a queued request gets when dispatched now.
+
+        With ``fcfs`` engines, its lane's (vLLM refuses any other than 0 there). With
+        ``priority`` engines, the lane's base (``2 × rank``, or its configured ``enginePriority``;
+        lanes are at least 2 apart) plus the tenant's standing: 0 when this request is the only
+        one the tenant has waiting (a light tenant, lifted to the lane's counter floor by the
+        fair queue), 1 when it is backlogged or still has requests running that left while it
+        was (a flood that has just emptied its queue is still a flood). A vLLM in priority mode
+        then runs the light tenant's request before a flood's and, when its cache runs short,
+        preempts the flood's requests (largest priority first) rather than the light one.
+        """
+        base = self.engine_priority(passage.lane)
+        if base is None or self.rules.engine_policy != "priority":
+            return base
+        return base + self._standing(passage.tenant)
+
+    def _standing(self, tenant: str) -> int:
+        """0: a light tenant; 1: backlogged, or still running requests sent while it was."""
+        return 1 if self._backlogged(tenant) or tenant in self._flooding else 0
 
     # -- admission --
 
@@ -404,6 +444,10 @@ class Gate:
                     pool, size = list(self.endpoints.values()), self._projected(passage, now)
                     candidates = [c for c in candidates if keeps_reserve(
                         pool, c, size, reserve, now, self.rules.capacity)]
+            preempting = False
+            if not candidates:
+                candidates = self._preemptible(passage, now)
+                preempting = bool(candidates)
             if not candidates:
                 # The head waits for room. A light tenant's request that fits need not wait
                 # behind it: light tenants have one request queued at most, so they cannot
@@ -411,8 +455,8 @@ class Gate:
                 light = self._light_request(now, passage)
                 if light is None:
                     return
-                passage, candidates = light
-            self._dispatch(passage, candidates, now)
+                passage, candidates, preempting = light
+            self._dispatch(passage, candidates, now, preempting)
 
     def _projected(self, passage: Passage, now: float) -> int:
         return passage.request.prompt_tokens + self.expected_output(
@@ -437,23 +481,64 @@ class Gate:
         return reserve
 
     def _light_request(self, now: float,
-                       head: Passage) -> tuple[Passage, list[EndpointState]] | None:
+                       head: Passage) -> tuple[Passage, list[EndpointState], bool] | None:
         """The earliest queued request of a light tenant, in the head's lane or a higher one,
-        that has room."""
+        that has room (or that the engine would preempt for: the flag)."""
         free = max((free_tokens(e, now, self.rules.capacity, projected=False)
                     for e in self.endpoints.values()), default=0.0)
-        if free <= 0:
+        preempts = self._preempts()
+        if free <= 0 and not preempts:
             return None
         head_rank = self._lane_rank.get(head.lane, 0)
         for passage in self._single.values():  # about arrival order; no sort on this hot path
-            if passage is head or passage.request.prompt_tokens > free \
-                    or self._lane_rank.get(passage.lane, 0) > head_rank:
+            if passage is head or self._lane_rank.get(passage.lane, 0) > head_rank:
                 continue
-            candidates = self.candidates(passage.subset, now, require_room=True,
-                                         prompt_tokens=passage.request.prompt_tokens)
+            candidates = [] if passage.request.prompt_tokens > free else self.candidates(
+                passage.subset, now, require_room=True,
+                prompt_tokens=passage.request.prompt_tokens)
             if candidates:
-                return passage, candidates
+                return passage, candidates, False
+            if preempts:
+                candidates = self._preemptible(passage, now)
+                if candidates:
+                    return passage, candidates, True
         return None
+
+    def _preempts(self) -> bool:
+        return self.rules.preempt and self.rules.engine_policy == "priority"
+
+    def _preemptible(self, passage: Passage, now: float) -> list[EndpointState]:
+        """Endpoints without room whose engine would make room for this request by preemption:
+        requests running there with a worse engine priority hold at least its prompt, less what
+        earlier requests sent this way already claimed. Most preemptible first; none unless
+        engines run in priority mode with ``preempt``.
+
+        vLLM never preempts for a waiting request directly: it preempts the running request
+        with the largest (priority, arrival) when a running request needs a KV block it cannot
+        get, and admits waiting requests by priority once blocks are free. A request of a
+        better priority placed there therefore starts within a few engine steps instead of
+        waiting for a request to finish, and only requests it outranks pay for it.
+        """
+        if not self._preempts():
+            return []
+        priority = self.engine_priority_for(passage)
+        if priority is None:
+            return []
+        spare: dict[str, int] = {}
+        for other in self.passages.values():
+            endpoint = other.endpoint
+            if endpoint is None or other.dispatched_at is None:
+                continue
+            if other.preempting:
+                spare[endpoint.address] = spare.get(endpoint.address, 0) - other.reserved_tokens
+            elif other.engine_priority is not None and other.engine_priority > priority:
+                spare[endpoint.address] = spare.get(endpoint.address, 0) + other.reserved_tokens
+        need = passage.request.prompt_tokens
+        pool = [e for e in self.endpoints.values()
+                if spare.get(e.address, 0) >= need and e.in_service(now)
+                and (passage.subset is None or e.address in passage.subset)]
+        pool.sort(key=lambda e: spare[e.address], reverse=True)
+        return pool
 
     def candidates(self, subset: frozenset[str] | None, now: float, *,
                    require_room: bool = False, prompt_tokens: int = 0) -> list[EndpointState]:
@@ -462,8 +547,16 @@ class Gate:
         return rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
                     require_room=require_room)
 
-    def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float) -> None:
+    def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float,
+                  preempting: bool = False) -> None:
         request = passage.request
+        passage.preempting = preempting
+        # The standing is the tenant's as it waited, this request included.
+        passage.engine_priority = self.engine_priority_for(passage)
+        if passage.engine_priority is not None and self.rules.engine_policy == "priority" \
+                and self._standing(passage.tenant):
+            passage.flooding = True
+            self._flooding[passage.tenant] = self._flooding.get(passage.tenant, 0) + 1
         self.scheduler.dispatch(request, now)
         self._queue_remove(passage)
         # Past its concurrency cap only in pass-through mode, which dispatches at once.
@@ -545,6 +638,12 @@ class Gate:
             usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self.passages[request]
+        if passage.flooding:
+            left = self._flooding[passage.tenant] - 1
+            if left:
+                self._flooding[passage.tenant] = left
+            else:
+                del self._flooding[passage.tenant]
         endpoint = passage.endpoint
         if endpoint is not None:
             endpoint.inflight_tokens -= passage.reserved_tokens

@@ -66,6 +66,8 @@ def gate_rules(config: PickerConfig) -> GateRules:
         max_queued=config.queue.max_queued,
         shed_lower_lanes=config.queue.overload == "shedLowerLanes",
         fallback_endpoints=config.routing.fallback_endpoints,
+        engine_policy=config.scheduling.engine_policy,
+        preempt=config.scheduling.preempt,
         idle_tenant_reserve=config.capacity.idle_tenant_reserve,
         default_output_tokens=config.capacity.default_output_tokens,
         tenant_lanes={t.id: t.lane for t in config.tenants if t.lane is not None},

@@ -276,10 +276,11 @@ def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None
                  cap_key: str | None = "max_tokens") -> bool:
     """Make the body say what policy decided; True when it changed.
 
-    The engine's ``priority`` comes from the lane only: a client's own is replaced, or removed
-    when the lane sets none (it would otherwise jump the engine's queue). The output cap
-    (``cap_key``: ``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is set when
-    admission clamped it.
+    The engine's ``priority`` comes from the picker only (the lane's, and with engines in
+    priority mode the tenant's standing): a client's own is replaced, or removed when none is
+    set (it would otherwise jump the engine's queue). The output cap (``cap_key``:
+    ``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is set when admission
+    clamped it.
     """
     changed = False
     if engine_priority is None:
@@ -626,7 +627,7 @@ class _Exchange:
 
     def _rewritten(self, inference: InferenceRequest, ticket: Ticket) -> bytes | None:
         """The body as policy wants it, or None when it needs no change."""
-        if not rewrite_body(inference.body, self.dispatcher.engine_priority(ticket.lane),
+        if not rewrite_body(inference.body, ticket.engine_priority,
                             ticket.max_tokens, inference.output_cap_key):
             return None
         return json.dumps(inference.body, separators=(",", ":")).encode()
