@@ -3,11 +3,11 @@
 ``python -m picker.sim.server --port P`` serves an OpenAI-compatible API (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``, and the Anthropic-shaped
 ``/v1/messages``; JSON and SSE streaming), ``/v1/models``, ``/health`` and a vLLM-named
-Prometheus ``/metrics``, backed by the simulator's ``BatchEngine`` (continuous batching over a KV
-budget) driven by the core ``Scheduler`` with policy ``fcfs``: requests that arrive while the
-engine is full wait in its FCFS queue, exactly the behaviour a fair picker in front must avoid
-relying on. An asyncio task steps the engine every ``--step-ms`` ms while work exists (admit, then
-one decode step producing one token for every running request) and sleeps while idle.
+Prometheus ``/metrics``, backed by ``picker.sim.vllm.VllmScheduler``: vLLM V1's scheduler over a
+block KV cache (chunked prefill within a per-step token budget, preemption by recompute, no
+waiting admission in a step that preempted; its docstring states every rule). An asyncio task
+steps it every ``--step-ms`` ms while work exists and sleeps while idle; each step emits one
+token for every request whose computation caught up.
 
 Prompt-token counting, output lengths and the response shapes are defined in
 ``picker.sim.openai_fmt`` (its docstring states the token-counting rule: one token per word and per
@@ -15,9 +15,11 @@ punctuation character; chat adds 4 tokens per message and 3 for the reply).
 
 Engine details, vLLM-like:
 
-* ``--max-num-seqs`` caps the running requests; ``--kv-budget-tokens`` caps the KV occupancy at
-  admission (``prompt + generated`` of every running request, as ``BatchEngine`` counts it). A
-  request whose prompt alone exceeds the budget is refused with 400.
+* ``--kv-budget-tokens`` is the KV cache: ``kv_budget_tokens // block_size`` blocks of
+  ``--block-size`` (16) tokens. ``--max-num-seqs`` caps the running requests,
+  ``--max-num-batched-tokens`` (default 2048, vLLM's for its OpenAI server) the tokens one step
+  computes. A request whose prompt alone exceeds the cache is refused with 400; one whose
+  output would outgrow it runs alone past the cache (``picker.sim.vllm`` says why).
 * ``--max-model-len`` is the context a request must fit, prompt plus ``max_tokens`` (default
   32768, the simulated model's own context, as vLLM defaults to the model's).
   A request beyond it gets vLLM's 400 in vLLM's words: a prompt alone too long, or ``'max_tokens'
@@ -26,13 +28,16 @@ Engine details, vLLM-like:
   of the whole context; the simulator does not, so a tiny ``--kv-budget-tokens`` can model a
   busy engine.)
 * ``--scheduling-policy priority`` honours the body field ``priority`` (int, lower first, default
-  0, FCFS among equals): waiting requests sit in a heap and the best one is handed to the FCFS
-  scheduler only when it fits. Under ``fcfs`` a non-zero ``priority`` is refused with 400, as vLLM
-  does.
+  0, FCFS among equals): waiting requests are ordered by ``(priority, arrival)`` and a preemption
+  takes the running request with the largest one. Under ``fcfs`` a non-zero ``priority`` is
+  refused with 400, as vLLM does.
 * A client that disconnects (streaming or not, queued or running) has its request removed from the
-  engine at once, freeing its KV tokens; it is counted as ``finished_reason="abort"``.
-* An embeddings request is prefilled in the step that admits it and leaves the batch before that
-  step's decode: it holds KV tokens for one step and produces no token.
+  engine at once, freeing its KV blocks; it is counted as ``finished_reason="abort"``.
+* An embeddings request is a request with no output tokens: it finishes, and frees its blocks,
+  in the step that completes its prefill.
+* Metrics: ``vllm:num_requests_waiting`` / ``running``, ``vllm:kv_cache_usage_perc`` (used
+  blocks over total blocks), ``vllm:num_preemptions`` (counter), prompt and generation tokens
+  (a prompt counted once, when its first token comes), successes by finish reason, TTFT.
 
 Programmatic use: ``SimServer(SimServerConfig(...))`` with ``await start()`` / ``await stop()``
 (or ``async with``), then ``server.port`` / ``server.url``.
@@ -43,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import heapq
 import json
 import signal
 import socket
@@ -55,8 +59,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from picker.core import Request, Scheduler
-from picker.sim.engine import BatchEngine
 from picker.sim.openai_fmt import (
     CHAT,
     COMPLETION,
@@ -75,8 +77,14 @@ from picker.sim.openai_fmt import (
     new_id,
     parse_request,
 )
+from picker.sim.vllm import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    POLICIES,
+    SeqRequest,
+    VllmConfig,
+    VllmScheduler,
+)
 
-POLICIES = ("fcfs", "priority")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -100,6 +108,8 @@ class SimServerConfig:
     block_size: int = 16
     max_model_len: int = 32768
     """The context (prompt + generated tokens) a request must fit: the simulated model's."""
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """Tokens one engine step computes at most (vLLM's flag and its OpenAI-server default)."""
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 1:
@@ -114,6 +124,15 @@ class SimServerConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}")
         if self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.kv_budget_tokens < self.block_size:
+            raise ValueError("kv_budget_tokens must hold at least one block of block_size tokens")
+
+    @property
+    def total_blocks(self) -> int:
+        """KV-cache blocks: ``kv_budget_tokens // block_size`` (vLLM's ``num_gpu_blocks``)."""
+        return self.kv_budget_tokens // self.block_size
 
 
 class EngineMetrics:
@@ -132,6 +151,8 @@ class EngineMetrics:
               ["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
                "enable_prefix_caching"], registry=reg,
               ).labels(model, str(block_size), str(num_gpu_blocks), "auto", "False").set(1)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption "
+                                   "from the engine.", labels, registry=reg).labels(model)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
                                      "processed.", labels, registry=reg).labels(model)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation "
@@ -148,35 +169,28 @@ class EngineMetrics:
 class Job:
     """One HTTP request's life in the engine; ``events`` receives each generated token's index."""
 
-    request: Request
+    request: SeqRequest
     parsed: ParsedRequest
     arrival: float
-    order: int
     events: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     done: bool = False
 
-    def heap_key(self) -> tuple[int, int]:
-        return (self.parsed.priority, self.order)
-
-    def __lt__(self, other: Job) -> bool:
-        return self.heap_key() < other.heap_key()
-
 
 class SimEngine:
-    """The stepping loop around one ``BatchEngine``, and the bookkeeping that maps it to HTTP."""
+    """The stepping loop around one ``VllmScheduler``, and the bookkeeping that maps it to HTTP."""
 
     def __init__(self, config: SimServerConfig, metrics: EngineMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.scheduler = Scheduler(policy="fcfs")
-        self.engine = BatchEngine(config.kv_budget_tokens, self.scheduler,
-                                  max_running=config.max_num_seqs)
+        self.scheduler = VllmScheduler(VllmConfig(
+            total_blocks=config.total_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy))
         self.steps = 0
         """Engine steps taken so far (it does not step while idle)."""
-        self._jobs: dict[Request, Job] = {}
-        self._heap: list[Job] = []
-        self._order = 0
+        self._jobs: dict[SeqRequest, Job] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.closed = False
@@ -185,48 +199,43 @@ class SimEngine:
 
     @property
     def waiting(self) -> int:
-        return self.scheduler.queued() + len(self._heap)
+        return self.scheduler.num_waiting
 
     @property
     def running(self) -> int:
-        return len(self.engine.running)
+        return self.scheduler.num_running
+
+    @property
+    def used_blocks(self) -> int:
+        return self.scheduler.used_blocks
 
     @property
     def kv_usage(self) -> float:
-        return min(1.0, max(0.0, self.engine.occupancy / self.engine.kv_budget_tokens))
+        return self.scheduler.kv_usage
 
     def has_work(self) -> bool:
-        return bool(self.engine.running or self.scheduler.queued() or self._heap)
+        return self.scheduler.has_unfinished()
 
     # -- requests --
 
     def submit(self, parsed: ParsedRequest, request_id: str) -> Job:
         """Queue a request; its tokens arrive on ``job.events``."""
         loop = asyncio.get_running_loop()
-        request = Request(tenant="client", prompt_tokens=parsed.prompt_tokens,
-                          max_output_tokens=parsed.output_tokens, id=request_id)
-        self._order += 1
-        job = Job(request=request, parsed=parsed, arrival=loop.time(), order=self._order)
+        request = SeqRequest(id=request_id, prompt_tokens=parsed.prompt_tokens,
+                             output_tokens=parsed.output_tokens)
+        job = Job(request=request, parsed=parsed, arrival=loop.time())
+        self.scheduler.add(request, parsed.priority, job.arrival)
         self._jobs[request] = job
-        if self.config.scheduling_policy == "priority":
-            heapq.heappush(self._heap, job)
-        else:
-            self.scheduler.enqueue(request, job.arrival)
         self._wake.set()
         return job
 
     def cancel(self, job: Job) -> None:
-        """Remove a request from the engine at once (queued or running), freeing its KV tokens."""
+        """Remove a request from the engine at once (waiting or running), freeing its blocks."""
         if job.done:
             return
         job.done = True
-        request = job.request
-        self._jobs.pop(request, None)
-        if request.state == "new":
-            self._heap.remove(job)
-            heapq.heapify(self._heap)
-        else:
-            self.engine.cancel(request)
+        self._jobs.pop(job.request, None)
+        self.scheduler.abort(job.request)
         self.metrics.success["abort"].inc()
 
     # -- the loop --
@@ -262,53 +271,28 @@ class SimEngine:
             next_at = max(next_at + period, loop.time())
 
     def step(self, now: float) -> None:
-        """One engine iteration: admit in FCFS (or priority) order while prompts fit, decode."""
+        """One engine iteration of the vLLM scheduler; hand each emitted token to its job."""
         self.steps += 1
-        admitted = self._admit(now)
-        for request in admitted:
-            self.metrics.prompt_tokens.inc(request.prompt_tokens)
-            if request.max_output_tokens == 0:
-                self._finish_prefill_only(request)
-        stepping = list(self.engine.running)
-        finished = self.engine.decode()
-        self.metrics.generation_tokens.inc(len(stepping))
-        for request in stepping:
+        out = self.scheduler.step(now)
+        self.metrics.preemptions.inc(len(out.preempted))
+        self.metrics.generation_tokens.inc(len(out.tokens))
+        for request, index in out.tokens.items():
             job = self._jobs[request]
             if job.first_token_at is None:
                 job.first_token_at = now
+                # Counted once per request, as vLLM counts a prompt when its first token comes.
+                self.metrics.prompt_tokens.inc(request.prompt_tokens)
                 self.metrics.ttft.observe(now - job.arrival)
-            job.events.put_nowait(request.generated)
-        for request in finished:
+            job.events.put_nowait(index)
+        for request in out.finished:
             job = self._jobs.pop(request)
             job.done = True
-            self.metrics.success[job.parsed.finish_reason].inc()
-
-    def _finish_prefill_only(self, request: Request) -> None:
-        """An embeddings request: its prompt was processed in this step and nothing is decoded,
-        so it leaves the batch (and frees its KV tokens) before the decode."""
-        self.engine.running.remove(request)
-        self.engine.occupancy -= request.prompt_tokens
-        self.scheduler.finish(request)
-        job = self._jobs.pop(request)
-        job.done = True
-        self.metrics.success["stop"].inc()
-        job.events.put_nowait(_PREFILLED)
-
-    def _admit(self, now: float) -> list[Request]:
-        if self.config.scheduling_policy != "priority":
-            return self.engine.admit(now)[1]
-        # Strict priority: hand the best waiting request to the FCFS scheduler only when it can be
-        # admitted now, so a later, more urgent arrival is never stuck behind it.
-        engine, admitted = self.engine, []
-        while self._heap:
-            head = self._heap[0]
-            if (len(engine.running) >= self.config.max_num_seqs
-                    or engine.occupancy + head.request.prompt_tokens > engine.kv_budget_tokens):
-                break
-            heapq.heappop(self._heap)
-            self.scheduler.enqueue(head.request, now)
-            admitted += engine.admit(now)[1]
-        return admitted
+            if request.output_tokens == 0:  # an embedding: its prompt was its whole work
+                self.metrics.prompt_tokens.inc(request.prompt_tokens)
+                self.metrics.success["stop"].inc()
+                job.events.put_nowait(_PREFILLED)
+            else:
+                self.metrics.success[job.parsed.finish_reason].inc()
 
 
 class SimServer:
@@ -317,7 +301,7 @@ class SimServer:
     def __init__(self, config: SimServerConfig | None = None) -> None:
         self.config = config or SimServerConfig()
         self.metrics = EngineMetrics(self.config.model, self.config.block_size,
-                                     self.config.kv_budget_tokens // self.config.block_size)
+                                     self.config.total_blocks)
         self.engine: SimEngine | None = None
         self.runner: web.AppRunner | None = None
         self.port: int = self.config.port
@@ -442,7 +426,7 @@ class SimServer:
                            f"However, your request has {parsed.prompt_tokens} input tokens. "
                            "Please reduce the length of the input messages.",
                            _PROMPT_FIELD.get(kind, "messages"))
-        budget = self.config.kv_budget_tokens
+        budget = self.config.total_blocks * self.config.block_size
         if parsed.prompt_tokens > budget:
             raise ApiError(400, f"This model's maximum context length is {context} tokens, but "
                            f"your prompt of {parsed.prompt_tokens} tokens can never fit the KV "
@@ -560,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length, prompt + max_tokens (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens one engine step computes at most, prefill chunks included "
+                        "(default %(default)s, vLLM's for its OpenAI server)")
     return p
 
 
@@ -568,7 +555,8 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
                            kv_budget_tokens=args.kv_budget_tokens, step_ms=args.step_ms,
                            max_num_seqs=args.max_num_seqs, model=args.model,
                            scheduling_policy=args.scheduling_policy, block_size=args.block_size,
-                           max_model_len=args.max_model_len)
+                           max_model_len=args.max_model_len,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 async def serve(config: SimServerConfig) -> None:

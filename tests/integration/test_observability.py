@@ -464,7 +464,8 @@ def test_gateway_envoy_yaml_is_the_tests_config_but_for_addresses() -> None:
         "address": gen_gateway_envoy.PICKER_HOST, "port_value": 9002}
     endpoint["address"]["socket_address"]["address"] = "127.0.0.1"
     assert undone == envoy_config(listen_port=gen_gateway_envoy.LISTEN_PORT,
-                                  admin_port=gen_gateway_envoy.ADMIN_PORT, picker_port=9002)
+                                  admin_port=gen_gateway_envoy.ADMIN_PORT, picker_port=9002,
+                                  pool_pods=gen_gateway_envoy.POOL_PODS)
     # fail-closed, as the InferencePool sample says
     filters = deployed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     picker_filter = filters["typed_config"]["http_filters"][0]["typed_config"]

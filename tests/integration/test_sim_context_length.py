@@ -97,6 +97,9 @@ def test_the_flag_and_its_bounds() -> None:
         SimServerConfig(max_model_len=0)
     assert config_from_args(build_parser().parse_args(["--max-model-len", "512"])) \
         .max_model_len == 512
+    args = build_parser().parse_args(["--max-num-batched-tokens", "512"])
+    assert config_from_args(args).max_num_batched_tokens == 512
+    assert SimServerConfig().max_num_batched_tokens == 2048  # vLLM's OpenAI-server default
     done = subprocess.run([sys.executable, "-m", "picker.sim.server", "--port", "0",
                            "--max-model-len", "0"], capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "max_model_len" in done.stderr

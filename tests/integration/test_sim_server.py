@@ -271,6 +271,7 @@ async def test_metrics_names_types_and_cache_config(http: aiohttp.ClientSession)
         "vllm:num_requests_waiting": "gauge", "vllm:num_requests_running": "gauge",
         "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
         "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:num_preemptions": "counter",
         "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
     }
     for name, kind in expected.items():
@@ -356,19 +357,102 @@ async def _finish_order(http: aiohttp.ClientSession, server: SimServer,
 
 async def test_priority_lower_value_submitted_later_finishes_first(
         http: aiohttp.ClientSession) -> None:
-    # A 10-token prompt in a 15-token KV budget: one request at a time, the rest queue.
-    async with sim(kv_budget_tokens=15, step_ms=3.0, scheduling_policy="priority") as server:
+    # One request runs at a time (max_num_seqs), the rest wait in the engine's queue.
+    async with sim(max_num_seqs=1, step_ms=3.0, scheduling_policy="priority") as server:
         order = await _finish_order(http, server, [("B", 5), ("C", 5), ("D", 1)])
     assert order == ["A", "D", "B", "C"]
 
 
 async def test_fcfs_engine_serves_in_arrival_order(http: aiohttp.ClientSession) -> None:
-    async with sim(kv_budget_tokens=15, step_ms=3.0) as server:
+    async with sim(max_num_seqs=1, step_ms=3.0) as server:
         order = await _finish_order(http, server, [("B", 0), ("C", 0), ("D", 0)])
         status, body = await post(http, server, COMPLETION_PATH,
                                   {"prompt": "x", "priority": 1})
     assert order == ["A", "B", "C", "D"]
     assert status == 400 and "priority" in body["error"]["message"].lower()
+
+
+# -- vLLM V1 scheduling: preemption, chunked prefill, the KV cache --
+
+
+async def _two_streams_in_a_full_cache(http: aiohttp.ClientSession, server: SimServer,
+                                       priorities: tuple[int, int]) -> list[str]:
+    """A, then B once A runs: each alone fills the 4-block cache at its end, so one of them is
+    preempted; both must still stream exactly their 40 tokens. Names in finish order."""
+    assert server.engine is not None
+    engine = server.engine
+    order: list[str] = []
+    alone = (await post(http, server, COMPLETION_PATH, {"prompt": words(10), "max_tokens": 40,
+                                                        "ignore_eos": True}))[1]
+    expected = alone["choices"][0]["text"]
+
+    async def one(name: str, priority: int) -> None:
+        body: dict[str, Any] = {"prompt": words(10), "max_tokens": 40, "ignore_eos": True}
+        if priority:
+            body["priority"] = priority
+        events = await stream(http, server, COMPLETION_PATH, body)
+        assert len(events) == 40
+        assert "".join(e["choices"][0]["text"] for e in events) == expected
+        order.append(name)
+
+    first = asyncio.create_task(one("A", priorities[0]))
+    await until(lambda: engine.running == 1)
+    await asyncio.gather(first, one("B", priorities[1]))
+    return order
+
+
+async def test_fcfs_preempts_the_later_request_and_it_resumes(
+        http: aiohttp.ClientSession) -> None:
+    async with sim(kv_budget_tokens=64, step_ms=3.0) as server:
+        order = await _two_streams_in_a_full_cache(http, server, (0, 0))
+        families = await metrics(http, server)
+        assert server.engine is not None and server.engine.scheduler.recomputed_tokens_total > 0
+    assert order == ["A", "B"]
+    assert sample(families, "vllm:num_preemptions", "_total") >= 1
+    assert sample(families, "vllm:generation_tokens", "_total") == 3 * 40
+    assert sample(families, "vllm:prompt_tokens", "_total") == 3 * 10  # once per request
+
+
+async def test_priority_preempts_the_less_urgent_running_request(
+        http: aiohttp.ClientSession) -> None:
+    async with sim(kv_budget_tokens=64, step_ms=3.0, scheduling_policy="priority") as server:
+        order = await _two_streams_in_a_full_cache(http, server, (5, 1))
+        families = await metrics(http, server)
+    assert order == ["B", "A"]
+    assert sample(families, "vllm:num_preemptions", "_total") >= 1
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks(http: aiohttp.ClientSession) -> None:
+    async with sim(max_num_batched_tokens=8) as server:
+        assert server.engine is not None
+        status, _ = await post(http, server, COMPLETION_PATH,
+                               {"prompt": words(30), "max_tokens": 3, "ignore_eos": True})
+        assert status == 200
+        # 30 prompt tokens, 8 a step: 4 steps, the 4th yields token 1; then 2 decode steps
+        assert server.engine.steps == 4 + 2
+
+
+async def test_a_request_outgrowing_the_cache_still_completes(
+        http: aiohttp.ClientSession) -> None:
+    async with sim(kv_budget_tokens=32) as server:  # 2 blocks of 16
+        assert server.engine is not None
+        engine = server.engine
+        task = asyncio.create_task(stream(http, server, COMPLETION_PATH, {
+            "prompt": words(10), "max_tokens": 40, "ignore_eos": True}))
+        peak = 0.0
+        while not task.done():
+            peak = max(peak, engine.kv_usage)
+            await asyncio.sleep(0.001)
+        assert len(await task) == 40
+        assert peak == 1.0 and engine.used_blocks == 0
+
+
+def test_the_cache_holds_at_least_one_block() -> None:
+    with pytest.raises(ValueError, match="block"):
+        SimServerConfig(kv_budget_tokens=15)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SimServerConfig(max_num_batched_tokens=0)
+    assert SimServerConfig(kv_budget_tokens=100).total_blocks == 6
 
 
 # -- disconnects --
@@ -387,12 +471,12 @@ async def test_disconnect_mid_stream_frees_the_slot(http: aiohttp.ClientSession)
                 received += 1
                 if received == 4:
                     break
-        assert engine.running == 1 and engine.engine.occupancy > 50
+        assert engine.running == 1 and engine.used_blocks >= 4  # 57 prompt tokens, 16 a block
         resp.close()
         started = time.monotonic()
         await until(lambda: engine.running == 0, timeout=1.0)
         assert time.monotonic() - started < 0.5
-        assert engine.engine.occupancy == 0
+        assert engine.used_blocks == 0
         families = await metrics(http, server)
     assert sample(families, "vllm:num_requests_running") == 0
     assert sample(families, "vllm:kv_cache_usage_perc") == 0
@@ -400,7 +484,7 @@ async def test_disconnect_mid_stream_frees_the_slot(http: aiohttp.ClientSession)
 
 
 async def test_disconnect_while_queued_leaves_the_queue(http: aiohttp.ClientSession) -> None:
-    async with sim(kv_budget_tokens=15, step_ms=5.0) as server:
+    async with sim(max_num_seqs=1, step_ms=5.0) as server:
         assert server.engine is not None
         engine = server.engine
         body = {"prompt": words(10), "max_tokens": 1000, "ignore_eos": True}
@@ -412,7 +496,7 @@ async def test_disconnect_while_queued_leaves_the_queue(http: aiohttp.ClientSess
         blocker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await blocker
-        await until(lambda: engine.running == 0 and engine.engine.occupancy == 0, timeout=1.0)
+        await until(lambda: engine.running == 0 and engine.used_blocks == 0, timeout=1.0)
 
 
 # -- errors and transport --

@@ -135,7 +135,7 @@ async def test_embeddings_are_prompt_only(http: aiohttp.ClientSession, value: An
         engine = server.engine
         assert engine is not None
         steps = engine.steps
-        assert engine.running == 0 and engine.waiting == 0 and engine.engine.occupancy == 0
+        assert engine.running == 0 and engine.waiting == 0 and engine.used_blocks == 0
     assert status == 200
     out = json.loads(raw)
     assert out["object"] == "list" and len(out["data"]) == vectors
