@@ -267,7 +267,8 @@ def parse_request(kind: str, body: object, max_model_len: int | None = None) -> 
         raise ApiError(400, f"min_tokens ({min_tokens}) must be less than or equal to "
                        f"max_tokens ({max_tokens})", "min_tokens")
     seed = _optional_int(body, "seed", None) or 0
-    priority = _optional_int(body, "priority", None) or 0
+    # vLLM's Anthropic request has no ``priority`` field: a body's own is dropped unread.
+    priority = 0 if kind == MESSAGES else _optional_int(body, "priority", None) or 0
     output = output_length(key, max_tokens, ignore_eos=_optional_bool(body, "ignore_eos"),
                            min_tokens=min_tokens, seed=seed)
     return ParsedRequest(kind=kind, model=model, prompt_tokens=prompt_tokens,

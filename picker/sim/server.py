@@ -29,8 +29,11 @@ Engine details, vLLM-like:
   busy engine.)
 * ``--scheduling-policy priority`` honours the body field ``priority`` (int, lower first, default
   0, FCFS among equals): waiting requests are ordered by ``(priority, arrival)`` and a preemption
-  takes the running request with the largest one. Under ``fcfs`` a non-zero ``priority`` is
-  refused with 400, as vLLM does.
+  takes the running request with the largest one. Under ``fcfs`` (the default) a non-zero
+  ``priority`` is refused as vLLM refuses it: 400, ``Got priority N but Priority scheduling is
+  not enabled.``, ``param`` null, streaming or not, on completions, chat, responses and
+  embeddings. ``/v1/messages`` ignores the field in either mode: vLLM's Anthropic request has
+  none.
 * A client that disconnects (streaming or not, queued or running) has its request removed from the
   engine at once, freeing its KV blocks; it is counted as ``finished_reason="abort"``.
 * An embeddings request is a request with no output tokens: it finishes, and frees its blocks,
@@ -418,9 +421,6 @@ class SimServer:
         parsed = parse_request(kind, body, max_model_len=context)
         if parsed.model is not None and parsed.model != self.config.model:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
-        if parsed.priority and self.config.scheduling_policy != "priority":
-            raise ApiError(400, f"Got priority {parsed.priority} but Priority scheduling is not "
-                           "enabled.", "priority")
         if parsed.prompt_tokens > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. "
                            f"However, your request has {parsed.prompt_tokens} input tokens. "
@@ -431,6 +431,11 @@ class SimServer:
             raise ApiError(400, f"This model's maximum context length is {context} tokens, but "
                            f"your prompt of {parsed.prompt_tokens} tokens can never fit the KV "
                            f"cache ({budget} tokens).", _PROMPT_FIELD.get(kind, "messages"))
+        if parsed.priority and self.config.scheduling_policy != "priority":
+            # vLLM's input processor, after the server's length checks, raises a plain
+            # ValueError: 400 with no ``param``.
+            raise ApiError(400, f"Got priority {parsed.priority} but Priority scheduling is not "
+                           "enabled.")
         return parsed
 
     async def _whole(self, job: Job, response_id: str, body: object) -> web.Response:
@@ -540,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time of one engine step (one token per running request)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", default=d.model)
-    p.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy)
+    p.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy,
+                   help="fcfs (default) refuses a non-zero request priority with 400, as vLLM "
+                   "does")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length, prompt + max_tokens (default %(default)s)")

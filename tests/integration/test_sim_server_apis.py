@@ -8,6 +8,7 @@ through Envoy depend on the two agreeing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +22,7 @@ from picker.openai import ResponseMeter
 from picker.openai.paths import ApiKind
 from picker.sim.openai_fmt import CHAT_REPLY_TOKENS, CHAT_TOKENS_PER_MESSAGE
 from picker.sim.server import SimServer
-from tests.integration.test_sim_server import http, sim, words
+from tests.integration.test_sim_server import CHAT_PATH, COMPLETION_PATH, http, sim, until, words
 
 RESPONSES_PATH = "/v1/responses"
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -235,6 +236,89 @@ async def test_messages_chunked_request_body(http: aiohttp.ClientSession) -> Non
         assert resp.status == 200
         out = await resp.json()
     assert out["usage"]["output_tokens"] == 2
+
+
+# -- the request priority: refused by an FCFS engine, as vLLM refuses it --
+
+PRIORITY_BODIES = [
+    (COMPLETION_PATH, {"prompt": words(3), "max_tokens": 2}),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": words(3)}], "max_tokens": 2}),
+    (RESPONSES_PATH, {"input": words(3), "max_output_tokens": 2}),
+    (EMBEDDINGS_PATH, {"input": words(3)}),
+]
+STREAMABLE = [(path, body) for path, body in PRIORITY_BODIES if path != EMBEDDINGS_PATH]
+
+
+@pytest.mark.parametrize(("path", "body"), PRIORITY_BODIES + [
+    (path, {**body, "stream": True}) for path, body in STREAMABLE])
+@pytest.mark.parametrize("priority", [3, -1])
+async def test_fcfs_engine_refuses_a_non_zero_priority_as_vllm_does(
+        http: aiohttp.ClientSession, path: str, body: dict[str, Any], priority: int) -> None:
+    async with sim() as server:
+        status, ctype, raw = await post_raw(http, server, path, {**body, "priority": priority})
+        assert server.engine is not None and server.engine.waiting == 0
+        assert server.engine.running == 0
+    assert status == 400 and ctype.startswith("application/json")
+    assert json.loads(raw) == {"error": {
+        "message": f"Got priority {priority} but Priority scheduling is not enabled.",
+        "type": "BadRequestError", "param": None, "code": 400}}
+
+
+@pytest.mark.parametrize(("path", "body"), PRIORITY_BODIES)
+async def test_fcfs_engine_takes_priority_zero(http: aiohttp.ClientSession, path: str,
+                                                body: dict[str, Any]) -> None:
+    async with sim() as server:
+        status, _, raw = await post_raw(http, server, path, {**body, "priority": 0})
+    assert status == 200, raw
+
+
+@pytest.mark.parametrize(("path", "body"), PRIORITY_BODIES + [
+    (path, {**body, "stream": True}) for path, body in STREAMABLE])
+async def test_priority_engine_takes_a_non_zero_priority(
+        http: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> None:
+    async with sim(scheduling_policy="priority") as server:
+        status, _, raw = await post_raw(http, server, path, {**body, "priority": 3})
+    assert status == 200, raw
+
+
+async def test_fcfs_length_error_comes_before_the_priority_error(
+        http: aiohttp.ClientSession) -> None:
+    # vLLM's server checks the context before its engine sees the priority.
+    async with sim(max_model_len=16) as server:
+        status, _, raw = await post_raw(http, server, COMPLETION_PATH,
+                                        {"prompt": words(10), "max_tokens": 10, "priority": 3})
+    assert status == 400 and "maximum context length" in json.loads(raw)["error"]["message"]
+
+
+async def test_messages_ignore_a_priority_in_either_mode(http: aiohttp.ClientSession) -> None:
+    """vLLM's Anthropic request has no ``priority``: an FCFS engine does not refuse one, and a
+    priority engine queues the request at 0, ahead of a completion at 1 sent before it."""
+    messages = {"messages": [{"role": "user", "content": words(3)}], "max_tokens": 2,
+                "ignore_eos": True}
+    async with sim() as server:
+        status, _, raw = await post_raw(http, server, MESSAGES_PATH,
+                                        {**messages, "priority": 5})
+    assert status == 200, raw
+    order: list[str] = []
+
+    async def send(name: str, path: str, body: dict[str, Any]) -> None:
+        status, _, raw = await post_raw(http, server, path, body)
+        assert status == 200, raw
+        order.append(name)
+
+    async with sim(max_num_seqs=1, step_ms=3.0, scheduling_policy="priority") as server:
+        engine = server.engine
+        assert engine is not None
+        sends = [asyncio.create_task(send("A", COMPLETION_PATH, {
+            "prompt": words(10), "max_tokens": 80, "ignore_eos": True}))]
+        await until(lambda: engine.running == 1)
+        sends.append(asyncio.create_task(send("B", COMPLETION_PATH, {
+            "prompt": words(3), "max_tokens": 2, "ignore_eos": True, "priority": 1})))
+        await until(lambda: engine.waiting == 1)
+        sends.append(asyncio.create_task(send("C", MESSAGES_PATH, {**messages, "priority": 5})))
+        await until(lambda: engine.waiting == 2)
+        await asyncio.gather(*sends)
+    assert order == ["A", "C", "B"]
 
 
 async def test_health_answers_get(http: aiohttp.ClientSession) -> None:
