@@ -343,8 +343,11 @@ class Gate:
     def _note_arrival(self, tenant: str, tokens: int, now: float) -> None:
         """Remember when the tenant last sent and how big its requests are (for the reserve)."""
         if self.rules.idle_tenant_reserve:
+            # Up at once to a larger request, down slowly: room for the tenant's large requests,
+            # not its average one (a request larger than the reserve waits like any other).
             _, footprint = self._recent.get(tenant, (now, float(tokens)))
-            self._recent[tenant] = (now, footprint + FOOTPRINT_EWMA_ALPHA * (tokens - footprint))
+            self._recent[tenant] = (now, max(float(tokens), footprint + FOOTPRINT_EWMA_ALPHA
+                                             * (tokens - footprint)))
 
     def queued_total(self) -> int:
         """Requests waiting (queued and parked)."""
@@ -361,7 +364,7 @@ class Gate:
                  and self._lane_rank.get(p.lane, 0) > rank]
         if not lower:
             return False
-        victim = max(lower, key=lambda p: (self._lane_rank.get(p.lane, 0), p.arrived_at))
+        victim = max(reversed(lower), key=lambda p: (self._lane_rank.get(p.lane, 0), p.arrived_at))
         victim.shed_for = lane
         self.drop(victim, "shed", now)
         return True
@@ -730,6 +733,7 @@ class Gate:
             endpoint.projected_tokens += sign * passage.projected_tokens
             endpoint.inflight_requests += sign
         passage.endpoint = served
+        self.pump(now)  # the primary's room is free again
         return ejected
 
     # -- memory --

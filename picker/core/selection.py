@@ -61,6 +61,19 @@ class EndpointState:
         return self.scraped_at is not None and now - self.scraped_at <= stale_after
 
 
+def observe(endpoint: EndpointState, waiting: float | None, running: float | None,
+            kv_usage: float | None, kv_budget_tokens: int | None, now: float) -> None:
+    """A scrape of the endpoint's engine answered with these figures (``None``: not exposed):
+    they replace the last ones, and the completions counted since then are forgotten."""
+    endpoint.waiting = waiting
+    endpoint.running = running
+    endpoint.kv_usage = kv_usage
+    if kv_budget_tokens:
+        endpoint.learned_budget = kv_budget_tokens
+    endpoint.scraped_at = now
+    endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
+
+
 @dataclass(frozen=True, slots=True)
 class CapacityRules:
     """When an endpoint has room (see ``picker.config.schema.Capacity``)."""

@@ -22,6 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.core.health import EJECTED
+from picker.core.selection import observe
 from picker.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,5 @@ class Scraper:
         endpoint = self.dispatcher.endpoints.get(address)
         if endpoint is None:
             return
-        endpoint.waiting = figures.waiting
-        endpoint.running = figures.running
-        endpoint.kv_usage = figures.kv_usage
-        if figures.kv_budget_tokens:
-            endpoint.learned_budget = figures.kv_budget_tokens
-        endpoint.scraped_at = self.dispatcher.clock()
-        endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
+        observe(endpoint, figures.waiting, figures.running, figures.kv_usage,
+                figures.kv_budget_tokens, self.dispatcher.clock())

@@ -1,0 +1,224 @@
+"""Latency isolation at full utilisation, in the pool simulator (issue 12's goals).
+
+It answers: *under a heavy tenant's flood, how long does a light tenant wait for its first token
+compared with when it is alone, and how many of the pool's tokens does fairness cost, at the
+pool sizes users run?* Each size runs, on the same traffic (same seeds): the light tenant alone;
+FCFS pass-through (no picker scheduling) on the same engines; the picker's default with engines
+in FCFS mode; the same with the idle-tenant reserve; and the picker with engines in vLLM's
+priority mode (``scheduling.enginePolicy: priority``, its default ``preempt``). The simulator runs
+the server's own gate (``picker.sim.pool``) over vLLM V1's scheduler (``picker.sim.vllm``).
+
+Run: ``python -m bench.isolation --out bench/results`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from picker.config.schema import PickerConfig
+from picker.config.strict import load
+from picker.sim.load import percentile
+from picker.sim.pool import PoolRun, PoolSpec, simulate
+from picker.sim.traffic import Traffic, load_traffic
+
+RATIO_GOAL = 1.5
+TOKENS_GOAL = 0.97
+
+
+@dataclass(frozen=True)
+class Size:
+    """One pool size and the traffic that floods it."""
+
+    name: str
+    spec: PoolSpec
+    traffic: str | dict[str, Any]
+    """A traffic file, or its content."""
+    source: str
+    """Where the shapes come from."""
+
+
+def _flood_traffic(prompt: tuple[int, int], output: tuple[int, int], heavy_rate: float,
+                   light_rate: float, duration: float, seed: int = 12) -> dict[str, Any]:
+    shape = {"api": "completions", "prompt_tokens": list(prompt), "output_tokens": list(output),
+             "stream_fraction": 1.0, "include_usage": True}
+    return {"duration_s": duration, "seed": seed, "timeout_s": 60, "tenants": [
+        {"name": "light", "rate": light_rate, "start_s": 5, **shape},
+        {"name": "flood", "rate": heavy_rate, **shape}]}
+
+
+SIZES = (
+    Size("1k (hard case)", PoolSpec(kv_budget_tokens=1024, step_s=0.005),
+         "bench/traffic/gateway_flood.yaml",
+         "the gateway benchmark's flood (bench/traffic/gateway_flood.yaml)"),
+    Size("8k", PoolSpec(kv_budget_tokens=8192),
+         _flood_traffic((600, 900), (150, 250), 30, 2, 60),
+         "issue 12's outside check: 2 × 8,192 tokens, prompts 600–900, outputs 150–250"),
+    Size("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192),
+         _flood_traffic((3000, 6000), (300, 500), 30, 2, 60),
+         "issue 12's outside check: 2 × 65,536 tokens, prompts 3k–6k, outputs 300–500"),
+    Size("256k", PoolSpec(kv_budget_tokens=262144, max_num_batched_tokens=8192),
+         _flood_traffic((1000, 8000), (100, 2000), 30, 2, 60),
+         "an 80 GB GPU serving an 8B model (about 260k tokens of KV at fp16); prompts 1k–8k "
+         "(RAG and chat with history), outputs 100–2k"),
+    Size("500k", PoolSpec(kv_budget_tokens=500000 // 16 * 16, max_num_batched_tokens=8192),
+         _flood_traffic((1000, 8000), (100, 2000), 40, 2, 60),
+         "an 8B model on a 141 GB GPU, or a GQA model with small KV heads; same shapes"),
+)
+
+WARMUP_S = 10.0
+DRAIN_S = 60.0
+"""Requests still in at the end are followed this long (none is left out of the TTFT)."""
+
+
+def _traffic(size: Size, light_only: bool = False) -> Traffic:
+    traffic = load_traffic(size.traffic)
+    if light_only:
+        traffic = replace(traffic, tenants=tuple(t for t in traffic.tenants
+                                                 if t.name == "light"))
+    return traffic
+
+
+MODES: dict[str, tuple[dict[str, Any], str]] = {
+    # name: (picker config, engines' scheduling policy)
+    "fcfs pass-through": ({"scheduling": {"policy": "fcfs"}}, "fcfs"),
+    "vtc, fcfs engines": ({}, "fcfs"),
+    "vtc + reserve, fcfs engines": ({"capacity": {"idleTenantReserve": "10s"}}, "fcfs"),
+    "fcfs pass-through, priority engines": ({"scheduling": {"policy": "fcfs"}}, "priority"),
+    "vtc, priority engines": ({"scheduling": {"enginePolicy": "priority"}}, "priority"),
+    "vtc + reserve, priority engines": ({"scheduling": {"enginePolicy": "priority"},
+                                         "capacity": {"idleTenantReserve": "10s"}}, "priority"),
+}
+
+
+def _config(mode: dict[str, Any], spec: PoolSpec) -> PickerConfig:
+    capacity = {"kvBudgetTokens": spec.kv_budget_tokens, **mode.get("capacity", {})}
+    return load(PickerConfig, {**mode, "capacity": capacity})
+
+
+def _numbers(run: PoolRun, cpu_s: float) -> dict[str, Any]:
+    light = [r.ttft_s for r in run.records
+             if r.tenant == "light" and r.outcome == "ok" and r.ttft_s is not None]
+    outcomes: dict[str, int] = {}
+    for record in run.records:
+        key = f"{record.tenant}:{record.outcome}"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    requests = sum(1 for r in run.records if r.dispatched_s is not None)
+    return {
+        "light_samples": len(light),
+        "light_ttft_p50_ms": _ms(percentile(light, 50)),
+        "light_ttft_p95_ms": _ms(percentile(light, 95)),
+        "tokens_per_s": run.tokens_per_s(),
+        "preemptions_per_1000": 1000 * run.preemptions / requests if requests else 0.0,
+        "recompute_share": run.recomputed_tokens / run.computed_tokens
+        if run.computed_tokens else 0.0,
+        "outcomes": outcomes,
+        "sim_cpu_s": cpu_s,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def run_size(size: Size) -> dict[str, Any]:
+    """Every mode on one size, and the light tenant alone."""
+    results: dict[str, Any] = {}
+    alone_spec = replace(size.spec, engine_policy="priority")
+    started = time.process_time()
+    alone = simulate(_config({"scheduling": {"enginePolicy": "priority"}}, alone_spec),
+                     _traffic(size, light_only=True), alone_spec, warmup_s=WARMUP_S,
+                     drain_s=DRAIN_S)
+    results["light alone"] = _numbers(alone, time.process_time() - started)
+    for name, (mode, engines) in MODES.items():
+        spec = replace(size.spec, engine_policy=engines)
+        started = time.process_time()
+        run = simulate(_config(mode, spec), _traffic(size), spec, warmup_s=WARMUP_S,
+                       drain_s=DRAIN_S)
+        results[name] = _numbers(run, time.process_time() - started)
+    alone_p95 = results["light alone"]["light_ttft_p95_ms"]
+    for name, numbers in results.items():
+        engines = MODES.get(name, ({}, "priority"))[1]
+        fcfs = results["fcfs pass-through" if engines == "fcfs"
+                       else "fcfs pass-through, priority engines"]
+        numbers["ttft_ratio"] = (numbers["light_ttft_p95_ms"] / alone_p95
+                                 if alone_p95 and numbers["light_ttft_p95_ms"] else None)
+        numbers["tokens_vs_fcfs"] = (numbers["tokens_per_s"] / fcfs["tokens_per_s"]
+                                     if fcfs["tokens_per_s"] else None)
+    return results
+
+
+def _cell(value: Any, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = ["# Latency isolation at full utilisation (pool simulator)", "",
+             "Generated by `python -m bench.isolation`. The simulator runs the picker's own gate "
+             "(`picker.core.gate`) in front of vLLM V1's scheduler (`picker.sim.vllm`: KV in "
+             "16-token blocks, a token budget per step, preemption by recompute). Two endpoints "
+             f"per pool; a heavy tenant floods it (open loop, above capacity) while a light "
+             f"tenant sends the same shapes at a low rate; TTFT and tokens are counted after a "
+             f"{WARMUP_S:g} s warm-up. Goals: light p95 TTFT under the flood ≤ {RATIO_GOAL}× "
+             f"its p95 alone, pool tokens ≥ {TOKENS_GOAL} of FCFS pass-through on the same "
+             "engines.", ""]
+    for size_name, size_data in data["sizes"].items():
+        spec = size_data["spec"]
+        lines += [f"## {size_name}", "",
+                  f"{spec['endpoints']} × {spec['kv_budget_tokens']:,} tokens of KV, "
+                  f"max_num_batched_tokens {spec['max_num_batched_tokens']}, step "
+                  f"{spec['step_s'] * 1000:g} ms. Shapes: {size_data['source']}.", "",
+                  "| mode | light p50 ms | light p95 ms | p95 ÷ alone | tokens/s | "
+                  "÷ FCFS | preemptions /1k req | recompute share | light n |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for mode, n in size_data["results"].items():
+            lines.append(
+                f"| {mode} | {_cell(n['light_ttft_p50_ms'], '.0f')} | "
+                f"{_cell(n['light_ttft_p95_ms'], '.0f')} | {_cell(n['ttft_ratio'])} | "
+                f"{n['tokens_per_s']:.0f} | {_cell(n['tokens_vs_fcfs'], '.3f')} | "
+                f"{n['preemptions_per_1000']:.1f} | {n['recompute_share']:.3f} | "
+                f"{n['light_samples']} |")
+        lines.append("")
+    lines += ["## Goals", "", "| size | mode | p95 ÷ alone ≤ 1.5 | tokens ÷ FCFS ≥ 0.97 |",
+              "|---|---|---|---|"]
+    for size_name, size_data in data["sizes"].items():
+        for mode in ("vtc, priority engines", "vtc, fcfs engines"):
+            n = size_data["results"][mode]
+            ratio_ok = n["ttft_ratio"] is not None and n["ttft_ratio"] <= RATIO_GOAL
+            tokens_ok = n["tokens_vs_fcfs"] is not None and n["tokens_vs_fcfs"] >= TOKENS_GOAL
+            lines.append(f"| {size_name} | {mode} | {_cell(n['ttft_ratio'])} "
+                         f"{'met' if ratio_ok else 'NOT met'} | "
+                         f"{_cell(n['tokens_vs_fcfs'], '.3f')} "
+                         f"{'met' if tokens_ok else 'NOT met'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--only", action="append", help="run only this size (repeatable)")
+    args = parser.parse_args(argv)
+    data: dict[str, Any] = {"sizes": {}}
+    for size in SIZES:
+        if args.only and size.name.split()[0] not in args.only:
+            continue
+        results = run_size(size)
+        data["sizes"][size.name] = {"spec": size.spec.__dict__, "source": size.source,
+                                    "results": results}
+        print(f"{size.name}: " + "; ".join(
+            f"{mode} p95 {_cell(n['light_ttft_p95_ms'], '.0f')} ms ×{_cell(n['ttft_ratio'])} "
+            f"tokens ×{_cell(n['tokens_vs_fcfs'], '.3f')}" for mode, n in results.items()),
+            flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "isolation.json").write_text(json.dumps(data, indent=1, default=str))
+    (args.out / "isolation.md").write_text(render(data))
+    print(f"wrote {args.out / 'isolation.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""The pool simulator: the picker's own gate in front of simulated vLLM engines, in discrete time.
+
+It answers: *what does the picker do with this traffic on this pool, and what does each tenant
+get?* without a network, a process or a wall clock. The gate is the one the server runs
+(``picker.core.gate.Gate``, built from a ``PickerConfig`` by ``picker.dispatch.from_config``); each
+endpoint is vLLM V1's scheduler (``picker.sim.vllm``); the traffic is a load-generator file
+(``picker.sim.traffic``) drawn with the same seeds as ``picker.sim.load`` sends it through a
+real gateway. Each engine step (``step_s``) the simulator, in this order: delivers arrivals to
+the gate (which admits, queues or dispatches them), drops requests past the queue timeout,
+reads each engine's figures every ``scrape_interval_s`` (as the scraper does), steps every
+engine, and reports tokens and completions back to the gate (streamed output charged per token,
+as the meter stream does). Nothing else differs from the server: same decisions, same ledger.
+
+What it does not model: network and Envoy latency, the body parsing and tokenizer estimate
+(the prompt estimate is the engine's count), and retries.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from picker.config.schema import PickerConfig
+from picker.core import LaneSpec, Scheduler, Usage
+from picker.core.admission import Admission, Refused
+from picker.core.gate import Gate, Passage, Turnaway
+from picker.core.selection import observe
+from picker.dispatch.from_config import (
+    admission_rules,
+    cost_function,
+    endpoint_budgets,
+    gate_rules,
+)
+from picker.sim.load import BACKLOG_ERROR_PAUSE_S, PlannedRequest, draw_request, plan_open_loop
+from picker.sim.traffic import Traffic
+from picker.sim.vllm import DEFAULT_MAX_NUM_BATCHED_TOKENS, SeqRequest, VllmConfig, VllmScheduler
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The simulated pool: how many engines, and how each is configured."""
+
+    endpoints: int = 2
+    kv_budget_tokens: int = 8192
+    """Each engine's KV cache (``num_gpu_blocks × block_size``)."""
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    engine_policy: str = "fcfs"
+    """The engines' ``--scheduling-policy``: ``fcfs`` or ``priority``."""
+    step_s: float = 0.01
+    """Seconds per engine step (the simulated server's ``--step-ms``)."""
+    scrape_interval_s: float = 0.05
+
+    def addresses(self) -> list[str]:
+        return [f"10.0.0.{i + 1}:8000" for i in range(self.endpoints)]
+
+
+@dataclass
+class PoolRecord:
+    """What one request got. Times are seconds after the run's start."""
+
+    tenant: str
+    kind: str
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    outcome: str = ""
+    """``ok``, a refusal's reason, ``queue_timeout`` or ``unfinished`` (still in at the end)."""
+    dispatched_s: float | None = None
+    first_token_s: float | None = None
+    end_s: float | None = None
+    completion_tokens: int = 0
+    endpoint: str | None = None
+    engine_priority: int | None = None
+    preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass(eq=False)
+class SimPassage(Passage):
+    """A passage with what the simulator needs to serve it."""
+
+    planned: PlannedRequest = field(kw_only=True)
+    record: PoolRecord = field(kw_only=True)
+    seq: SeqRequest | None = None
+
+
+@dataclass
+class PoolRun:
+    """A finished simulation."""
+
+    records: list[PoolRecord]
+    duration_s: float
+    output_tokens_in_window: int
+    """Output tokens the engines produced between ``warmup_s`` and ``duration_s``."""
+    window_s: float
+    preemptions: int
+    recomputed_tokens: int
+    computed_tokens: int
+    """Every token the engines computed (prefill, recompute and decode)."""
+    steps: int
+
+    def tokens_per_s(self) -> float:
+        return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
+
+
+class _Pool:
+    """One run's state: the gate, the engines, and the traffic still to send."""
+
+    def __init__(self, config: PickerConfig, traffic: Traffic, spec: PoolSpec,
+                 duration_s: float) -> None:
+        self.config, self.traffic, self.spec, self.duration_s = config, traffic, spec, duration_s
+        scheduler = Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
+                              policy=config.scheduling.policy, cost=cost_function(config))
+        for tenant in config.tenants:
+            scheduler.set_weight(tenant.id, tenant.weight)
+        self.gate = Gate(gate_rules(config), scheduler, Admission(*admission_rules(config)),
+                         now=0.0, listener=self)
+        addresses = spec.addresses()
+        budgets = endpoint_budgets(config)
+        self.gate.set_endpoints({a: budgets.get(a) or spec.kv_budget_tokens for a in addresses})
+        engine = VllmConfig(total_blocks=spec.kv_budget_tokens // spec.block_size,
+                            block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+                            max_num_batched_tokens=spec.max_num_batched_tokens,
+                            policy=spec.engine_policy)
+        self.engines = {a: VllmScheduler(engine) for a in addresses}
+        self.records: list[PoolRecord] = []
+        self.open_loop = plan_open_loop(traffic, duration_s)
+        self.next_open = 0
+        self.backlog_due: list[tuple[float, str]] = []
+        """(when, tenant): a closed-loop tenant's next request."""
+        self.next_seq = {t.name: 0 for t in traffic.tenants}
+        self.queued: list[SimPassage] = []
+        self.refused: list[SimPassage] = []
+        """Dispatched to an engine that refused them (settled after the gate's turn)."""
+        self.now = 0.0
+
+    # -- what the gate decided (``GateListener``) --
+
+    def dispatched(self, passage: Any, now: float) -> None:
+        record = passage.record
+        record.dispatched_s, record.endpoint = now, passage.endpoint.address
+        record.engine_priority = passage.engine_priority
+        if passage.engine_priority and self.spec.engine_policy != "priority":
+            # vLLM refuses a non-zero priority unless it runs --scheduling-policy priority
+            # (400); the gateway settles such a request to nothing.
+            self.refused.append(passage)
+            return
+        planned = passage.planned
+        seq = SeqRequest(id=passage, prompt_tokens=planned.prompt_tokens,
+                         output_tokens=planned.max_tokens)
+        passage.seq = seq
+        self.engines[passage.endpoint.address].add(seq, passage.engine_priority or 0, now)
+
+    def dropped(self, passage: Any, outcome: str, now: float) -> None:
+        self._end(passage.record, outcome, now)
+
+    def settled(self, passage: Any, usage: Usage, outcome: str, now: float,
+                estimated: bool) -> None:
+        record = passage.record
+        record.completion_tokens = usage.completion_tokens
+        record.preemptions = passage.seq.preemptions if passage.seq is not None else 0
+        self._end(record, outcome, now)
+
+    def _end(self, record: PoolRecord, outcome: str, now: float) -> None:
+        record.outcome, record.end_s = outcome, now
+        tenant = self.traffic.tenant(record.tenant)
+        if record.kind == "backlog":
+            pause = 0.0 if outcome == "ok" else BACKLOG_ERROR_PAUSE_S
+            self._next_backlog(tenant.name, now + pause)
+
+    # -- traffic --
+
+    def _next_backlog(self, tenant: str, at: float) -> None:
+        spec = self.traffic.tenant(tenant)
+        stop = self.duration_s if spec.stop_s is None else min(spec.stop_s, self.duration_s)
+        if at < stop:
+            self.backlog_due.append((max(at, spec.start_s), tenant))
+
+    def _send(self, planned: PlannedRequest) -> None:
+        record = PoolRecord(planned.tenant, planned.kind, self.now, planned.prompt_tokens,
+                            planned.max_tokens, planned.stream)
+        self.records.append(record)
+        build = functools.partial(SimPassage, planned=planned, record=record)
+        passage = self.gate.admit(
+            build, planned.tenant, None, model=self.traffic.model,
+            prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
+            stream=planned.stream, now=self.now)
+        if isinstance(passage, (Refused, Turnaway)):
+            self._end(record, passage.reason, self.now)
+            return
+        if record.dispatched_s is None:
+            self.queued.append(passage)
+
+    def arrivals(self) -> None:
+        plan, now = self.open_loop, self.now
+        while self.next_open < len(plan) and (plan[self.next_open].at_s or 0.0) <= now:
+            self._send(plan[self.next_open])
+            self.next_open += 1
+        due = [item for item in self.backlog_due if item[0] <= now]
+        if due:
+            self.backlog_due = [item for item in self.backlog_due if item[0] > now]
+            for _, tenant in sorted(due):
+                seq = self.next_seq[tenant]
+                self.next_seq[tenant] = seq + 1
+                self._send(draw_request(self.traffic, self.traffic.tenant(tenant), seq,
+                                        "backlog", None))
+
+    def engine_refusals(self) -> None:
+        refused, self.refused = self.refused, []
+        for passage in refused:
+            self.gate.complete(passage, Usage(0, 0, 0), "engine_refused", self.now)
+
+    def timeouts(self) -> None:
+        limit = self.config.queue.max_wait
+        waiting = []
+        for passage in self.queued:
+            if passage.dispatched_at is not None or passage.outcome is not None:
+                continue
+            if self.now - passage.arrived_at >= limit:
+                self.gate.drop(passage, "queue_timeout", self.now)
+            else:
+                waiting.append(passage)
+        self.queued = waiting
+
+    # -- the engines --
+
+    def scrape(self) -> None:
+        for address, engine in self.engines.items():
+            endpoint = self.gate.endpoints.get(address)
+            if endpoint is not None:
+                observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
+                        None, self.now)
+
+    def step_engines(self, counting: bool) -> tuple[int, int]:
+        """Step every engine; returns output tokens produced and tokens computed."""
+        produced = computed = 0
+        # A step's tokens exist when the step ends.
+        gate, now = self.gate, self.now + self.spec.step_s
+        for engine in self.engines.values():
+            out = engine.step(self.now)
+            computed += sum(out.scheduled.values())
+            for seq in out.tokens:
+                passage = seq.id
+                if passage.record.first_token_s is None:
+                    passage.record.first_token_s = now
+                if passage.stream:
+                    gate.charge_output(passage, 1)
+            produced += len(out.tokens)
+            for seq in out.finished:
+                gate.complete(seq.id, Usage(seq.prompt_tokens, seq.generated, 0), "ok", now)
+        return (produced if counting else 0), computed
+
+
+def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
+             duration_s: float | None = None, warmup_s: float = 0.0,
+             drain_s: float = 0.0) -> PoolRun:
+    """Run ``traffic`` through the gate onto ``spec``'s engines for ``duration_s`` (default the
+    traffic's), then up to ``drain_s`` more for requests in flight. Output tokens are counted
+    between ``warmup_s`` and ``duration_s``."""
+    duration = traffic.duration_s if duration_s is None else duration_s
+    pool = _Pool(config, traffic, spec, duration)
+    for tenant in traffic.tenants:
+        if tenant.backlog is not None:
+            for _ in range(tenant.backlog):
+                pool._next_backlog(tenant.name, tenant.start_s)
+    scrape_every = max(1, round(spec.scrape_interval_s / spec.step_s))
+    step, produced, computed = 0, 0, 0
+    end = duration + drain_s
+    while True:
+        pool.now = step * spec.step_s
+        if pool.now >= end or (pool.now >= duration and not pool.gate.passages):
+            break
+        pool.arrivals()
+        pool.timeouts()
+        if step % scrape_every == 0:
+            pool.scrape()
+        pool.gate.pump(pool.now)
+        pool.engine_refusals()
+        tokens, work = pool.step_engines(warmup_s <= pool.now < duration)
+        produced += tokens
+        computed += work
+        step += 1
+    for record in pool.records:
+        if not record.outcome:
+            record.outcome = "unfinished"
+    engines = pool.engines.values()
+    return PoolRun(records=pool.records, duration_s=duration,
+                   output_tokens_in_window=produced, window_s=max(0.0, duration - warmup_s),
+                   preemptions=sum(e.preemptions_total for e in engines),
+                   recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
+                   computed_tokens=computed, steps=step)
