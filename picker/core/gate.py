@@ -367,6 +367,7 @@ class Gate:
         victim = max(reversed(lower), key=lambda p: (self._lane_rank.get(p.lane, 0), p.arrived_at))
         victim.shed_for = lane
         self.drop(victim, "shed", now)
+        self.pump(now)  # a request the victim's tenant had parked may have entered the queue
         return True
 
     # -- the fair queue and the parking lot --
