@@ -36,7 +36,10 @@ TRAFFIC = Path(__file__).resolve().parents[1] / "traffic"
 POOL_ENDPOINTS = 2
 POOL_KV_BUDGET = 1024
 POOL_STEP_MS = 5.0
-POOL_SERVER_ARGS = ["--kv-budget-tokens", str(POOL_KV_BUDGET), "--step-ms", f"{POOL_STEP_MS:g}"]
+POOL_ENGINE_POLICY = "fcfs"
+"""The servers' ``--scheduling-policy`` (vLLM's default)."""
+POOL_SERVER_ARGS = ["--kv-budget-tokens", str(POOL_KV_BUDGET), "--step-ms", f"{POOL_STEP_MS:g}",
+                    "--scheduling-policy", POOL_ENGINE_POLICY]
 
 PREFILL_WEIGHT, DECODE_WEIGHT = 1.0, 2.0  # the picker's default cost (w_p, w_q)
 #: The overhead ladder's rates above 200 req/s (goal 4d; the quick run climbs one rung).
@@ -424,15 +427,22 @@ async def _drive(stack: Stack, traffic: Traffic, interval: float) -> tuple[LoadR
     return result, sampler
 
 
+def picker_overrides(traffic: Traffic, weights: dict[str, float],
+                     idle_tenant_reserve: str) -> dict[str, Any]:
+    """What a contended-pool run sets in the picker's config over the stack's own (the pool
+    simulator's comparison runs the same)."""
+    tenants = [{"id": t.name, "weight": weights.get(t.name, 1.0)} for t in traffic.tenants]
+    return {"tenants": tenants, "queue": {"maxWait": "60s"},
+            "capacity": {"idleTenantReserve": idle_tenant_reserve}}
+
+
 def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, float],
                 window: tuple[float, float], workdir: Path, plan: Plan,
                 idle_tenant_reserve: str | None = None) -> GatewayRun:
     """``traffic`` through a fresh stack (Envoy, picker with ``policy``, the contended pool);
     ``idle_tenant_reserve`` overrides the plan's."""
-    tenants = [{"id": t.name, "weight": weights.get(t.name, 1.0)} for t in traffic.tenants]
     reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
-    config = {"tenants": tenants, "queue": {"maxWait": "60s"},
-              "capacity": {"idleTenantReserve": reserve}}
+    config = picker_overrides(traffic, weights, reserve)
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.experiments import md_table
-from bench.gateway.common import POOL_ENDPOINTS, POOL_KV_BUDGET, POOL_STEP_MS, GatewayRun, trace
+from bench.gateway.common import (
+    POOL_ENDPOINTS,
+    POOL_ENGINE_POLICY,
+    POOL_KV_BUDGET,
+    POOL_STEP_MS,
+    GatewayRun,
+    trace,
+)
 from bench.gateway.fairness import FAIR_WEIGHTS
 from bench.gateway.overhead import (
     CLIENT_LAG_LIMIT_MS,
@@ -203,6 +210,36 @@ def section_light(data: dict[str, Any]) -> str:
                 "mean engine waiting", "flood TTFT p50 ms"], rows),
         "",
         *[f"{names[k]}: {_cpu(r['resources'])}.  " for k, r in light["runs"].items()],
+        *([] if "vs_simulator" not in light else ["", _vs_simulator(light, names)]),
+    ])
+
+
+def _vs_simulator(light: dict[str, Any], names: dict[str, str]) -> str:
+    """The light runs beside the same traffic in the pool simulator (issue 12)."""
+    rows = []
+    for key, sides in light["vs_simulator"].items():
+        for side in ("gateway", "simulator"):
+            got = sides[side]
+            out, ok, sent = got["output_tokens_per_s"], got["ok"], got["sent"]
+            rows.append([names[key] if side == "gateway" else "", side,
+                         _fmt(got["light_ttft_ms"]["p50"], ".1f"),
+                         _fmt(got["light_ttft_ms"]["p95"], ".1f"),
+                         _fmt(out.get("flood"), ".0f"), _fmt(out.get("light"), ".1f"),
+                         _fmt(got["pool_tokens_per_s"], ".0f"),
+                         *(f"{ok[t]}/{sent[t]}" if t in ok else "-" for t in ("flood", "light"))])
+    return "\n".join([
+        "### Gateway vs pool simulator",
+        "The same traffic (same seeds) through `picker.sim.pool`: the server's own gate with "
+        "the run's picker config, in front of simulated vLLM engines configured as the stack's "
+        f"servers ({POOL_ENDPOINTS} × {POOL_KV_BUDGET} KV tokens, {POOL_STEP_MS:g} ms steps, "
+        f"{POOL_ENGINE_POLICY} engines), in discrete time. The simulator has no network, "
+        "Envoy, HTTP or shared CPU: the gap between the two rows is what those cost. Output "
+        "tokens/s are in "
+        "the window, from the responses (spread from first token to end) on both sides; pool "
+        "tokens/s from the engines' counters (gateway: the servers' metrics).",
+        "",
+        md_table(["run", "", "light TTFT p50 ms", "p95", "flood out tok/s", "light out tok/s",
+                  "pool tok/s", "flood ok/sent", "light ok/sent"], rows),
     ])
 
 

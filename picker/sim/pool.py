@@ -105,6 +105,8 @@ class PoolRun:
     computed_tokens: int
     """Every token the engines computed (prefill, recompute and decode)."""
     steps: int
+    gate: Gate = field(repr=False, compare=False)
+    """The gate as the run left it (its ledger and the tenants' service totals)."""
 
     def tokens_per_s(self) -> float:
         return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
@@ -295,4 +297,4 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                    output_tokens_in_window=produced, window_s=max(0.0, duration - warmup_s),
                    preemptions=sum(e.preemptions_total for e in engines),
                    recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
-                   computed_tokens=computed, steps=step)
+                   computed_tokens=computed, steps=step, gate=pool.gate)

@@ -52,6 +52,13 @@ def test_writes_every_output(quick: tuple[Path, dict[str, Any], str]) -> None:
         assert title in markdown, title
         assert title in stdout, title
     assert "shared" in markdown.lower() and "load average" in markdown
+    # The light runs beside the same traffic in the pool simulator (issue 12).
+    assert "### Gateway vs pool simulator" in markdown
+    versus = markdown.split("### Gateway vs pool simulator", 1)[1]
+    table = [line for line in versus.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| run |") and "light TTFT p50 ms" in table[0]
+    assert sum("| gateway |" in line for line in table) == 4
+    assert sum("| simulator |" in line for line in table) == 4
     assert set(data) >= {"meta", "goals", "fairness", "light", "throughput", "overhead", "drift"}
 
 
@@ -111,6 +118,20 @@ def test_light_and_throughput_numbers_are_sane(quick: tuple[Path, dict[str, Any]
         assert _positive(run["p95_over_alone"])
         assert _finite(run["picker_hold_ms_mean"]) and run["picker_hold_ms_mean"] >= 0
     assert runs["alone"]["p95_over_alone"] == pytest.approx(1.0, abs=1e-4)
+    versus = data["light"]["vs_simulator"]
+    assert set(versus) == set(runs)
+    for name, sides in versus.items():
+        gateway, sim = sides["gateway"], sides["simulator"]
+        # Same traffic on both sides: the same tenants and the same light requests.
+        assert set(gateway["sent"]) == set(sim["sent"])
+        assert gateway["sent"]["light"] == sim["sent"]["light"] == runs[name]["sent"]
+        for side in (gateway, sim):
+            assert side["ok"]["light"] > 0
+            assert 0 < side["light_ttft_ms"]["p50"] <= side["light_ttft_ms"]["p95"]
+            assert _positive(side["pool_tokens_per_s"])
+            assert _positive(side["output_tokens_per_s"]["light"])
+        if name != "alone":
+            assert _positive(sim["output_tokens_per_s"]["flood"])
     rows = data["throughput"]["rows"]
     assert len(rows) == 2
     assert _positive(data["throughput"]["other_reserve_ratio"])
