@@ -4,8 +4,10 @@
 The configuration is ``picker.stack.envoy.envoy_config`` (meter-stream response path,
 fail-closed) with placeholder addresses instead of the test's 127.0.0.1 ones: the listener on
 all interfaces, the picker reached by its Service's DNS name (a ``STRICT_DNS`` cluster instead of
-``STATIC``). Nothing else differs; ``tests/integration/test_observability.py`` checks that the
-committed file is what this script writes, that undoing the placeholders gives
+``STATIC``), and the pool's pods named by a headless Service (``POOL_PODS``, the
+``pool_pods`` form of ``envoy_config``). Nothing else differs;
+``tests/integration/test_observability.py`` checks that the committed file is what this script
+writes, that undoing the placeholders gives
 ``envoy_config`` exactly, and that Envoy accepts it (``envoy --mode validate``).
 
     .venv/bin/python scripts/gen_gateway_envoy.py          # rewrite the files
@@ -32,6 +34,11 @@ ADMIN_PORT = 9901
 PICKER_PORT = 9002
 """The picker's ext_proc port (``picker serve --grpc-port``, the InferencePool's
 ``endpointPickerRef`` port)."""
+POOL_PODS_SERVICE = "llm-pool-pods"
+"""The headless Service of envoy-pool-pods.yaml: one DNS answer per ready pod of the pool."""
+POOL_PORT = 8000
+"""The pool's target port (the chart's ``inferencePool.targetPorts``, inferencepool.yaml)."""
+POOL_PODS = f"{POOL_PODS_SERVICE}.inference.svc.cluster.local:{POOL_PORT}"
 LISTEN_HOST = "0.0.0.0"
 PICKER_HOST = "fairway-picker.inference.svc.cluster.local"
 """Placeholder: the picker Service of ``gateway-api.yaml`` (name ``fairway-picker``, namespace
@@ -45,14 +52,17 @@ HEADER = f"""\
 #   .venv/bin/python scripts/gen_gateway_envoy.py
 # Placeholders: listener {LISTEN_HOST}:{LISTEN_PORT}, admin 127.0.0.1:{ADMIN_PORT},
 # picker {PICKER_HOST}:{PICKER_PORT}.
-# Requests go to the model server the picker names in x-gateway-destination-endpoint
-# (ORIGINAL_DST cluster): Envoy must reach the pool's pods at the addresses the picker knows.
-# Dead model servers: ORIGINAL_DST takes one address, so Envoy cannot retry elsewhere; a request
-# that never reached an engine gets 503 (504 on timeout) with Retry-After and an OpenAI body,
-# costs nothing, and the picker ejects the failing endpoint (health.*), so the client's retry
-# goes to a live one. With the pool's endpoints in the cluster (a control plane's EDS, or STATIC)
-# use override_host and the retry policy instead (picker.stack.envoy.pool_cluster, RETRY_POLICY,
-# routing.fallbackEndpoints: 1): Envoy then retries on the picker's fallback itself.
+# Requests go to the model server the picker names in its envoy.lb metadata (override_host):
+# the pool cluster is STRICT_DNS on {POOL_PODS},
+# the headless Service of envoy-pool-pods.yaml (apply it with this file): one host per ready
+# pod IP, so the hosts carry the addresses the picker names.
+# Dead model servers: a request that never reached an engine (connect failure, refused stream,
+# reset before the request was sent, the engine's own 503) is retried twice, each time on a
+# host not tried yet: the picker's next fallback, else the next pod round-robin. Run the
+# picker with routing.fallbackEndpoints: 2 so each retry follows its ranking (at 0, the
+# default, retries still leave the failed pod, round-robin).
+# A request no retry could place gets 503 (504 on timeout) with Retry-After and an OpenAI body,
+# costs nothing, and the picker ejects the failing endpoint (health.*).
 # Tenant identity: the listener removes client-sent tenant, lane and objective headers
 # (x-llm-d-inference-fairness-id, x-gateway-inference-fairness-id, x-fairway-lane,
 # x-gateway-inference-objective) before any filter, so only the picker's API keys
@@ -94,7 +104,8 @@ def deployment_config(**identity: Any) -> dict[str, Any]:
     """``envoy_config`` for the placeholder ports, with the placeholder addresses put in.
     ``identity``: ``envoy_config``'s identity arguments (default: strip)."""
     config = copy.deepcopy(envoy_config(listen_port=LISTEN_PORT, admin_port=ADMIN_PORT,
-                                        picker_port=PICKER_PORT, **identity))
+                                        picker_port=PICKER_PORT, pool_pods=POOL_PODS,
+                                        **identity))
     resources = config["static_resources"]
     (listener,) = resources["listeners"]
     _socket(listener["address"])["address"] = LISTEN_HOST

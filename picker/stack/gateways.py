@@ -28,6 +28,12 @@ Gateway's ClientTrafficPolicy ``headers.earlyRequestHeaders``, kgateway's Listen
 ``earlyRequestHeaderModifier``, an Istio EnvoyFilter. An HTTPRoute ``RequestHeaderModifier``
 alone is not enough: Envoy applies it in the router, after the picker's ext_proc filter has read
 the headers. ``Wiring.trusted_client_identity`` (tests only) leaves them in.
+
+Every flavour but kgateway 2.0 carries the retry policy its gateway generates from the samples'
+HTTPRoute ``retry`` stanza (Istio's also by default). Only an ``override_host`` pool lets a
+retry reach another endpoint (``Flavour.retries_elsewhere``): Envoy AI Gateway's FailOpen pool
+and Istio's. Behind ``ORIGINAL_DST`` and kgateway's one-address subset a retry dials the same
+host again.
 """
 
 from __future__ import annotations
@@ -109,6 +115,10 @@ class Flavour:
     fair queue longer (set ``queue.maxWait`` below it, or Envoy answers for the picker)."""
     source: str
     """Where the configuration was read from (repository and file)."""
+    retries_elsewhere: bool = False
+    """Envoy's retry of a request that never reached an engine can reach another endpoint (the
+    picker's fallback): an ``override_host`` pool with a retry policy. ``ORIGINAL_DST`` and
+    kgateway's one-address subset send a retry back to the same host."""
 
 
 # --- pieces ------------------------------------------------------------------------------------
@@ -185,6 +195,36 @@ def _override_host_cluster(name: str, wiring: Wiring, fallback: str,
         "load_assignment": {"cluster_name": name, "endpoints": [
             {"lb_endpoints": [_endpoint(a) for a in wiring.endpoints]}]},
     }
+
+
+_PREVIOUS_HOSTS = [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+    "@type": _TYPE + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]
+
+
+def _gateway_api_retry(retry_on: str) -> dict[str, Any]:
+    """The HTTPRoute rule's ``retry: {codes: [503], attempts: 2}`` of manifests/gateway/, as
+    Envoy Gateway and Istio turn it into Envoy's retry policy: their connection-failure
+    triggers plus the codes, each retry on a host not tried yet."""
+    return {"retry_on": retry_on, "retriable_status_codes": [503], "num_retries": 2,
+            "retry_host_predicate": _PREVIOUS_HOSTS, "host_selection_retry_max_attempts": 5}
+
+
+ENVOY_GATEWAY_RETRY = _gateway_api_retry(
+    "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes")
+"""Envoy Gateway (``buildRetryPolicy``, internal/xds/translator/route.go): its default triggers,
+the route's codes and attempts, ``previous_hosts``, 5 host selections."""
+ISTIO_RETRY = _gateway_api_retry(
+    "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes")
+"""Istio (its route retry package: ``DefaultPolicy``, ``ConvertPolicy``): the same triggers as
+its default policy, which it applies to every route even without a ``retry`` stanza."""
+ENVOY_GATEWAY_MAX_PARALLEL_RETRIES = 1024
+"""manifests/gateway/envoy-ai-gateway.yaml's BackendTrafficPolicy ``maxParallelRetries``; Envoy
+Gateway's other circuit-breaker thresholds at their 1024 defaults."""
+_ISTIO_UNLIMITED = 4294967295
+KGATEWAY_RETRY = {"retry_on": "gateway-error,connect-failure,reset,retriable-status-codes",
+                  "retriable_status_codes": [503], "num_retries": 2}
+"""kgateway, reconstructed from its retry guide's config dump (no source read): gateway errors,
+connect failures and any reset, no host predicate."""
 
 
 def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[str, Any],
@@ -285,10 +325,16 @@ def envoy_ai_gateway(wiring: Wiring, body_mode: str = "duplex", fail_open: bool 
             "max_ejection_percent": 50}
     else:
         pool_cluster = _original_dst_cluster(pool_cluster_name, "10s")
+    # The sample's BackendTrafficPolicy circuitBreaker.maxParallelRetries: Envoy's default of 3
+    # parallel retries turns a dead pod under load into 503s (UO), retryable or not.
+    pool_cluster["circuit_breakers"] = {"thresholds": [{
+        "max_connections": 1024, "max_pending_requests": 1024, "max_requests": 1024,
+        "max_retries": ENVOY_GATEWAY_MAX_PARALLEL_RETRIES}]}
     pool_cluster["typed_extension_protocol_options"] = _HTTP1  # spec.appProtocol: http
     filter_name = f"envoy.filters.http.ext_proc/endpointpicker/{POOL}_{NAMESPACE}_ext_proc"
     return _bootstrap(
-        wiring, [{"name": filter_name, "typed_config": ext_proc}], _route(pool_cluster_name),
+        wiring, [{"name": filter_name, "typed_config": ext_proc}],
+        _route(pool_cluster_name, {"retry_policy": ENVOY_GATEWAY_RETRY}),
         [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
         # Envoy Gateway's listener defaults (ClientTrafficPolicy path settings).
         {"normalize_path": True, "merge_slashes": True,
@@ -344,7 +390,8 @@ def kgateway(wiring: Wiring) -> dict[str, Any]:
     route = _route(
         pool_cluster_name,
         action={"metadata_match": {"filter_metadata": {
-            SUBSET_NAMESPACE: {SUBSET_KEY: list(wiring.endpoints)}}}},
+            SUBSET_NAMESPACE: {SUBSET_KEY: list(wiring.endpoints)}}},
+            "retry_policy": KGATEWAY_RETRY},
         typed_per_filter_config={filter_name: {
             "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "overrides": {"failure_mode_allow": False, "grpc_service": {
@@ -410,9 +457,15 @@ def istio(wiring: Wiring, fail_open: bool = False) -> dict[str, Any]:
     pool_cluster = _override_host_cluster(pool_cluster_name, wiring, "round_robin",
                                           report_served=True)
     pool_cluster["lb_policy"] = "CLUSTER_PROVIDED"
+    # Istio's default thresholds (no DestinationRule connectionPool): nothing bounded, so its
+    # default retries never overflow.
+    pool_cluster["circuit_breakers"] = {"thresholds": [{
+        "max_connections": _ISTIO_UNLIMITED, "max_pending_requests": _ISTIO_UNLIMITED,
+        "max_requests": _ISTIO_UNLIMITED, "max_retries": _ISTIO_UNLIMITED,
+        "track_remaining": True}]}
     return _bootstrap(
         wiring, [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}],
-        _route(pool_cluster_name),
+        _route(pool_cluster_name, {"retry_policy": ISTIO_RETRY}),
         [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
         # Istio's default path normalisation ("BASE"): RFC 3986 only.
         {"normalize_path": True})
@@ -430,7 +483,7 @@ FLAVOURS: dict[str, Flavour] = {f.name: f for f in (
     Flavour("envoy-ai-gateway-fail-open", lambda w: envoy_ai_gateway(w, fail_open=True), True,
             "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "300s",
             "envoyproxy/ai-gateway internal/extensionserver/post_cluster_modify.go "
-            "(configureFallbackClusterForInferencePool)"),
+            "(configureFallbackClusterForInferencePool)", retries_elsewhere=True),
     Flavour("kgateway", kgateway, True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "5s",
             "kgateway-dev/kgateway internal/kgateway/extensions2/plugins/inferenceextension/"
             "endpointpicker/plugin.go"),
@@ -439,7 +492,7 @@ FLAVOURS: dict[str, Flavour] = {f.name: f for f in (
             "endpointpicker/plugin.go (2.0)"),
     Flavour("istio", istio, True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "1000s",
             "istio/istio pilot/pkg/xds/filters/filters.go (BuildInferencePoolExtProcFilter), "
-            "cluster_builder.go (override_host)"),
+            "cluster_builder.go (override_host)", retries_elsewhere=True),
 )}
 
 

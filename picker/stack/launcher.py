@@ -22,7 +22,12 @@ from typing import Any
 
 import yaml
 
-from picker.stack.envoy import JwtIdentity, envoy_binary, write_envoy_config
+from picker.stack.envoy import (
+    FALLBACK_ENDPOINTS,
+    JwtIdentity,
+    envoy_binary,
+    write_envoy_config,
+)
 
 
 def free_port() -> int:
@@ -106,11 +111,16 @@ class Stack:
     are what a deployment runs (manifests/gateway/envoy.yaml, envoy-jwt.yaml)."""
     jwt: JwtIdentity | None = None
     """The JWT issuer of ``identity="jwt"``."""
-    gateway_retries: bool = False
-    """Envoy routes with ``override_host`` over the started endpoints and retries a request that
-    never reached an engine on the picker's fallback (``routing.fallbackEndpoints: 1``). Off:
-    ``ORIGINAL_DST`` on the header, which also reaches endpoints added later (discovery,
-    reload) but cannot retry elsewhere."""
+    gateway_retries: bool | None = None
+    """Envoy routes with ``override_host`` over the pool's endpoints (a ``STATIC`` cluster) and
+    retries a request that never reached an engine on the picker's fallbacks
+    (``routing.fallbackEndpoints: FALLBACK_ENDPOINTS``). ``None`` (default): whenever the stack
+    knows the endpoints for good, i.e. it started or was given them and the picker reads them
+    from the stack's own config file; with ``picker_source`` (the picker discovers pods) or a
+    ``picker_config`` that names other endpoints, ``ORIGINAL_DST`` on the header instead, which
+    reaches endpoints that appear later but cannot retry elsewhere. ``False``: always that.
+    An ``envoy_bootstrap`` decides for itself (the picker then names no fallbacks unless
+    ``picker_config`` asks)."""
     envoy_bootstrap: Callable[[Stack], dict[str, Any]] | None = None
     """Builds Envoy's bootstrap from the started stack (its ports and endpoints) instead of
     envoy.py's, e.g. a gateway flavour of ``picker.stack.gateways``."""
@@ -139,6 +149,15 @@ class Stack:
     def admin_address(self) -> str:
         """``host:port`` of the picker's admin API, for ``python -m picker.ctl --admin``."""
         return f"127.0.0.1:{self.admin_grpc_port}"
+
+    @property
+    def retries(self) -> bool:
+        """Envoy retries on the picker's fallbacks (see ``gateway_retries``)."""
+        if self.gateway_retries is not None:
+            return self.gateway_retries
+        return (self.with_picker and self.envoy_bootstrap is None
+                and bool(self.endpoint_addresses) and not self.picker_source
+                and "endpoints" not in self.picker_config)
 
     @property
     def access_log(self) -> Path:
@@ -213,7 +232,7 @@ class Stack:
                 picker_port=self.grpc_port if self.with_picker else None,
                 access_log=self.access_log, response_path=self.response_path,
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
-                endpoints=self.endpoint_addresses if self.gateway_retries else None)
+                endpoints=self.endpoint_addresses if self.retries else None)
         self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
                      "--base-id", str(self.admin_port), "--concurrency", "1",
                      "--file-flush-interval-msec", "50"], "envoy", None)
@@ -260,8 +279,13 @@ class Stack:
             "endpoints": [{"address": a} for a in self.endpoint_addresses],
             "capacity": {"scrapeInterval": "50ms"},
         }
-        if self.gateway_retries:
-            config["routing"] = {"fallbackEndpoints": 1}
+        if self.retries:
+            named = [entry["address"] for entry in overrides.get("endpoints", [])]
+            if "endpoints" in overrides and named != self.endpoint_addresses:
+                # Envoy's cluster lists the started endpoints: others would be unreachable.
+                raise ValueError("a retrying stack's endpoints are fixed; start it with "
+                                 "gateway_retries=False to change them")
+            config["routing"] = {"fallbackEndpoints": FALLBACK_ENDPOINTS}
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}

@@ -5,7 +5,9 @@ duplex and 2.0, Istio) one stack runs: two simulated vLLM servers, the picker (e
 dialled without verification as the gateways do) and real Envoy with that flavour's bootstrap. Each
 flavour must admit a request, route it to a model server and charge the tenant; deliver the
 picker's 429 to the client with its JSON body; and, where the flavour shows the picker the
-response, split a two-tenant backlog in the ratio of the tenants' weights.
+response, split a two-tenant backlog in the ratio of the tenants' weights. Where the flavour's
+retry can reach another endpoint (``Flavour.retries_elsewhere``), a SIGKILLed server's requests
+are retried on the live one before the picker ejects it (a stack of their own).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,6 +26,7 @@ from picker.sim.traffic import load_traffic
 from picker.stack.gateways import FLAVOURS, Flavour, Wiring, gateway_config
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+from tests.faults.test_gateway_retries import assert_retried_to_the_live_server, picker_config
 
 TENANTS = [{"id": "a", "weight": 1}, {"id": "b", "weight": 2}, {"id": "meter", "weight": 1},
            {"id": "broke", "budgets": {"burst": {"tokens": 60, "per": "1h"}}}]
@@ -140,3 +144,18 @@ def test_backlogged_tenants_split_service_by_weight(gateway: tuple[Flavour, Stac
     # draw from the same distribution here, so the split still follows the weights, but only
     # as far as reservations match what is generated.
     assert shares["b"] == pytest.approx(2 / 3, abs=0.06), (flavour.name, shares)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FLAVOURS.items() if f.retries_elsewhere))
+def test_a_dead_server_s_requests_are_retried_on_the_live_one(tmp_path: Path, name: str) -> None:
+    usage = tmp_path / "usage.jsonl"
+    build = _bootstrap(name)
+    with Stack(tmp_path / "stack", endpoints=2, picker_config=picker_config(usage),
+               envoy_bootstrap=build) as stack:
+        # Only a gateway that writes the endpoint it chose back (Istio's selected_host_key)
+        # tells the picker which one served; Envoy AI Gateway's FailOpen pool does not, so the
+        # picker meters the request on its primary.
+        reports_served = "selected_host_key" in json.dumps(build(stack))
+        assert reports_served == (name == "istio")
+        assert_retried_to_the_live_server(stack, usage, lambda: {TENANT_HEADER: "a"},
+                                          served_reported=reports_served)

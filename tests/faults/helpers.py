@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, metric, wait_until
 
+SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "gateway"
 CHAT = "/v1/chat/completions"
 GAUGES = ("fairway_queued_requests", "fairway_running_requests",
           "fairway_endpoint_inflight_tokens")
@@ -81,3 +85,39 @@ def engine_requests(stack: Stack) -> float:
     request that reached an engine, once it is over."""
     return sum(metric(f"http://{address}/metrics", "vllm:request_success_total")
                for address in stack.endpoint_addresses)
+
+
+def shipped_envoy(name: str, jwks: dict[str, Any] | None = None
+                  ) -> Callable[[Stack], dict[str, Any]]:
+    """manifests/gateway/<name> (an Envoy bootstrap) with the stack's addresses put in, and
+    ``jwks`` as the JWT issuer's keys when given; nothing else changed.
+
+    The pool cluster keeps its type (``STRICT_DNS``): only its one DNS name (the headless
+    Service of the pool's pods) is replaced by the stack's servers, each an address literal
+    that resolves to itself, since on 127.0.0.1 the servers differ by port, not by IP."""
+    def build(stack: Stack) -> dict[str, Any]:
+        config = yaml.safe_load((SAMPLES / name).read_text())
+        config["admin"]["address"]["socket_address"]["port_value"] = stack.admin_port
+        resources = config["static_resources"]
+        (listener,) = resources["listeners"]
+        listener["address"]["socket_address"] = {"address": "127.0.0.1",
+                                                 "port_value": stack.gateway_port}
+        (picker,) = [c for c in resources["clusters"] if c["name"] == "picker"]
+        picker["type"] = "STATIC"
+        endpoint = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"]["socket_address"] = {"address": "127.0.0.1",
+                                                 "port_value": stack.grpc_port}
+        (pool,) = [c for c in resources["clusters"] if c["name"] == "pool"]
+        (group,) = pool["load_assignment"]["endpoints"]
+        group["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {
+                "address": host, "port_value": int(port)}}}}
+            for host, port in (a.rsplit(":", 1) for a in stack.endpoint_addresses)]
+        if jwks is not None:
+            manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            (jwt_filter,) = [f for f in manager["http_filters"]
+                             if f["name"] == "envoy.filters.http.jwt_authn"]
+            provider = jwt_filter["typed_config"]["providers"]["tenant-issuer"]
+            provider["local_jwks"]["inline_string"] = json.dumps(jwks)
+        return config
+    return build

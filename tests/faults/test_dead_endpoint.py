@@ -79,8 +79,9 @@ def _ejected(stack: Stack, index: int) -> float:
 
 @pytest.fixture
 def plain_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Envoy routes on the header (``ORIGINAL_DST``): it cannot retry elsewhere."""
-    with Stack(tmp_path_factory.mktemp("dead"), endpoints=2,
+    """Envoy routes on the header (``ORIGINAL_DST``, the form kept for endpoints discovered
+    later): it cannot retry elsewhere, so the picker's ejection is what protects clients."""
+    with Stack(tmp_path_factory.mktemp("dead"), endpoints=2, gateway_retries=False,
                picker_config={"tenants": [{"id": "a"}], "health": HEALTH}) as running:
         yield running
 

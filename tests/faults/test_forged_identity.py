@@ -19,7 +19,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from picker.stack.gateways import FLAVOURS, Wiring, gateway_config
 from picker.stack.launcher import Stack
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import chat_body, metric, settled_metric
+from tests.faults.helpers import shipped_envoy
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "manifests" / "gateway"
@@ -173,28 +174,7 @@ def test_a_route_level_removal_is_too_late_for_the_picker(tmp_path: Path) -> Non
 
 # --- the committed Envoy samples ---------------------------------------------------------------
 
-def _sample(name: str, jwks: dict[str, Any] | None = None) -> Callable[[Stack], dict[str, Any]]:
-    """manifests/gateway/<name> with the stack's addresses (and test keys) put in."""
-    def build(stack: Stack) -> dict[str, Any]:
-        config = yaml.safe_load((SAMPLES / name).read_text())
-        config["admin"]["address"]["socket_address"]["port_value"] = stack.admin_port
-        resources = config["static_resources"]
-        (listener,) = resources["listeners"]
-        listener["address"]["socket_address"] = {"address": "127.0.0.1",
-                                                 "port_value": stack.gateway_port}
-        (picker,) = [c for c in resources["clusters"] if c["name"] == "picker"]
-        picker["type"] = "STATIC"
-        endpoint = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"]["socket_address"] = {"address": "127.0.0.1",
-                                                 "port_value": stack.grpc_port}
-        if jwks is not None:
-            manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-            (jwt_filter,) = [f for f in manager["http_filters"]
-                             if f["name"] == "envoy.filters.http.jwt_authn"]
-            provider = jwt_filter["typed_config"]["providers"]["tenant-issuer"]
-            provider["local_jwks"]["inline_string"] = json.dumps(jwks)
-        return config
-    return build
+_sample = shipped_envoy
 
 
 def test_shipped_envoy_yaml_charges_a_forged_tenant_to_the_default_tenant(

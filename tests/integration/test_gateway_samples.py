@@ -27,8 +27,9 @@ import pytest
 import yaml
 from helm_python import Chart
 
-from picker.stack.envoy import envoy_binary
+from picker.stack.envoy import RETRY_POLICY, envoy_binary
 from picker.stack.gateways import FLAVOURS, Wiring, gateway_config
+from scripts import gen_gateway_envoy
 from tests.integration.test_chart import INFERENCE_POOL_V1
 
 ROOT = Path(__file__).parent.parent.parent
@@ -39,6 +40,9 @@ RELEASE = "fairway"
 GATEWAY_SAMPLES = ["gateway-api.yaml", "envoy-ai-gateway.yaml", "kgateway.yaml", "istio.yaml"]
 """The Kubernetes samples, one per gateway (envoy.yaml is an Envoy bootstrap, not applied)."""
 POOL_SAMPLE = "inferencepool.yaml"
+POD_DNS_SAMPLE = "envoy-pool-pods.yaml"
+"""The headless Service the plain-Envoy samples resolve the pool's pods through."""
+ENVOY_SAMPLES = ["envoy.yaml", "envoy-jwt.yaml"]
 CHART_VALUES = {"default": {},
                 "creates-pool": {"inferencePool": {"create": True,
                                                    "matchLabels": {"app": "vllm"}}}}
@@ -101,12 +105,18 @@ GATEWAY_API_V1 = {
                                        "requestHeaderModifier": _HEADER_FILTER}}},
                     "timeouts": {"type": "object", "additionalProperties": False,
                                  "properties": {"request": _DURATION,
-                                                "backendRequest": _DURATION}}}}}}}}},
+                                                "backendRequest": _DURATION}},
+                    "retry": {"type": "object", "additionalProperties": False, "properties": {
+                        "codes": {"type": "array", "items": {"type": "integer",
+                                                             "minimum": 400, "maximum": 599}},
+                        "attempts": {"type": "integer", "minimum": 0},
+                        "backoff": _DURATION}}}}}}}}},
 }
 PARSE_ONLY_KINDS = {"DestinationRule": "networking.istio.io/v1",
                     "EnvoyFilter": "networking.istio.io/v1alpha3",
                     "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
                     "SecurityPolicy": "gateway.envoyproxy.io/v1alpha1",
+                    "BackendTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
                     "ListenerPolicy": "gateway.kgateway.dev/v1alpha1"}
 """Kinds of the implementations' own APIs (no schema here): their apiVersion is checked."""
 
@@ -183,7 +193,7 @@ def test_istio_dials_the_chart_s_picker_over_tls_without_verification(
     assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
 
 
-@pytest.mark.parametrize("sample", [*GATEWAY_SAMPLES, POOL_SAMPLE])
+@pytest.mark.parametrize("sample", [*GATEWAY_SAMPLES, POOL_SAMPLE, POD_DNS_SAMPLE])
 def test_every_sample_object_passes_its_schema(sample: str) -> None:
     for obj in _load(sample):
         assert obj["apiVersion"] and obj["metadata"]["name"], obj
@@ -230,3 +240,106 @@ def test_each_flavour_s_bootstrap_is_valid_envoy_config(tmp_path: Path, flavour:
 def test_unknown_flavour_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown gateway flavour 'nginx'"):
         gateway_config("nginx", Wiring(1, 2, 3, []))
+
+
+# --- retries ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sample", GATEWAY_SAMPLES)
+def test_each_gateway_sample_retries_what_never_reached_an_engine(sample: str) -> None:
+    (route,) = [o for o in _load(sample) if o["kind"] == "HTTPRoute"]
+    (rule,) = route["spec"]["rules"]
+    # 503 (an engine that refused) and, with it, connection errors; twice, as the stack does.
+    assert rule["retry"] == {"codes": [503], "attempts": RETRY_POLICY["num_retries"]}
+
+
+def _route(config: dict) -> dict:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (host,) = manager["typed_config"]["route_config"]["virtual_hosts"]
+    (route,) = host["routes"]
+    return route["route"]
+
+
+def _route_retry(config: dict) -> dict | None:
+    return _route(config).get("retry_policy")
+
+
+def _pool_cluster(config: dict) -> dict:
+    (pool,) = [c for c in config["static_resources"]["clusters"]
+               if c["name"] == _route(config)["cluster"]]
+    return pool
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_each_flavour_retries_as_its_gateway_does(flavour: str) -> None:
+    config = gateway_config(flavour, Wiring(1, 2, 3, ["127.0.0.1:18001", "127.0.0.1:18002"]))
+    retry, pool = _route_retry(config), _pool_cluster(config)
+    if flavour == "kgateway-v2.0":
+        assert retry is None
+        return
+    assert retry is not None
+    assert retry["num_retries"] == 2 and retry["retriable_status_codes"] == [503]
+    assert "connect-failure" in retry["retry_on"].split(",")
+    overridden = "load_balancing_policy" in pool
+    # A retry reaches another endpoint only over override_host, and then must skip the one
+    # that failed (previous_hosts); the flavour table says which flavours those are.
+    assert FLAVOURS[flavour].retries_elsewhere == overridden
+    if overridden:
+        (predicate,) = retry["retry_host_predicate"]
+        assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
+
+
+@pytest.mark.parametrize("sample", ENVOY_SAMPLES)
+def test_plain_envoy_samples_retry_over_the_pool_s_pods_by_dns(sample: str) -> None:
+    config = yaml.safe_load((SAMPLES / sample).read_text())
+    pool = _pool_cluster(config)
+    assert pool["type"] == "STRICT_DNS"
+    (policy,) = pool["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    (source,) = override["typed_config"]["override_host_sources"]
+    assert source == {"metadata": {"key": "envoy.lb",
+                                   "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    (group,) = pool["load_assignment"]["endpoints"]
+    (endpoint,) = group["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    assert f"{address['address']}:{address['port_value']}" == gen_gateway_envoy.POOL_PODS
+    assert _route_retry(config) == RETRY_POLICY
+    checked = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(SAMPLES / sample)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+
+
+def test_the_pod_dns_service_lists_the_pool_s_pods(rendered: dict[str, list[dict]]) -> None:
+    """The headless Service the Envoy samples resolve: the name they resolve, the pool's
+    selector and target port, no cluster IP (one DNS answer per ready pod), and no collision
+    with the chart."""
+    (service,) = _load(POD_DNS_SAMPLE)
+    (pool,) = _load(POOL_SAMPLE)
+    (chart_pool,) = [o for o in rendered["creates-pool"] if o["kind"] == "InferencePool"]
+    host, port = gen_gateway_envoy.POOL_PODS.rsplit(":", 1)
+    meta = service["metadata"]
+    assert host == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None"
+    assert not spec.get("publishNotReadyAddresses", False)
+    assert spec["selector"] == pool["spec"]["selector"]["matchLabels"]
+    (service_port,) = spec["ports"]
+    assert [{"number": service_port["targetPort"]}] == pool["spec"]["targetPorts"] \
+        == chart_pool["spec"]["targetPorts"]
+    assert service_port["port"] == int(port)
+    for case in CHART_VALUES:
+        assert _key(service) not in {_key(o) for o in rendered[case]}
+
+
+def test_envoy_ai_gateway_sample_lets_every_retry_run() -> None:
+    """Envoy's default of 3 parallel retries per cluster would refuse retries (503) while a dead
+    pod fails requests under load; the sample raises it, and the flavour carries the value."""
+    objects = _load("envoy-ai-gateway.yaml")
+    (policy,) = [o for o in objects if o["kind"] == "BackendTrafficPolicy"]
+    (route,) = [o for o in objects if o["kind"] == "HTTPRoute"]
+    (target,) = policy["spec"]["targetRefs"]
+    assert (target["kind"], target["name"]) == ("HTTPRoute", route["metadata"]["name"])
+    retries = policy["spec"]["circuitBreaker"]["maxParallelRetries"]
+    config = gateway_config("envoy-ai-gateway-fail-open", Wiring(1, 2, 3, ["127.0.0.1:18001"]))
+    (threshold,) = _pool_cluster(config)["circuit_breakers"]["thresholds"]
+    assert threshold["max_retries"] == retries > 3

@@ -1,0 +1,156 @@
+"""Envoy itself retries a request whose model server is dead, on another one, before the picker
+has ejected it: the client never sees the failure, the tenant pays for what was served, and the
+picker is told which endpoint served.
+
+Through real Envoy, the picker and two simulated servers on 127.0.0.1, one of them SIGKILLed:
+the stack's default Envoy (``override_host`` over a ``STATIC`` cluster, ``RETRY_POLICY``) and
+the committed plain-Envoy samples manifests/gateway/envoy.yaml and envoy-jwt.yaml, whose
+``STRICT_DNS`` pool cluster gets the two servers instead of the headless Service's DNS name
+(``tests.faults.helpers.shipped_envoy``). Ejection is held off (many failures needed, slow
+scrapes), so every 200 after the kill is Envoy's retry, not the picker avoiding the dead server.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from picker.stack.envoy import FALLBACK_ENDPOINTS
+from picker.stack.launcher import Stack
+from scripts import gen_gateway_envoy
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+from tests.faults.helpers import gauges_drain, shipped_envoy
+from tests.faults.test_dead_endpoint import _kill, _server
+from tests.faults.test_forged_identity import TEST_JWKS, mint
+
+HEALTH = {"consecutiveFailures": 100, "baseEjectionTime": "30s"}
+"""Far more failures than the test causes: the dead server stays in service throughout."""
+SEQUENTIAL = 8
+CONCURRENT = 8
+
+
+def picker_config(usage: Path, fallbacks: int = FALLBACK_ENDPOINTS) -> dict[str, Any]:
+    """Tenant ``a``, ejection held off, ``fallbacks`` named, usage records to ``usage``."""
+    return {"tenants": [{"id": "a"}], "health": HEALTH,
+            "capacity": {"scrapeInterval": "5s"},
+            "routing": {"fallbackEndpoints": fallbacks},
+            "metering": {"output": str(usage)}}
+
+
+def _post(stack: Stack, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(
+        stack.gateway_url + "/v1/chat/completions", data=chat_body(max_tokens=2),
+        headers={**headers, "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def _envoy_stat(stack: Stack, suffix: str) -> int:
+    """The sum over Envoy's clusters of the counter ``cluster.<name>.<suffix>`` (the gateway
+    flavours name their pool cluster each their own way)."""
+    pattern = urllib.parse.quote(rf"^cluster\..*\.{suffix}$")
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.admin_port}/stats?filter={pattern}",
+                                timeout=5) as page:
+        text = page.read().decode()
+    return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
+
+
+def _served(usage: Path) -> list[str | None]:
+    return [json.loads(line)["endpoint"] for line in usage.read_text().splitlines() if line]
+
+
+def assert_retried_to_the_live_server(stack: Stack, usage: Path,
+                                      headers: Callable[[], dict[str, str]],
+                                      served_reported: bool = True) -> None:
+    """Server 0 is SIGKILLed after one request; every request after it gets 200, charged once,
+    and (``served_reported``: the gateway tells the picker) metered on the live server."""
+    assert _post(stack, headers()) == 200
+    assert settled_metric(stack.metrics_url, "fairway_requests_total", 1.0, outcome="ok") == 1
+    prompt = metric(stack.metrics_url, "fairway_service_tokens_total", kind="prompt")
+    assert prompt > 0
+    dead, live = stack.endpoint_addresses
+    _kill(_server(stack, 0))
+
+    statuses = [_post(stack, headers()) for _ in range(SEQUENTIAL)]
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        statuses += list(pool.map(lambda _: _post(stack, headers()), range(CONCURRENT)))
+    assert statuses == [200] * (SEQUENTIAL + CONCURRENT), statuses
+
+    # Envoy retried (the picker kept naming the dead server first: it is the least loaded and
+    # was never ejected), and had room to: no retry refused by the circuit breaker.
+    assert _envoy_stat(stack, "upstream_rq_retry") >= 1
+    assert _envoy_stat(stack, "upstream_rq_retry_overflow") == 0
+    assert metric(stack.metrics_url, "fairway_endpoint_ejected", endpoint=dead) == 0.0
+    # Charged once per request, for what the live server served, and nothing failed.
+    served = 1 + SEQUENTIAL + CONCURRENT
+    assert settled_metric(stack.metrics_url, "fairway_requests_total", float(served),
+                          outcome="ok") == served
+    assert metric(stack.metrics_url, "fairway_requests_total", outcome="upstream_failed") == 0
+    assert settled_metric(stack.metrics_url, "fairway_service_tokens_total", prompt * served,
+                          kind="prompt") == prompt * served
+    assert settled_metric(stack.metrics_url, "fairway_service_tokens_total", 2.0 * served,
+                          kind="completion") == 2.0 * served
+    # The endpoint reported back (and metered) is the one that served: the live one.
+    records = _served(usage)
+    assert len(records) == served
+    if served_reported:
+        assert records[1:] == [live] * (SEQUENTIAL + CONCURRENT), records
+    assert not any(gauges_drain(stack).values())
+
+
+def _tenant_a() -> dict[str, str]:
+    return {TENANT_HEADER: "a"}
+
+
+def test_the_default_stack_retries_a_dead_server_s_requests_on_the_live_one(
+        tmp_path: Path) -> None:
+    usage = tmp_path / "usage.jsonl"
+    with Stack(tmp_path / "stack", endpoints=2, picker_config=picker_config(usage)) as stack:
+        assert stack.retries
+        assert_retried_to_the_live_server(stack, usage, _tenant_a)
+        # Envoy's log agrees: every request after the kill went upstream to the live server.
+        def upstreams() -> list[str]:
+            return [line.split("upstream=", 1)[1].split(" ", 1)[0]
+                    for line in stack.access_log.read_text().splitlines()]
+        wait_until(lambda: len(upstreams()) >= 1 + SEQUENTIAL + CONCURRENT, timeout=5)
+        assert upstreams()[1:] == [stack.endpoint_addresses[1]] * (SEQUENTIAL + CONCURRENT)
+
+
+def test_without_fallbacks_the_retry_still_leaves_the_dead_server(tmp_path: Path) -> None:
+    """``routing.fallbackEndpoints: 0`` (the picker's default): the metadata names one host;
+    once it failed, override_host's fallback policy picks and ``previous_hosts`` skips it."""
+    usage = tmp_path / "usage.jsonl"
+    with Stack(tmp_path / "stack", endpoints=2,
+               picker_config=picker_config(usage, fallbacks=0)) as stack:
+        assert_retried_to_the_live_server(stack, usage, _tenant_a)
+
+
+@pytest.mark.parametrize("sample", ["envoy.yaml", "envoy-jwt.yaml"])
+def test_each_shipped_envoy_sample_retries_on_the_live_server(tmp_path: Path,
+                                                              sample: str) -> None:
+    usage = tmp_path / "usage.jsonl"
+    jwt = sample == "envoy-jwt.yaml"
+    if jwt:
+        token = mint("a", issuer=gen_gateway_envoy.PLACEHOLDER_JWT.issuer)
+
+        def headers() -> dict[str, str]:
+            return {"authorization": f"Bearer {token}"}
+    else:
+        def headers() -> dict[str, str]:
+            return {}  # the sample strips tenant headers: charged to the default tenant
+    with Stack(tmp_path / "stack", endpoints=2, picker_config=picker_config(usage),
+               envoy_bootstrap=shipped_envoy(sample, TEST_JWKS if jwt else None)) as stack:
+        assert not stack.retries  # the sample, not the stack, decides how Envoy routes
+        assert_retried_to_the_live_server(stack, usage, headers)
