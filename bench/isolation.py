@@ -6,9 +6,11 @@ pool sizes users run?* Each size runs, on the same traffic (same seeds): the lig
 FCFS pass-through (no picker scheduling) on the same engines; the picker's default with engines
 in FCFS mode; the same with the idle-tenant reserve; and the picker with engines in vLLM's
 priority mode (``scheduling.enginePolicy: priority``, its default ``preempt``). The simulator runs
-the server's own gate (``picker.sim.pool``) over vLLM V1's scheduler (``picker.sim.vllm``).
+the server's own gate (``picker.sim.pool``) over vLLM V1's scheduler (``picker.sim.vllm``). A step
+that computes prompt tokens (prefill or the recompute of a preempted request) lasts longer by
+``PREFILL_S_PER_TOKEN`` each, so an engine that thrashes pays for its recompute.
 
-Run: ``python -m bench.isolation --out bench/results`` (about a minute).
+Run: ``python -m bench.isolation --out bench/results`` (about two minutes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from picker.sim.traffic import Traffic, load_traffic
 
 RATIO_GOAL = 1.5
 TOKENS_GOAL = 0.97
+PREFILL_S_PER_TOKEN = 0.00005
+"""0.05 ms a prompt token: an 8B model on one H100 prefills about 20k prompt tokens/s."""
+PREFILL_NOTE = ("a prompt token computed (prefill or recompute) adds 0.05 ms to its step: an 8B "
+                "model on one H100, about 20k prompt tokens/s")
 
 
 @dataclass(frozen=True)
@@ -52,20 +58,24 @@ def _flood_traffic(prompt: tuple[int, int], output: tuple[int, int], heavy_rate:
 
 
 SIZES = (
-    Size("1k (hard case)", PoolSpec(kv_budget_tokens=1024, step_s=0.005),
+    Size("1k (hard case)", PoolSpec(kv_budget_tokens=1024, step_s=0.005,
+                                    prefill_s_per_token=PREFILL_S_PER_TOKEN),
          "bench/traffic/gateway_flood.yaml",
          "the gateway benchmark's flood (bench/traffic/gateway_flood.yaml)"),
-    Size("8k", PoolSpec(kv_budget_tokens=8192),
+    Size("8k", PoolSpec(kv_budget_tokens=8192, prefill_s_per_token=PREFILL_S_PER_TOKEN),
          _flood_traffic((600, 900), (150, 250), 30, 2, 60),
          "issue 12's outside check: 2 × 8,192 tokens, prompts 600–900, outputs 150–250"),
-    Size("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192),
+    Size("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192,
+                         prefill_s_per_token=PREFILL_S_PER_TOKEN),
          _flood_traffic((3000, 6000), (300, 500), 30, 2, 60),
          "issue 12's outside check: 2 × 65,536 tokens, prompts 3k–6k, outputs 300–500"),
-    Size("256k", PoolSpec(kv_budget_tokens=262144, max_num_batched_tokens=8192),
+    Size("256k", PoolSpec(kv_budget_tokens=262144, max_num_batched_tokens=8192,
+                          prefill_s_per_token=PREFILL_S_PER_TOKEN),
          _flood_traffic((1000, 8000), (100, 2000), 30, 2, 60),
          "an 80 GB GPU serving an 8B model (about 260k tokens of KV at fp16); prompts 1k–8k "
          "(RAG and chat with history), outputs 100–2k"),
-    Size("500k", PoolSpec(kv_budget_tokens=500000 // 16 * 16, max_num_batched_tokens=8192),
+    Size("500k", PoolSpec(kv_budget_tokens=500000 // 16 * 16, max_num_batched_tokens=8192,
+                          prefill_s_per_token=PREFILL_S_PER_TOKEN),
          _flood_traffic((1000, 8000), (100, 2000), 40, 2, 60),
          "an 8B model on a 141 GB GPU, or a GQA model with small KV heads; same shapes"),
 )
@@ -163,7 +173,8 @@ def render(data: dict[str, Any]) -> str:
              "16-token blocks, a token budget per step, preemption by recompute). Two endpoints "
              f"per pool; a heavy tenant floods it (open loop, above capacity) while a light "
              f"tenant sends the same shapes at a low rate; TTFT and tokens are counted after a "
-             f"{WARMUP_S:g} s warm-up. Goals: light p95 TTFT under the flood ≤ {RATIO_GOAL}× "
+             f"{WARMUP_S:g} s warm-up. Step time: {PREFILL_NOTE} (so recompute costs "
+             f"time). Goals: light p95 TTFT under the flood ≤ {RATIO_GOAL}× "
              f"its p95 alone, pool tokens ≥ {TOKENS_GOAL} of FCFS pass-through on the same "
              "engines.", ""]
     for size_name, size_data in data["sizes"].items():
@@ -171,7 +182,9 @@ def render(data: dict[str, Any]) -> str:
         lines += [f"## {size_name}", "",
                   f"{spec['endpoints']} × {spec['kv_budget_tokens']:,} tokens of KV, "
                   f"max_num_batched_tokens {spec['max_num_batched_tokens']}, step "
-                  f"{spec['step_s'] * 1000:g} ms. Shapes: {size_data['source']}.", "",
+                  f"{spec['step_s'] * 1000:g} ms + "
+                  f"{spec.get('prefill_s_per_token', 0) * 1000:g} ms per prompt token computed. "
+                  f"Shapes: {size_data['source']}.", "",
                   "| mode | light p50 ms | light p95 ms | p95 ÷ alone | tokens/s | "
                   "÷ FCFS | preemptions /1k req | recompute share | light n |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -8,8 +8,17 @@ endpoint is vLLM V1's scheduler (``picker.sim.vllm``); the traffic is a load-gen
 real gateway. Each engine step (``step_s``) the simulator, in this order: delivers arrivals to
 the gate (which admits, queues or dispatches them), drops requests past the queue timeout,
 reads each engine's figures every ``scrape_interval_s`` (as the scraper does), steps every
-engine, and reports tokens and completions back to the gate (streamed output charged per token,
-as the meter stream does). Nothing else differs from the server: same decisions, same ledger.
+engine that is free, and reports the tokens and completions of every step that ends then back to
+the gate (streamed output charged per token, as the meter stream does). Nothing else differs from
+the server: same decisions, same ledger.
+
+Step time: a step that computes prompt tokens (prefill chunks, and the recompute of preempted
+requests alike) keeps its engine busy for ``step_s + prefill_tokens × prefill_s_per_token``,
+rounded up to whole ticks of ``step_s``, as a GPU iteration grows with the prompt tokens in its
+batch. The step is decided at its first tick; its tokens and completions reach the gate stamped
+with its end, and the engine takes its next step at that tick. Other engines, arrivals and
+scrapes go on every tick meanwhile (a scrape during a step reads the engine as the step leaves
+it). With ``prefill_s_per_token`` 0 (the default) every step is one tick, as before.
 
 What it does not model: network and Envoy latency, the body parsing and tokenizer estimate
 (the prompt estimate is the engine's count), and retries.
@@ -18,8 +27,9 @@ What it does not model: network and Envoy latency, the body parsing and tokenize
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler, Usage
@@ -34,7 +44,13 @@ from picker.dispatch.from_config import (
 )
 from picker.sim.load import BACKLOG_ERROR_PAUSE_S, PlannedRequest, draw_request, plan_open_loop
 from picker.sim.traffic import Traffic
-from picker.sim.vllm import DEFAULT_MAX_NUM_BATCHED_TOKENS, SeqRequest, VllmConfig, VllmScheduler
+from picker.sim.vllm import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    SeqRequest,
+    StepOutput,
+    VllmConfig,
+    VllmScheduler,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,22 @@ class PoolSpec:
     step_s: float = 0.01
     """Seconds per engine step (the simulated server's ``--step-ms``)."""
     scrape_interval_s: float = 0.05
+    prefill_s_per_token: float = 0.0
+    """A step's extra seconds per prompt token it computes, recompute included (the server's
+    ``--prefill-ms-per-1k-tokens`` / 1e6); 0: every step takes ``step_s``."""
+
+    def __post_init__(self) -> None:
+        if not self.step_s > 0:
+            raise ValueError("step_s must be > 0")
+        if not self.prefill_s_per_token >= 0:
+            raise ValueError("prefill_s_per_token must be >= 0")
+
+    def step_ticks(self, prefill_tokens: int) -> int:
+        """Ticks of ``step_s`` a step computing ``prefill_tokens`` prompt tokens keeps its engine
+        busy: ``step_s + prefill_tokens × prefill_s_per_token``, rounded up."""
+        extra = prefill_tokens * self.prefill_s_per_token / self.step_s
+        # The tolerance keeps float noise (0.1 / 0.01 = 10.000000000000002) from adding a tick.
+        return 1 + max(0, math.ceil(extra - 1e-9))
 
     def addresses(self) -> list[str]:
         return [f"10.0.0.{i + 1}:8000" for i in range(self.endpoints)]
@@ -132,6 +164,8 @@ class _Pool:
                             max_num_batched_tokens=spec.max_num_batched_tokens,
                             policy=spec.engine_policy)
         self.engines = {a: VllmScheduler(engine) for a in addresses}
+        self.in_flight: dict[str, tuple[StepOutput, int]] = {}
+        """Each busy engine's step: its output, and the ticks left until it ends."""
         self.records: list[PoolRecord] = []
         self.open_loop = plan_open_loop(traffic, duration_s)
         self.next_open = 0
@@ -241,23 +275,36 @@ class _Pool:
                         None, self.now)
 
     def step_engines(self, counting: bool) -> tuple[int, int]:
-        """Step every engine; returns output tokens produced and tokens computed."""
+        """Step every free engine and report every step that ends at the next tick; returns
+        output tokens reported and tokens computed."""
         produced = computed = 0
-        # A step's tokens exist when the step ends.
-        gate, now = self.gate, self.now + self.spec.step_s
-        for engine in self.engines.values():
-            out = engine.step(self.now)
-            computed += sum(out.scheduled.values())
-            for seq in out.tokens:
-                passage = seq.id
-                if passage.record.first_token_s is None:
-                    passage.record.first_token_s = now
-                if passage.stream:
-                    gate.charge_output(passage, 1)
-            produced += len(out.tokens)
-            for seq in out.finished:
-                gate.complete(seq.id, Usage(seq.prompt_tokens, seq.generated, 0), "ok", now)
+        for address, engine in self.engines.items():
+            if address in self.in_flight:
+                out, ticks = self.in_flight[address]
+            else:
+                out = engine.step(self.now)
+                computed += sum(out.scheduled.values())
+                ticks = self.spec.step_ticks(out.prefill_tokens)
+            if ticks > 1:
+                self.in_flight[address] = (out, ticks - 1)
+                continue
+            self.in_flight.pop(address, None)
+            produced += self.report(out)
         return (produced if counting else 0), computed
+
+    def report(self, out: StepOutput) -> int:
+        """A step ends at the next tick: its tokens and completions reach the gate then."""
+        gate, now = self.gate, self.now + self.spec.step_s
+        for seq in out.tokens:
+            passage: Any = seq.id  # the SimPassage ``dispatched`` gave the engine
+            if passage.record.first_token_s is None:
+                passage.record.first_token_s = now
+            if passage.stream:
+                gate.charge_output(passage, 1)
+        for seq in out.finished:
+            gate.complete(cast(SimPassage, seq.id), Usage(seq.prompt_tokens, seq.generated, 0),
+                          "ok", now)
+        return len(out.tokens)
 
 
 def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,

@@ -6,8 +6,18 @@
 Prometheus ``/metrics``, backed by ``picker.sim.vllm.VllmScheduler``: vLLM V1's scheduler over a
 block KV cache (chunked prefill within a per-step token budget, preemption by recompute, no
 waiting admission in a step that preempted; its docstring states every rule). An asyncio task
-steps it every ``--step-ms`` ms while work exists and sleeps while idle; each step emits one
-token for every request whose computation caught up.
+steps it while work exists and sleeps while idle; each step emits one token for every request
+whose computation caught up.
+
+Step time: a step takes ``--step-ms`` plus ``--prefill-ms-per-1k-tokens`` for each 1,000 prompt
+tokens it computes (prefill chunks and the recompute of preempted requests alike; default 0, a
+fixed step), as a GPU iteration grows with the prompt tokens in its batch. A step is scheduled
+when it starts (the work that arrived before it, at once when the engine was idle) and its
+tokens, completions and metrics are released when its time has elapsed; the next step starts
+then. A request that arrives during a step waits for the next one, as in vLLM. A client that
+disconnects during a step is removed from the engine at once; that step's token for it is
+dropped. With the default, a lone request's first token comes one ``--step-ms`` after it
+arrives, as before.
 
 Prompt-token counting, output lengths and the response shapes are defined in
 ``picker.sim.openai_fmt`` (its docstring states the token-counting rule: one token per word and per
@@ -84,6 +94,7 @@ from picker.sim.vllm import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     POLICIES,
     SeqRequest,
+    StepOutput,
     VllmConfig,
     VllmScheduler,
 )
@@ -113,6 +124,8 @@ class SimServerConfig:
     """The context (prompt + generated tokens) a request must fit: the simulated model's."""
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """Tokens one engine step computes at most (vLLM's flag and its OpenAI-server default)."""
+    prefill_ms_per_1k_tokens: float = 0.0
+    """A step's extra time per 1,000 prompt tokens it computes (recompute included); 0: fixed."""
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 1:
@@ -129,6 +142,8 @@ class SimServerConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if not self.prefill_ms_per_1k_tokens >= 0:
+            raise ValueError("prefill_ms_per_1k_tokens must be >= 0")
         if self.kv_budget_tokens < self.block_size:
             raise ValueError("kv_budget_tokens must hold at least one block of block_size tokens")
 
@@ -136,6 +151,10 @@ class SimServerConfig:
     def total_blocks(self) -> int:
         """KV-cache blocks: ``kv_budget_tokens // block_size`` (vLLM's ``num_gpu_blocks``)."""
         return self.kv_budget_tokens // self.block_size
+
+    def step_seconds(self, prefill_tokens: int) -> float:
+        """How long a step that computes ``prefill_tokens`` prompt tokens takes."""
+        return (self.step_ms + prefill_tokens * self.prefill_ms_per_1k_tokens / 1000) / 1000
 
 
 class EngineMetrics:
@@ -193,6 +212,10 @@ class SimEngine:
             policy=config.scheduling_policy))
         self.steps = 0
         """Engine steps taken so far (it does not step while idle)."""
+        self.step_time_s = 0.0
+        """The modelled time of the steps taken so far (``step_seconds`` of each)."""
+        self.prefill_tokens = 0
+        """Prompt tokens the steps computed so far, recompute included."""
         self._jobs: dict[SeqRequest, Job] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -260,27 +283,39 @@ class SimEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        period = self.config.step_ms / 1000.0
-        next_at = loop.time()
+        starts = loop.time()
         while True:
             if not self.has_work():
                 self._wake.clear()
                 await self._wake.wait()
-                next_at = loop.time() + period
-            delay = next_at - loop.time()
+                starts = loop.time()
+            out = self.step(starts)
+            # Planned from the step's start, not from when the sleep returned: no drift.
+            ends = starts + self.config.step_seconds(out.prefill_tokens)
+            delay = ends - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self.step(loop.time())
-            next_at = max(next_at + period, loop.time())
+            now = loop.time()
+            self.release(out, now)
+            starts = max(ends, now)
 
-    def step(self, now: float) -> None:
-        """One engine iteration of the vLLM scheduler; hand each emitted token to its job."""
+    def step(self, now: float) -> StepOutput:
+        """Start one engine iteration: the vLLM scheduler decides and computes it at once; its
+        output waits for ``release`` at the step's end."""
         self.steps += 1
         out = self.scheduler.step(now)
+        self.step_time_s += self.config.step_seconds(out.prefill_tokens)
+        self.prefill_tokens += out.prefill_tokens
+        return out
+
+    def release(self, out: StepOutput, now: float) -> None:
+        """The step has ended: hand each emitted token to its job, finish what finished."""
         self.metrics.preemptions.inc(len(out.preempted))
-        self.metrics.generation_tokens.inc(len(out.tokens))
         for request, index in out.tokens.items():
-            job = self._jobs[request]
+            job = self._jobs.get(request)
+            if job is None:
+                continue  # cancelled during the step: its client is gone, the token unsent
+            self.metrics.generation_tokens.inc()
             if job.first_token_at is None:
                 job.first_token_at = now
                 # Counted once per request, as vLLM counts a prompt when its first token comes.
@@ -288,7 +323,9 @@ class SimEngine:
                 self.metrics.ttft.observe(now - job.arrival)
             job.events.put_nowait(index)
         for request in out.finished:
-            job = self._jobs.pop(request)
+            job = self._jobs.pop(request, None)
+            if job is None:
+                continue  # cancelled during the step, and counted as aborted then
             job.done = True
             if request.output_tokens == 0:  # an embedding: its prompt was its whole work
                 self.metrics.prompt_tokens.inc(request.prompt_tokens)
@@ -542,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default 8000)")
     p.add_argument("--kv-budget-tokens", type=int, default=d.kv_budget_tokens)
     p.add_argument("--step-ms", type=float, default=d.step_ms,
-                   help="time of one engine step (one token per running request)")
+                   help="time of one engine step (one token per running request) before its "
+                        "prompt tokens' cost")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", default=d.model)
     p.add_argument("--scheduling-policy", choices=POLICIES, default=d.scheduling_policy,
@@ -554,6 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens one engine step computes at most, prefill chunks included "
                         "(default %(default)s, vLLM's for its OpenAI server)")
+    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=d.prefill_ms_per_1k_tokens,
+                   help="extra step time per 1,000 prompt tokens the step computes, prefill "
+                        "chunks and recompute alike (default %(default)s: every step takes "
+                        "--step-ms)")
     return p
 
 
@@ -563,7 +605,8 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
                            max_num_seqs=args.max_num_seqs, model=args.model,
                            scheduling_policy=args.scheduling_policy, block_size=args.block_size,
                            max_model_len=args.max_model_len,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens)
 
 
 async def serve(config: SimServerConfig) -> None:

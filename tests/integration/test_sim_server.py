@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.sim.openai_fmt import count_text_tokens
-from picker.sim.server import SimServer, SimServerConfig
+from picker.sim.server import SimServer, SimServerConfig, build_parser, config_from_args
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -453,6 +453,60 @@ def test_the_cache_holds_at_least_one_block() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SimServerConfig(max_num_batched_tokens=0)
     assert SimServerConfig(kv_budget_tokens=100).total_blocks == 6
+
+
+
+# -- step time: prompt tokens lengthen a step --
+
+
+async def test_prompt_tokens_lengthen_the_step(http: aiohttp.ClientSession) -> None:
+    async with sim(step_ms=1.0, prefill_ms_per_1k_tokens=200.0) as server:
+        assert server.engine is not None
+        engine = server.engine
+        took: dict[int, float] = {}
+        for prompt in (10, 1000):
+            steps, step_time, prefilled = engine.steps, engine.step_time_s, engine.prefill_tokens
+            started = time.monotonic()
+            status, _ = await post(http, server, COMPLETION_PATH, {
+                "prompt": words(prompt), "max_tokens": 1, "ignore_eos": True})
+            took[prompt] = time.monotonic() - started
+            assert status == 200
+            # One step computed the prompt and yielded the token: 1 ms + 0.2 ms per prompt token.
+            assert engine.steps - steps == 1
+            assert engine.prefill_tokens - prefilled == prompt
+            assert engine.step_time_s - step_time == pytest.approx(0.001 + prompt * 0.0002)
+    # The token is released only when its step's time has elapsed (a lower bound, never flaky).
+    assert took[1000] >= 0.2
+
+
+async def test_a_client_gone_during_a_long_step_is_freed_at_once(
+        http: aiohttp.ClientSession) -> None:
+    async with sim(step_ms=1.0, prefill_ms_per_1k_tokens=2000.0) as server:
+        assert server.engine is not None
+        engine = server.engine
+        body = {"prompt": words(500), "max_tokens": 3, "ignore_eos": True}  # a 1 s step
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(post(http, server, COMPLETION_PATH, body), 0.2)
+        assert engine.steps == 1  # the step it was in has not ended
+        await until(lambda: engine.running == 0 and engine.used_blocks == 0, timeout=0.5)
+        # The step's output for the gone request is dropped; the engine serves on.
+        status, out = await post(http, server, COMPLETION_PATH, {
+            "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+        families = await metrics(http, server)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert sample(families, "vllm:request_success", "_total", finished_reason="abort") == 1
+    assert sample(families, "vllm:generation_tokens", "_total") == 2
+    assert sample(families, "vllm:time_to_first_token_seconds", "_count") == 1
+
+
+def test_the_prefill_cost_flag() -> None:
+    args = build_parser().parse_args(["--prefill-ms-per-1k-tokens", "50", "--step-ms", "12"])
+    config = config_from_args(args)
+    assert config.prefill_ms_per_1k_tokens == 50.0
+    assert config.step_seconds(2000) == pytest.approx(0.012 + 0.1)
+    assert SimServerConfig().step_seconds(10_000) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="prefill_ms_per_1k_tokens"):
+        SimServerConfig(prefill_ms_per_1k_tokens=-1.0)
 
 
 # -- disconnects --

@@ -1,0 +1,165 @@
+"""Step time in the pool simulator (``PoolSpec.prefill_s_per_token``).
+
+Does a step that computes prompt tokens keep its engine busy for ``step_s`` plus their cost,
+rounded up to ticks, with its tokens reported at its end; does a preempted request's recompute
+cost its engine that time; does another engine go on stepping meanwhile; and does the default
+(no prompt cost) keep the fixed one-tick step?
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from picker.config.schema import PickerConfig
+from picker.config.strict import load
+from picker.sim.pool import PoolRecord, PoolRun, PoolSpec, simulate
+from picker.sim.traffic import Traffic, load_traffic
+from picker.sim.vllm import SeqRequest, VllmConfig, VllmScheduler
+
+STEP_S = 0.01
+COST = 0.0001
+"""Seconds per prompt token: 0.1 ms (10k prompt tokens/s)."""
+
+
+def _pass_through() -> PickerConfig:
+    return load(PickerConfig, {"scheduling": {"policy": "fcfs"}})
+
+
+def _burst(count: int, prompt: int, output: int, *more: dict[str, Any]) -> Traffic:
+    """``count`` requests of ``prompt`` tokens at t = 0 (and any further tenants)."""
+    shape = {"api": "completions", "stream_fraction": 1.0, "include_usage": True}
+    return load_traffic({"duration_s": 0.5, "seed": 3, "timeout_s": 60, "tenants": [
+        {"name": "a", "bursts": [{"at_s": 0, "count": count}], "prompt_tokens": [prompt, prompt],
+         "output_tokens": [output, output], **shape}, *more]})
+
+
+def _run(traffic: Traffic, spec: PoolSpec) -> PoolRun:
+    return simulate(_pass_through(), traffic, spec, drain_s=60)
+
+
+def _ticks_alone(spec: PoolSpec, prompt: int) -> int:
+    """Ticks until a lone request's first token: its prefill chunks, each a step."""
+    budget = spec.max_num_batched_tokens
+    chunks = [min(budget, prompt - start) for start in range(0, prompt, budget)]
+    return sum(1 + math.ceil(chunk * spec.prefill_s_per_token / spec.step_s - 1e-9)
+               for chunk in chunks)
+
+
+@pytest.mark.parametrize("prompt", [250, 3000, 1])
+def test_a_lone_request_waits_one_step_plus_its_prompt(prompt: int) -> None:
+    spec = PoolSpec(endpoints=1, step_s=STEP_S, prefill_s_per_token=COST)
+    (record,) = _run(_burst(1, prompt, 3), spec).records
+    # 250 tokens: 10 + 25 ms, 4 ticks; 3000: chunks of 2048 and 952, 22 + 11 ticks.
+    assert record.outcome == "ok" and record.ttft_s is not None
+    assert record.first_token_s is not None
+    assert record.ttft_s == pytest.approx(_ticks_alone(spec, prompt) * STEP_S)
+    assert record.ttft_s > STEP_S + prompt * COST - 1e-9
+    # Decode steps compute no prompt tokens: one tick each.
+    assert record.end_s == pytest.approx(record.first_token_s + 2 * STEP_S)
+
+
+def test_step_ticks_round_up_without_float_noise() -> None:
+    spec = PoolSpec(step_s=STEP_S, prefill_s_per_token=COST)
+    assert spec.step_ticks(0) == 1
+    assert spec.step_ticks(1000) == 11  # 10 ms + 100 ms exactly, not 12 by 0.1 / 0.01 noise
+    assert spec.step_ticks(1001) == 12
+    assert PoolSpec(step_s=STEP_S).step_ticks(100_000) == 1
+    with pytest.raises(ValueError, match="prefill_s_per_token"):
+        PoolSpec(prefill_s_per_token=-1e-6)
+
+
+def _replay(spec: PoolSpec,
+            records: list[PoolRecord]) -> tuple[dict[Hashable, int], int, int]:
+    """The requests on one engine, added at t = 0 in order and stepped back to back: each
+    request's end tick, the busy ticks, and the ticks the recomputed tokens cost."""
+    engine = VllmScheduler(VllmConfig(total_blocks=spec.kv_budget_tokens // spec.block_size,
+                                      block_size=spec.block_size,
+                                      max_num_batched_tokens=spec.max_num_batched_tokens))
+    seqs = [SeqRequest(id=i, prompt_tokens=r.prompt_tokens, output_tokens=r.max_tokens)
+            for i, r in enumerate(records)]
+    for seq in seqs:
+        engine.add(seq, 0, 0.0)
+    ends: dict[Hashable, int] = {}
+    tick = recompute_ticks = 0
+    while engine.has_unfinished():
+        out = engine.step(tick * spec.step_s)
+        ticks = spec.step_ticks(out.prefill_tokens)
+        recompute_ticks += ticks - spec.step_ticks(out.prefill_tokens - out.recomputed_tokens)
+        tick += ticks
+        ends.update({seq.id: tick for seq in out.finished})
+    return ends, tick, recompute_ticks
+
+
+def test_a_preempted_request_costs_its_engine_the_recompute() -> None:
+    # Two requests that fit the cache as prompts but not at their end: the later is preempted
+    # and recomputes its prompt and the tokens it had generated.
+    spec = PoolSpec(endpoints=1, kv_budget_tokens=1024, step_s=STEP_S, prefill_s_per_token=COST)
+    run = _run(_burst(2, 400, 300), spec)
+    assert [r.dispatched_s for r in run.records] == [0.0, 0.0]
+    assert sum(r.preemptions for r in run.records) >= 1 and run.recomputed_tokens > 0
+    ends, busy, recompute_ticks = _replay(spec, run.records)
+    assert [r.end_s for r in run.records] == pytest.approx([ends[0] * STEP_S, ends[1] * STEP_S])
+    assert recompute_ticks >= 1  # the replay's end ticks, matched above, include the recompute
+    # Without the prompt cost the same steps take one tick each: the difference is what the
+    # prompts and their recompute cost.
+    free = _run(_burst(2, 400, 300), replace(spec, prefill_s_per_token=0.0))
+    steps = _replay(replace(spec, prefill_s_per_token=0.0), run.records)[1]
+    assert max(r.end_s or 0 for r in free.records) == pytest.approx(steps * STEP_S)
+    assert busy - steps >= (800 + run.recomputed_tokens) * COST / STEP_S - 1e-9
+
+
+def test_another_engine_steps_on_while_one_is_busy() -> None:
+    spec = PoolSpec(endpoints=2, step_s=STEP_S, prefill_s_per_token=COST)
+    short = {"name": "b", "bursts": [{"at_s": 0.05, "count": 3}], "prompt_tokens": [10, 10],
+             "output_tokens": [2, 2], "api": "completions", "stream_fraction": 1.0}
+    run = _run(_burst(1, 3000, 2, short), spec)
+    (long,) = [r for r in run.records if r.tenant == "a"]
+    shorts = [r for r in run.records if r.tenant == "b"]
+    assert all(r.endpoint != long.endpoint for r in shorts)
+    assert long.ttft_s == pytest.approx(_ticks_alone(spec, 3000) * STEP_S)
+    # They arrive while the long prompt's engine is busy and are done well before it is.
+    assert all(r.outcome == "ok" and r.end_s is not None for r in shorts)
+    assert long.first_token_s is not None
+    assert max(r.end_s or 0 for r in shorts) < long.first_token_s - 0.1
+
+
+def _flood() -> Traffic:
+    shape = {"api": "completions", "stream_fraction": 1.0, "include_usage": True}
+    return load_traffic({"duration_s": 4.0, "seed": 5, "timeout_s": 30, "tenants": [
+        {"name": "light", "rate": 6, "start_s": 1.0, "prompt_tokens": [20, 40],
+         "output_tokens": [5, 10], **shape},
+        {"name": "flood", "backlog": 8, "prompt_tokens": [200, 400],
+         "output_tokens": [100, 200], **shape}]})
+
+
+def test_no_prompt_cost_is_the_fixed_step_and_a_cost_slows_the_pool() -> None:
+    config = load(PickerConfig, {"tenants": [{"id": "light"}, {"id": "flood"}]})
+    base = PoolSpec(endpoints=2, kv_budget_tokens=1024, step_s=0.005)
+
+    def run(spec: PoolSpec) -> PoolRun:
+        return simulate(config, _flood(), spec, warmup_s=1.0, drain_s=30)
+
+    default, zero = run(base), run(replace(base, prefill_s_per_token=0.0))
+    costly = run(replace(base, prefill_s_per_token=0.00005))
+    assert zero.records == default.records
+    assert (zero.output_tokens_in_window, zero.computed_tokens, zero.preemptions, zero.steps) == (
+        default.output_tokens_in_window, default.computed_tokens, default.preemptions,
+        default.steps)
+    # Every first token of a fixed-step run lands on a tick.
+    for record in default.records:
+        if record.first_token_s is not None:
+            ticks = record.first_token_s / base.step_s
+            assert ticks == pytest.approx(round(ticks))
+    assert costly.output_tokens_in_window < default.output_tokens_in_window
+    assert _median_ttft(costly, "light") > _median_ttft(default, "light")
+
+
+def _median_ttft(run: PoolRun, tenant: str) -> float:
+    ttfts = sorted(r.ttft_s for r in run.records
+                   if r.tenant == tenant and r.ttft_s is not None)
+    return ttfts[len(ttfts) // 2]
