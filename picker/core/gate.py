@@ -648,15 +648,7 @@ class Gate:
                 self._flooding[passage.tenant] = left
             else:
                 del self._flooding[passage.tenant]
-        endpoint = passage.endpoint
-        if endpoint is not None:
-            endpoint.inflight_tokens -= passage.reserved_tokens
-            endpoint.projected_tokens -= passage.projected_tokens
-            endpoint.inflight_requests -= 1
-            endpoint.completed_since_scrape += 1
-            endpoint.released_since_scrape += passage.reserved_tokens
-            if outcome == "ok":  # its engine answered
-                record_success(endpoint.health, now, self.rules.health)
+        self._release(passage, outcome == "ok", now)
         self._learn(passage, usage, outcome, reported, now)
         if passage.reservation is not None and passage.reservation.state != "done":
             self.admission.finish(passage.reservation,
@@ -668,6 +660,20 @@ class Gate:
             self.forget_idle(now)
         self._forget_drained()
         self.pump(now)
+
+    def _release(self, passage: Passage, answered: bool, now: float) -> None:
+        """Free the request's room on its endpoint; an answer from its engine counts as a
+        success for the endpoint's health."""
+        endpoint = passage.endpoint
+        if endpoint is None:
+            return
+        endpoint.inflight_tokens -= passage.reserved_tokens
+        endpoint.projected_tokens -= passage.projected_tokens
+        endpoint.inflight_requests -= 1
+        endpoint.completed_since_scrape += 1
+        endpoint.released_since_scrape += passage.reserved_tokens
+        if answered:
+            record_success(endpoint.health, now, self.rules.health)
 
     def _learn(self, passage: Passage, usage: Usage, outcome: str, reported: bool,
                now: float) -> None:
