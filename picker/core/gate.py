@@ -556,11 +556,13 @@ class Gate:
         request = passage.request
         passage.preempting = preempting
         # The standing is the tenant's as it waited, this request included.
-        passage.engine_priority = self.engine_priority_for(passage)
-        if passage.engine_priority is not None and self.rules.engine_policy == "priority" \
+        base = self.engine_priority(passage.lane)
+        if base is not None and self.rules.engine_policy == "priority" \
                 and self._standing(passage.tenant):
             passage.flooding = True
             self._flooding[passage.tenant] = self._flooding.get(passage.tenant, 0) + 1
+            base += 1
+        passage.engine_priority = base
         self.scheduler.dispatch(request, now)
         self._queue_remove(passage)
         # Past its concurrency cap only in pass-through mode, which dispatches at once.

@@ -22,9 +22,10 @@ from typing import Any
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Usage
 from picker.core.admission import Admission, Refused
+from picker.core.estimates import TenantEstimates
 from picker.core.gate import QUEUE_FULL, Gate, Passage, Turnaway
 from picker.core.lanes import Scheduler
-from picker.core.selection import EndpointState, Scorer
+from picker.core.selection import CapacityRules, EndpointState, Scorer
 from picker.dispatch.from_config import (
     admission_rules,
     cost_function,
@@ -99,7 +100,7 @@ class Dispatcher:
         return self.gate.admission
 
     @property
-    def estimates(self) -> Any:
+    def estimates(self) -> TenantEstimates:
         return self.gate.estimates
 
     @property
@@ -107,8 +108,8 @@ class Dispatcher:
         return self.gate.endpoints
 
     @property
-    def rules(self) -> Any:
-        """When an endpoint has room (``CapacityRules``)."""
+    def rules(self) -> CapacityRules:
+        """When an endpoint has room."""
         return self.gate.rules.capacity
 
     @property
@@ -290,14 +291,14 @@ class Dispatcher:
 
     # -- what the gate decided (``picker.core.gate.GateListener``) --
 
-    def dispatched(self, passage: Any, now: float) -> None:
+    def dispatched(self, passage: Ticket, now: float) -> None:
         self.metrics.queue_wait.labels(passage.tenant, passage.lane) \
             .observe(now - passage.arrived_at)
         ready = passage._ready
         if ready is not None and not ready.done():
             ready.set_result(None)
 
-    def dropped(self, passage: Any, outcome: str, now: float) -> None:
+    def dropped(self, passage: Ticket, outcome: str, now: float) -> None:
         if passage.shed_for is not None:
             passage.error = QueueFull(
                 f"shed from the full queue for a request of lane {passage.shed_for!r}")
@@ -308,7 +309,7 @@ class Dispatcher:
         if ready is not None and not ready.done():
             ready.set_result(None)
 
-    def settled(self, passage: Any, usage: Usage, outcome: str, now: float,
+    def settled(self, passage: Ticket, usage: Usage, outcome: str, now: float,
                 estimated: bool) -> None:
         self._record_done(passage, usage, outcome)
         self._meter(passage, usage, outcome, now, estimated=estimated)

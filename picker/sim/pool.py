@@ -27,6 +27,7 @@ What it does not model: network and Envoy latency, the body parsing and tokenize
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -170,7 +171,7 @@ class _Pool:
         self.open_loop = plan_open_loop(traffic, duration_s)
         self.next_open = 0
         self.backlog_due: list[tuple[float, str]] = []
-        """(when, tenant): a closed-loop tenant's next request."""
+        """(when, tenant), a heap: a closed-loop tenant's next request."""
         self.next_seq = {t.name: 0 for t in traffic.tenants}
         self.queued: list[SimPassage] = []
         self.refused: list[SimPassage] = []
@@ -179,9 +180,10 @@ class _Pool:
 
     # -- what the gate decided (``GateListener``) --
 
-    def dispatched(self, passage: Any, now: float) -> None:
-        record = passage.record
-        record.dispatched_s, record.endpoint = now, passage.endpoint.address
+    def dispatched(self, passage: SimPassage, now: float) -> None:
+        record, endpoint = passage.record, passage.endpoint
+        assert endpoint is not None  # the gate dispatches to an endpoint
+        record.dispatched_s, record.endpoint = now, endpoint.address
         record.engine_priority = passage.engine_priority
         if passage.engine_priority and self.spec.engine_policy != "priority":
             # vLLM refuses a non-zero priority unless it runs --scheduling-policy priority
@@ -192,12 +194,12 @@ class _Pool:
         seq = SeqRequest(id=passage, prompt_tokens=planned.prompt_tokens,
                          output_tokens=planned.max_tokens)
         passage.seq = seq
-        self.engines[passage.endpoint.address].add(seq, passage.engine_priority or 0, now)
+        self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
 
-    def dropped(self, passage: Any, outcome: str, now: float) -> None:
+    def dropped(self, passage: SimPassage, outcome: str, now: float) -> None:
         self._end(passage.record, outcome, now)
 
-    def settled(self, passage: Any, usage: Usage, outcome: str, now: float,
+    def settled(self, passage: SimPassage, usage: Usage, outcome: str, now: float,
                 estimated: bool) -> None:
         record = passage.record
         record.completion_tokens = usage.completion_tokens
@@ -206,10 +208,9 @@ class _Pool:
 
     def _end(self, record: PoolRecord, outcome: str, now: float) -> None:
         record.outcome, record.end_s = outcome, now
-        tenant = self.traffic.tenant(record.tenant)
         if record.kind == "backlog":
             pause = 0.0 if outcome == "ok" else BACKLOG_ERROR_PAUSE_S
-            self._next_backlog(tenant.name, now + pause)
+            self._next_backlog(record.tenant, now + pause)
 
     # -- traffic --
 
@@ -217,7 +218,7 @@ class _Pool:
         spec = self.traffic.tenant(tenant)
         stop = self.duration_s if spec.stop_s is None else min(spec.stop_s, self.duration_s)
         if at < stop:
-            self.backlog_due.append((max(at, spec.start_s), tenant))
+            heapq.heappush(self.backlog_due, (max(at, spec.start_s), tenant))
 
     def _send(self, planned: PlannedRequest) -> None:
         record = PoolRecord(planned.tenant, planned.kind, self.now, planned.prompt_tokens,
@@ -239,14 +240,13 @@ class _Pool:
         while self.next_open < len(plan) and (plan[self.next_open].at_s or 0.0) <= now:
             self._send(plan[self.next_open])
             self.next_open += 1
-        due = [item for item in self.backlog_due if item[0] <= now]
-        if due:
-            self.backlog_due = [item for item in self.backlog_due if item[0] > now]
-            for _, tenant in sorted(due):
-                seq = self.next_seq[tenant]
-                self.next_seq[tenant] = seq + 1
-                self._send(draw_request(self.traffic, self.traffic.tenant(tenant), seq,
-                                        "backlog", None))
+        due = self.backlog_due
+        while due and due[0][0] <= now:
+            _, tenant = heapq.heappop(due)
+            seq = self.next_seq[tenant]
+            self.next_seq[tenant] = seq + 1
+            self._send(draw_request(self.traffic, self.traffic.tenant(tenant), seq,
+                                    "backlog", None))
 
     def engine_refusals(self) -> None:
         refused, self.refused = self.refused, []

@@ -26,8 +26,14 @@ def post(stack: Stack, tenant: str, body: bytes, timeout: float = 20.0
          ) -> tuple[int, dict[str, str], dict[str, Any]]:
     """One blocking request through the gateway: status, lower-cased headers, parsed JSON body
     (``{}`` when empty or not JSON)."""
+    return post_with(stack, {TENANT_HEADER: tenant}, body, timeout)
+
+
+def post_with(stack: Stack, headers: dict[str, str], body: bytes, timeout: float = 30.0
+              ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """``post`` with the request's own headers (identity, credentials) instead of a tenant."""
     request = urllib.request.Request(stack.gateway_url + CHAT, data=body, headers={
-        TENANT_HEADER: tenant, "content-type": "application/json"})
+        **headers, "content-type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, headers, raw = response.status, response.headers, response.read()

@@ -66,6 +66,16 @@ def _served_by(stack: Stack) -> list[str]:
             for line in stack.access_log.read_text().splitlines() if "upstream=" in line]
 
 
+
+def _assert_traffic_returns(stack: Stack, requests: int) -> None:
+    """The restarted first endpoint, probed back, serves some of ``requests`` new ones."""
+    before = len(_served_by(stack))
+    for _ in range(requests):
+        status, _, _ = _post(stack, chat_body(max_tokens=2))
+        assert status == 200
+    wait_until(lambda: len(_served_by(stack)) >= before + requests, timeout=5)
+    assert stack.endpoint_addresses[0] in _served_by(stack)[before:], "traffic did not return"
+
 def _assert_gauges_return_to_zero(stack: Stack) -> None:
     for name in ("fairway_queued_requests", "fairway_running_requests",
                  "fairway_endpoint_inflight_tokens"):
@@ -121,12 +131,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
 
     _restart(stack, 0, [])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
-    before = len(_served_by(stack))
-    for _ in range(6):
-        status, _, _ = _post(stack, chat_body(max_tokens=2))
-        assert status == 200
-    wait_until(lambda: len(_served_by(stack)) >= before + 6, timeout=5)
-    assert stack.endpoint_addresses[0] in _served_by(stack)[before:], "traffic did not return"
+    _assert_traffic_returns(stack, 6)
     _assert_gauges_return_to_zero(stack)
 
 
@@ -190,12 +195,7 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
 
     _restart(stack, 0, ["--step-ms", "20"])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
-    before = len(_served_by(stack))
-    for _ in range(4):
-        status, _, _ = _post(stack, chat_body(max_tokens=2))
-        assert status == 200
-    wait_until(lambda: len(_served_by(stack)) >= before + 4, timeout=5)
-    assert stack.endpoint_addresses[0] in _served_by(stack)[before:], "traffic did not return"
+    _assert_traffic_returns(stack, 4)
     _assert_gauges_return_to_zero(stack)
 
 

@@ -17,8 +17,6 @@ import hashlib
 import hmac
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,10 +35,12 @@ from picker.stack.gateways import FLAVOURS, Wiring, gateway_config
 from picker.stack.launcher import Stack
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import chat_body, metric, settled_metric
-from tests.faults.helpers import shipped_envoy
+from tests.faults.helpers import post_with, shipped_envoy
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "manifests" / "gateway"
+SMALL_CHAT = chat_body(max_tokens=2)
+"""A chat request the engine answers in two tokens."""
 FORGED = {"x-llm-d-inference-fairness-id": "victim", "x-gateway-inference-fairness-id": "victim",
           "x-fairway-lane": "batch", "x-gateway-inference-objective": "victim-objective"}
 API_KEY = "sk-alice-test-key"
@@ -75,18 +75,6 @@ def mint(tenant: str, issuer: str = JWT.issuer, secret: bytes = SECRET) -> str:
     return f"{header}.{claims}.{_b64(signature)}"
 
 
-def _post(stack: Stack, headers: dict[str, str]) -> int:
-    request = urllib.request.Request(
-        stack.gateway_url + "/v1/chat/completions", data=chat_body(max_tokens=2),
-        headers={**headers, "content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-            return response.status
-    except urllib.error.HTTPError as refused:
-        return refused.code
-
-
 def _requests(stack: Stack, tenant: str, **labels: str) -> float:
     return metric(stack.metrics_url, "fairway_requests_total", tenant=tenant, **labels)
 
@@ -98,7 +86,7 @@ def assert_charged_to(stack: Stack, headers: dict[str, str], tenant: str,
     ``x-fairway-lane: batch`` never reached the picker)."""
     lane = {"lane": "online"} if lane_stripped else {}
     before = _requests(stack, tenant, **lane)
-    assert _post(stack, headers) == 200
+    assert post_with(stack, headers, SMALL_CHAT)[0] == 200
     assert settled_metric(stack.metrics_url, "fairway_requests_total", before + 1,
                           tenant=tenant, **lane) == before + 1
     assert _requests(stack, "victim") == 0
@@ -122,7 +110,7 @@ def test_strip_with_api_keys_charges_the_key_s_tenant(tmp_path: Path) -> None:
     with _stack(tmp_path, identity="strip", picker_config=_picker_config(api_keys=True)) as stack:
         assert_charged_to(stack, {**FORGED, "authorization": f"Bearer {API_KEY}"}, "alice")
         # A forged header is no key: refused, charged to nobody.
-        assert _post(stack, FORGED) == 401
+        assert post_with(stack, FORGED, SMALL_CHAT)[0] == 401
         assert _requests(stack, "victim") == 0
 
 
@@ -139,9 +127,9 @@ def test_api_key_mode_ignores_client_tenant_headers_even_when_they_reach_the_pic
 def test_jwt_charges_the_token_s_tenant(tmp_path: Path) -> None:
     with _stack(tmp_path, identity="jwt", jwt=JWT) as stack:
         assert_charged_to(stack, {**FORGED, "authorization": f"Bearer {mint('alice')}"}, "alice")
-        assert _post(stack, FORGED) == 401  # no token
+        assert post_with(stack, FORGED, SMALL_CHAT)[0] == 401  # no token
         forged_token = mint("victim", secret=b"not-the-issuer-s-key")
-        assert _post(stack, {"authorization": f"Bearer {forged_token}"}) == 401
+        assert post_with(stack, {"authorization": f"Bearer {forged_token}"}, SMALL_CHAT)[0] == 401
         assert _requests(stack, "victim") == 0
 
 
@@ -150,7 +138,7 @@ def test_trusted_client_lets_the_client_choose_which_is_why_it_is_test_only(
     """What every other test here guards against: the forged header chooses the tenant."""
     with _stack(tmp_path) as stack:
         before = _requests(stack, "victim")
-        assert _post(stack, FORGED) == 200
+        assert post_with(stack, FORGED, SMALL_CHAT)[0] == 200
         assert settled_metric(stack.metrics_url, "fairway_requests_total", before + 1,
                               tenant="victim") == before + 1
 
@@ -167,7 +155,7 @@ def test_a_route_level_removal_is_too_late_for_the_picker(tmp_path: Path) -> Non
         host["request_headers_to_remove"] = list(CLIENT_CONTROLLED_HEADERS)
         return config
     with _stack(tmp_path, envoy_bootstrap=build) as stack:
-        assert _post(stack, FORGED) == 200
+        assert post_with(stack, FORGED, SMALL_CHAT)[0] == 200
         assert settled_metric(stack.metrics_url, "fairway_requests_total", 1.0,
                               tenant="victim") == 1.0
 
@@ -194,7 +182,7 @@ def test_shipped_envoy_jwt_yaml_charges_the_token_s_tenant(tmp_path: Path) -> No
     with _stack(tmp_path, envoy_bootstrap=_sample("envoy-jwt.yaml", TEST_JWKS)) as stack:
         token = mint("alice", issuer=issuer)
         assert_charged_to(stack, {**FORGED, "authorization": f"Bearer {token}"}, "alice")
-        assert _post(stack, FORGED) == 401
+        assert post_with(stack, FORGED, SMALL_CHAT)[0] == 401
         assert _requests(stack, "victim") == 0
 
 

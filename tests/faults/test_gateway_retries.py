@@ -27,7 +27,7 @@ from picker.stack.envoy import FALLBACK_ENDPOINTS
 from picker.stack.launcher import Stack
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
-from tests.faults.helpers import gauges_drain, shipped_envoy
+from tests.faults.helpers import gauges_drain, post_with, shipped_envoy
 from tests.faults.test_dead_endpoint import _kill, _server
 from tests.faults.test_forged_identity import TEST_JWKS, mint
 
@@ -35,6 +35,8 @@ HEALTH = {"consecutiveFailures": 100, "baseEjectionTime": "30s"}
 """Far more failures than the test causes: the dead server stays in service throughout."""
 SEQUENTIAL = 8
 CONCURRENT = 8
+SMALL_CHAT = chat_body(max_tokens=2)
+"""A chat request the engine answers in two tokens."""
 
 
 def picker_config(usage: Path, fallbacks: int = FALLBACK_ENDPOINTS) -> dict[str, Any]:
@@ -43,18 +45,6 @@ def picker_config(usage: Path, fallbacks: int = FALLBACK_ENDPOINTS) -> dict[str,
             "capacity": {"scrapeInterval": "5s"},
             "routing": {"fallbackEndpoints": fallbacks},
             "metering": {"output": str(usage)}}
-
-
-def _post(stack: Stack, headers: dict[str, str]) -> int:
-    request = urllib.request.Request(
-        stack.gateway_url + "/v1/chat/completions", data=chat_body(max_tokens=2),
-        headers={**headers, "content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
 
 
 def _envoy_stat(stack: Stack, suffix: str) -> int:
@@ -76,16 +66,17 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                                       served_reported: bool = True) -> None:
     """Server 0 is SIGKILLed after one request; every request after it gets 200, charged once,
     and (``served_reported``: the gateway tells the picker) metered on the live server."""
-    assert _post(stack, headers()) == 200
+    assert post_with(stack, headers(), SMALL_CHAT)[0] == 200
     assert settled_metric(stack.metrics_url, "fairway_requests_total", 1.0, outcome="ok") == 1
     prompt = metric(stack.metrics_url, "fairway_service_tokens_total", kind="prompt")
     assert prompt > 0
     dead, live = stack.endpoint_addresses
     _kill(_server(stack, 0))
 
-    statuses = [_post(stack, headers()) for _ in range(SEQUENTIAL)]
+    statuses = [post_with(stack, headers(), SMALL_CHAT)[0] for _ in range(SEQUENTIAL)]
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        statuses += list(pool.map(lambda _: _post(stack, headers()), range(CONCURRENT)))
+        statuses += list(pool.map(lambda _: post_with(stack, headers(), SMALL_CHAT)[0],
+                                  range(CONCURRENT)))
     assert statuses == [200] * (SEQUENTIAL + CONCURRENT), statuses
 
     # Envoy retried (the picker kept naming the dead server first: it is the least loaded and
