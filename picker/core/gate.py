@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from picker.core.admission import Admission, Refused, Reservation
+from picker.core.cost import request_cost
 from picker.core.estimates import TenantEstimates
 from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
 from picker.core.lanes import Scheduler
@@ -267,20 +268,36 @@ class Gate:
         With ``fcfs`` engines, its lane's (vLLM refuses any other than 0 there). With
         ``priority`` engines, the lane's base (``2 × rank``, or its configured ``enginePriority``;
         lanes are at least 2 apart) plus the tenant's standing: 0 when this request is the only
-        one the tenant has waiting (a light tenant, lifted to the lane's counter floor by the
-        fair queue), 1 when it is backlogged or still has requests running that left while it
-        was (a flood that has just emptied its queue is still a flood). A vLLM in priority mode
+        one the tenant has waiting and its counter is at or below the lane's floor (a light
+        tenant, lifted to the floor by the fair queue), 1 when it is backlogged, still has
+        requests running that left while it was (a flood that has just emptied its queue is
+        still a flood), or has been served ahead of the tenants waiting in its lane (a tenant
+        that trickles one request at a time cannot claim the light standing). A vLLM in priority
+        mode
         then runs the light tenant's request before a flood's and, when its cache runs short,
         preempts the flood's requests (largest priority first) rather than the light one.
         """
         base = self.engine_priority(passage.lane)
         if base is None or self.rules.engine_policy != "priority":
             return base
-        return base + self._standing(passage.tenant)
+        return base + self._standing(passage)
 
-    def _standing(self, tenant: str) -> int:
-        """0: a light tenant; 1: backlogged, or still running requests sent while it was."""
-        return 1 if self._backlogged(tenant) or tenant in self._flooding else 0
+    def _standing(self, passage: Passage) -> int:
+        """0: a light tenant; 1: backlogged, still running requests sent while it was, or
+        more than one request ahead of the lane's counter floor."""
+        tenant = passage.tenant
+        if self._backlogged(tenant) or tenant in self._flooding:
+            return 1
+        policy = self.scheduler.policy(passage.lane)
+        floor = getattr(policy, "min_backlogged_counter", lambda: None)()
+        if floor is None:
+            return 0
+        # One request's slack: a light tenant's previous request may still be charging output.
+        request = passage.request
+        slack = request_cost(self.scheduler.cost, request.prompt_tokens,
+                             request.max_output_tokens or self.rules.default_output_tokens, 0) \
+            / self.scheduler.weights.get(tenant, 1.0)
+        return 1 if policy.counter(tenant) > floor + slack else 0
 
     # -- admission --
 
@@ -558,7 +575,7 @@ class Gate:
         # The standing is the tenant's as it waited, this request included.
         base = self.engine_priority(passage.lane)
         if base is not None and self.rules.engine_policy == "priority" \
-                and self._standing(passage.tenant):
+                and self._standing(passage):
             passage.flooding = True
             self._flooding[passage.tenant] = self._flooding.get(passage.tenant, 0) + 1
             base += 1

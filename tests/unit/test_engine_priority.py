@@ -153,3 +153,17 @@ def test_lane_priorities_must_leave_room_for_the_standing(lanes: list[dict[str, 
     with pytest.raises(ConfigError) as caught:
         _config(lanes=lanes)
     assert path in str(caught.value)
+
+
+def test_a_tenant_served_ahead_cannot_trickle_into_the_light_standing() -> None:
+    """A hostile tenant sends one request at a time so that it is never backlogged: once it has
+    been served more than a request ahead of the lane's floor, its requests get the backlogged
+    standing and are no longer sent for the engine to preempt others."""
+    gate = _gate(_config())
+    _flood(gate)
+    first = _admit(gate, "trickle", prompt=100)
+    assert first.preempting and first.engine_priority == 0
+    gate.charge_output(first, 2000)  # it streams far more than the flood got meanwhile
+    second = _admit(gate, "trickle", prompt=100)
+    assert second.dispatched_at is None  # waits for room like the flood
+    assert gate.engine_priority_for(second) == 1
