@@ -32,6 +32,11 @@ RATIO_GOAL = 1.5
 TOKENS_GOAL = 0.97
 PREFILL_S_PER_TOKEN = 0.00005
 """0.05 ms a prompt token: an 8B model on one H100 prefills about 20k prompt tokens/s."""
+LIGHT_RATE = 1.0
+"""Requests/s of the light tenant at the realistic sizes: issue 12's outside check (a light tenant
+at 1 request/s). It stays well under its fair share of each pool; at 2/s with these shapes it
+would ask for about half of the 64k pool by itself, which is not a light tenant.
+"""
 PREFILL_NOTE = ("a prompt token computed (prefill or recompute) adds 0.05 ms to its step: an 8B "
                 "model on one H100, about 20k prompt tokens/s")
 
@@ -63,20 +68,20 @@ SIZES = (
          "bench/traffic/gateway_flood.yaml",
          "the gateway benchmark's flood (bench/traffic/gateway_flood.yaml)"),
     Size("8k", PoolSpec(kv_budget_tokens=8192, prefill_s_per_token=PREFILL_S_PER_TOKEN),
-         _flood_traffic((600, 900), (150, 250), 30, 2, 60),
+         _flood_traffic((600, 900), (150, 250), 30, LIGHT_RATE, 120),
          "issue 12's outside check: 2 × 8,192 tokens, prompts 600–900, outputs 150–250"),
     Size("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192,
                          prefill_s_per_token=PREFILL_S_PER_TOKEN),
-         _flood_traffic((3000, 6000), (300, 500), 30, 2, 60),
+         _flood_traffic((3000, 6000), (300, 500), 30, LIGHT_RATE, 120),
          "issue 12's outside check: 2 × 65,536 tokens, prompts 3k–6k, outputs 300–500"),
     Size("256k", PoolSpec(kv_budget_tokens=262144, max_num_batched_tokens=8192,
                           prefill_s_per_token=PREFILL_S_PER_TOKEN),
-         _flood_traffic((1000, 8000), (100, 2000), 30, 2, 60),
+         _flood_traffic((1000, 8000), (100, 2000), 30, LIGHT_RATE, 120),
          "an 80 GB GPU serving an 8B model (about 260k tokens of KV at fp16); prompts 1k–8k "
          "(RAG and chat with history), outputs 100–2k"),
     Size("500k", PoolSpec(kv_budget_tokens=500000 // 16 * 16, max_num_batched_tokens=8192,
                           prefill_s_per_token=PREFILL_S_PER_TOKEN),
-         _flood_traffic((1000, 8000), (100, 2000), 40, 2, 60),
+         _flood_traffic((1000, 8000), (100, 2000), 40, LIGHT_RATE, 120),
          "an 8B model on a 141 GB GPU, or a GQA model with small KV heads; same shapes"),
 )
 
@@ -172,7 +177,9 @@ def render(data: dict[str, Any]) -> str:
              "(`picker.core.gate`) in front of vLLM V1's scheduler (`picker.sim.vllm`: KV in "
              "16-token blocks, a token budget per step, preemption by recompute). Two endpoints "
              f"per pool; a heavy tenant floods it (open loop, above capacity) while a light "
-             f"tenant sends the same shapes at a low rate; TTFT and tokens are counted after a "
+             f"tenant sends the same shapes at a low rate ({LIGHT_RATE:g} request/s from 8k up, "
+             "issue 12's outside check: well under its fair share); TTFT and tokens are "
+             "counted after a "
              f"{WARMUP_S:g} s warm-up. Step time: {PREFILL_NOTE} (so recompute costs "
              f"time). Goals: light p95 TTFT under the flood ≤ {RATIO_GOAL}× "
              f"its p95 alone, pool tokens ≥ {TOKENS_GOAL} of FCFS pass-through on the same "

@@ -113,8 +113,10 @@ class Scheduling:
     refuses a request with a ``priority`` other than 0 unless it runs ``priority``). With
     ``priority`` the picker writes an engine priority into every request that reflects its
     tenant's standing: ``2 × lane rank`` (or the lane's ``enginePriority``), plus 1 when the
-    tenant is backlogged in the picker, so a light tenant's request runs before a flood's in the
-    engine and the engine, not the picker, makes room for it (see ``preempt``)."""
+    tenant is a flood (backlogged in the picker, or holding at least its weighted share of the
+    lane's running work; one holding less than half its share is light whatever its queue), so
+    a light tenant's request runs before a flood's in the engine and the engine, not the
+    picker, makes room for it (see ``preempt``)."""
     preempt: bool = True
     """With ``enginePolicy: priority``: when no endpoint has room, a request may still go to an
     endpoint whose running requests of a worse engine priority hold at least its prompt (the

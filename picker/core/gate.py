@@ -20,6 +20,8 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 * ``single`` holds exactly the tenants with one request in the fair queue and none parked;
 * an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
   over the requests dispatched there and not yet settled.
+* ``occupancy`` holds, per lane and tenant, the sum of ``reserved_tokens`` over its requests
+  dispatched and not yet settled.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from picker.core.cost import request_cost
 from picker.core.estimates import TenantEstimates
 from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
 from picker.core.lanes import Scheduler
+from picker.core.occupancy import Occupancy
 from picker.core.request import Request, Usage
 from picker.core.selection import (
     CapacityRules,
@@ -48,6 +51,10 @@ FOOTPRINT_EWMA_ALPHA = 0.2
 """How fast a tenant's typical footprint (for the idle-tenant reserve) follows its requests."""
 PRUNE_INTERVAL = 30.0
 """Seconds between sweeps that forget tenants whose state no longer changes a decision."""
+
+UNDER_SERVED = 0.5
+"""With priority engines, a tenant holding less than this fraction of its weighted share of its
+lane's running work gets the light standing whatever its queue (see ``Gate._standing``)."""
 
 NO_ENDPOINT = "no_endpoint"
 QUEUE_FULL = "queue_full"
@@ -148,8 +155,6 @@ class Passage:
     """The vLLM ``priority`` the engine gets (set at dispatch; ``None``: none is sent)."""
     preempting: bool = False
     """Sent to an endpoint without room, for the engine to preempt worse requests for it."""
-    flooding: bool = False
-    """Sent with the backlogged standing (priority engines; see ``Gate.engine_priority_for``)."""
 
     @property
     def output_cap(self) -> int | None:
@@ -213,8 +218,8 @@ class Gate:
         that may go ahead of a head that has to wait (see ``pump``)."""
         self._recent: dict[str, tuple[float, float]] = {}
         """Per tenant: last arrival and typical footprint (tokens), for the idle reserve."""
-        self._flooding: dict[str, int] = {}
-        """Per tenant, its requests running with the backlogged standing (priority engines)."""
+        self.occupancy = Occupancy()
+        """Per lane, the tokens each tenant holds in running requests (engine priority)."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
 
@@ -267,15 +272,10 @@ class Gate:
 
         With ``fcfs`` engines, its lane's (vLLM refuses any other than 0 there). With
         ``priority`` engines, the lane's base (``2 × rank``, or its configured ``enginePriority``;
-        lanes are at least 2 apart) plus the tenant's standing: 0 when this request is the only
-        one the tenant has waiting and its counter is at or below the lane's floor (a light
-        tenant, lifted to the floor by the fair queue), 1 when it is backlogged, still has
-        requests running that left while it was (a flood that has just emptied its queue is
-        still a flood), or has been served ahead of the tenants waiting in its lane (a tenant
-        that trickles one request at a time cannot claim the light standing). A vLLM in priority
-        mode
-        then runs the light tenant's request before a flood's and, when its cache runs short,
-        preempts the flood's requests (largest priority first) rather than the light one.
+        lanes are at least 2 apart) plus the tenant's standing (``_standing``): 0 for a light
+        tenant, 1 for a flood. A vLLM in priority mode then runs the light tenant's request
+        before a flood's and, when its cache runs short, preempts the flood's requests (largest
+        priority first) rather than the light one.
         """
         base = self.engine_priority(passage.lane)
         if base is None or self.rules.engine_policy != "priority":
@@ -283,10 +283,22 @@ class Gate:
         return base + self._standing(passage)
 
     def _standing(self, passage: Passage) -> int:
-        """0: a light tenant; 1: backlogged, still running requests sent while it was, or
-        more than one request ahead of the lane's counter floor."""
+        """0 (light) or 1 (flood), judged in this order:
+
+        * 0 when the tenant holds less than ``UNDER_SERVED`` of its weighted share of the lane's
+          running work: it is under-served, even if two of its requests arrived together;
+        * 1 when it is backlogged (the fair queue is what limits it);
+        * 1 when it holds at least its share (a flood whose queue has just emptied; a tenant
+          alone holds exactly its share, so a newcomer outranks what it sends next);
+        * 1 when its counter is more than one request ahead of the lane's floor (a tenant that
+          trickles one request at a time cannot claim the light standing);
+        * else 0: its requests get what they ask, and it holds no more than its share.
+        """
         tenant = passage.tenant
-        if self._backlogged(tenant) or tenant in self._flooding:
+        share = self.occupancy.share(passage.lane, tenant, self.scheduler.weights)
+        if share is not None and share < UNDER_SERVED:
+            return 0
+        if self._backlogged(tenant) or (share is not None and share >= 1.0):
             return 1
         policy = self.scheduler.policy(passage.lane)
         floor = getattr(policy, "min_backlogged_counter", lambda: None)()
@@ -573,13 +585,7 @@ class Gate:
         request = passage.request
         passage.preempting = preempting
         # The standing is the tenant's as it waited, this request included.
-        base = self.engine_priority(passage.lane)
-        if base is not None and self.rules.engine_policy == "priority" \
-                and self._standing(passage):
-            passage.flooding = True
-            self._flooding[passage.tenant] = self._flooding.get(passage.tenant, 0) + 1
-            base += 1
-        passage.engine_priority = base
+        passage.engine_priority = self.engine_priority_for(passage)
         self.scheduler.dispatch(request, now)
         self._queue_remove(passage)
         # Past its concurrency cap only in pass-through mode, which dispatches at once.
@@ -599,6 +605,7 @@ class Gate:
             passage.reserved_tokens += estimate
         primary.inflight_tokens += passage.reserved_tokens
         primary.inflight_requests += 1
+        self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens)
         on_dispatch(primary.health, now)
         passage.projected_tokens = self._projected(passage, now)
         primary.projected_tokens += passage.projected_tokens
@@ -636,6 +643,7 @@ class Gate:
             # its whole estimate reserved at dispatch.
             passage.endpoint.inflight_tokens += tokens
             passage.reserved_tokens += tokens
+            self.occupancy.add(passage.lane, passage.tenant, tokens)
 
     def complete(self, passage: Passage, usage: Usage | None, outcome: str,
                  now: float) -> None:
@@ -661,12 +669,6 @@ class Gate:
             usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self.passages[request]
-        if passage.flooding:
-            left = self._flooding[passage.tenant] - 1
-            if left:
-                self._flooding[passage.tenant] = left
-            else:
-                del self._flooding[passage.tenant]
         self._release(passage, outcome == "ok", now)
         self._learn(passage, usage, outcome, reported, now)
         if passage.reservation is not None and passage.reservation.state != "done":
@@ -688,6 +690,7 @@ class Gate:
             return
         endpoint.inflight_tokens -= passage.reserved_tokens
         endpoint.projected_tokens -= passage.projected_tokens
+        self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens)
         endpoint.inflight_requests -= 1
         endpoint.completed_since_scrape += 1
         endpoint.released_since_scrape += passage.reserved_tokens
@@ -782,4 +785,5 @@ class Gate:
                 "estimates": len(self.estimates.tenants()),
                 "scheduler": self.scheduler.tenants_held(),
                 "queues": len(self._in_queue) + len(self._parked),
-                "recent": len(self._recent)}
+                "recent": len(self._recent),
+                "occupancy": self.occupancy.tenants()}

@@ -47,11 +47,14 @@ def _admit(gate: Gate, tenant: str, prompt: int = 100, *, lane: str | None = Non
 def _flood(gate: Gate, count: int = 40, tenant: str = "flood",
            lane: str | None = None) -> list[Passage]:
     """A backlogged tenant: far more requests than the endpoint holds (1000 tokens, 200 each).
-    Its first requests left while it was alone and not yet backlogged (its lane's base
-    priority); they finish, and the endpoint fills with requests that left while it was."""
+    Its first request left with nothing running (its lane's base priority); the next ones left
+    while it held all the lane's running work, its whole share (the flood standing). They
+    finish, and the endpoint fills with requests that left while it was backlogged."""
     sent = [_admit(gate, tenant, lane=lane) for _ in range(count)]
     first = [p for p in sent if p.dispatched_at is not None]
-    assert first and {p.engine_priority for p in first} == {gate.engine_priority(first[0].lane)}
+    base = gate.engine_priority(sent[0].lane)
+    assert base is not None and len(first) > 1
+    assert [p.engine_priority for p in first] == [base] + [base + 1] * (len(first) - 1)
     for passage in first:
         gate.complete(passage, Usage(100, 100, 0), "ok", 0.0)
     left = [p for p in sent if p.outcome is None]
@@ -167,3 +170,30 @@ def test_a_tenant_served_ahead_cannot_trickle_into_the_light_standing() -> None:
     second = _admit(gate, "trickle", prompt=100)
     assert second.dispatched_at is None  # waits for room like the flood
     assert gate.engine_priority_for(second) == 1
+
+
+def test_a_light_tenant_with_two_requests_waiting_keeps_the_light_standing() -> None:
+    """Two requests of a light tenant arriving together make it backlogged for a moment; it
+    still holds none of the running work, so both keep the light standing."""
+    gate = _gate(_config(preempt=False))
+    flood = _flood(gate)
+    first = _admit(gate, "light", now=1.0)
+    second = _admit(gate, "light", now=1.0)
+    assert first.dispatched_at is None and second.dispatched_at is None  # no room: both wait
+    head = next(p for p in flood if p.dispatched_at is None)
+    assert [gate.engine_priority_for(p) for p in (first, second, head)] == [0, 0, 1]
+    for passage in [p for p in flood if p.dispatched_at is None]:
+        gate.drop(passage, "cancelled", 1.0)
+    for passage in [p for p in flood if p.outcome is None][:2]:
+        gate.complete(passage, Usage(100, 100, 0), "ok", 1.0)
+    assert (first.engine_priority, second.engine_priority) == (0, 0)
+
+
+def test_a_tenant_holding_its_share_loses_the_light_standing_with_an_empty_queue() -> None:
+    """A flood whose queue has just emptied still holds the running work: what it sends next
+    goes at the flood standing, below a newcomer's."""
+    gate = _gate(_config(budget=100_000))
+    running = [_admit(gate, "flood") for _ in range(5)]
+    assert all(p.dispatched_at is not None for p in running)  # room for all: never backlogged
+    assert [p.engine_priority for p in running] == [0, 1, 1, 1, 1]
+    assert _admit(gate, "newcomer").engine_priority == 0

@@ -353,6 +353,14 @@ class GateMachine(RuleBasedStateMachine):
             assert endpoint.inflight_requests == len(mine)
             assert endpoint.inflight_tokens == sum(p.reserved_tokens for p in mine)
             assert endpoint.projected_tokens == sum(p.projected_tokens for p in mine)
+        held: dict[tuple[str, str], int] = {}
+        for passage in self.running():
+            key = (passage.lane, passage.tenant)
+            held[key] = held.get(key, 0) + passage.reserved_tokens
+        occupancy = self.gate.occupancy
+        assert occupancy.tenants() == sum(1 for tokens in held.values() if tokens)
+        for (lane, tenant), tokens in held.items():
+            assert occupancy.held(lane, tenant) == tokens
 
     @invariant()
     def passages_are_the_waiting_and_the_running(self) -> None:

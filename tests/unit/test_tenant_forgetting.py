@@ -151,7 +151,8 @@ async def test_a_flood_of_one_off_tenants_leaves_no_state_behind() -> None:
         clock.now += 31
         await _serve(d, "steady", 50, 200)
     held = d.tenants_held()
-    assert held == {"admission": 0, "estimates": 1, "scheduler": 1, "queues": 0, "recent": 0}
+    assert held == {"admission": 0, "estimates": 1, "scheduler": 1, "queues": 0, "recent": 0,
+                    "occupancy": 0}
     assert set(d.scheduler.policy("default").counters) == {"steady"}
     assert set(d.scheduler.service) == {"steady"}
     assert d.estimates.tenants() == {"steady"}
