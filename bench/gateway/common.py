@@ -208,7 +208,7 @@ PICKER_METRICS = frozenset({
 })
 SERVER_METRICS = frozenset({
     "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:num_requests_waiting",
-    "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
 })
 
 
@@ -438,15 +438,21 @@ def picker_overrides(traffic: Traffic, weights: dict[str, float],
 
 def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, float],
                 window: tuple[float, float], workdir: Path, plan: Plan,
-                idle_tenant_reserve: str | None = None) -> GatewayRun:
-    """``traffic`` through a fresh stack (Envoy, picker with ``policy``, the contended pool);
-    ``idle_tenant_reserve`` overrides the plan's."""
+                idle_tenant_reserve: str | None = None, *,
+                server_args: Sequence[str] = tuple(POOL_SERVER_ARGS),
+                picker_config: dict[str, Any] | None = None) -> GatewayRun:
+    """``traffic`` through a fresh stack (Envoy, picker with ``policy``, a pool of
+    ``POOL_ENDPOINTS`` servers started with ``server_args``, the contended pool's by default);
+    ``idle_tenant_reserve`` overrides the plan's, ``picker_config`` sections are merged over the
+    run's."""
     reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
     config = picker_overrides(traffic, weights, reserve)
+    for key, value in (picker_config or {}).items():
+        config[key] = {**config[key], **value} if isinstance(config.get(key), dict) else value
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
-               server_args=POOL_SERVER_ARGS, picker_config=config,
+               server_args=list(server_args), picker_config=config,
                response_path=plan.response_path,
                secure_serving=plan.secure_serving) as stack, \
             measured(resources, lambda: [stack]):

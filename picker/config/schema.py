@@ -133,6 +133,13 @@ class Queue:
     """Requests held at once, all tenants; beyond it new requests get 429."""
     max_wait: float = field(default=60.0, metadata=_camel("max_wait", gt=0, duration=True))
     """Longest a request may wait for its turn; then 503 with Retry-After."""
+    newest_first_after: float = field(default=5.0, metadata=_camel("newest_first_after", ge=0,
+                                                                   duration=True))
+    """Once a tenant's oldest queued request has waited this long, the tenant's turns go to its
+    newest request first (adaptive LIFO; ``0s``: always oldest first). Under a sustained overload
+    a tenant's oldest requests are those whose clients are about to give up: sending them first
+    spends the engines on answers nobody reads, and every later request grows as old in its
+    turn. The fair queue still decides which tenant goes next."""
     overload: Literal["shedLowerLanes", "refuseNew"] = "shedLowerLanes"
     """When ``maxQueued`` is reached: ``shedLowerLanes`` refuses the lowest lane first (an
     arrival in a higher lane takes the place of the newest queued request of the lowest lane that

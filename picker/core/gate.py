@@ -89,6 +89,9 @@ class GateRules:
     health: HealthRules = field(default_factory=HealthRules)
     max_queued: int = 10_000
     """Requests the picker holds (queued and parked) before it refuses new ones."""
+    newest_first_after: float = 0.0
+    """Seconds a tenant's oldest queued request may wait before the tenant's newest goes first
+    (0: oldest first always; see ``_newest_if_stale``)."""
     shed_lower_lanes: bool = False
     """A full queue refuses the newest request of a lower lane instead of the new one."""
     fallback_endpoints: int = 0
@@ -466,7 +469,8 @@ class Gate:
             request = scheduler.peek(now)
             if request is None:
                 return
-            passage = self.passages[request]
+            passage = self._newest_if_stale(self.passages[request], now)
+            request = passage.request
             candidates = self.candidates(passage.subset, now, require_room=True,
                                          prompt_tokens=request.prompt_tokens)
             if candidates and self._backlogged(passage.tenant):
@@ -490,6 +494,25 @@ class Gate:
                     return
                 passage, candidates, preempting = light
             self._dispatch(passage, candidates, now, preempting)
+
+    def _newest_if_stale(self, head: Passage, now: float) -> Passage:
+        """The request of the head's tenant (and lane) to send: its oldest, unless that one has
+        waited ``newest_first_after`` or longer, then its newest (adaptive LIFO; the fair
+        queue's counters and order between tenants are the same either way).
+
+        Under a sustained overload a tenant's oldest requests are the ones whose clients are
+        about to give up: sending them first spends engines on answers nobody reads and makes
+        every later request as old in its turn. Sending the newest instead serves requests whose
+        clients still wait, while the stale ones time out in the queue at no engine's cost.
+        Which tenant goes next is the fair queue's choice either way."""
+        after = self.rules.newest_first_after
+        if not after or now - head.arrived_at < after:
+            return head
+        queued = self._in_queue.get(head.tenant, ())
+        for passage in reversed(queued):
+            if passage.lane == head.lane:
+                return passage
+        return head
 
     def _projected(self, passage: Passage, now: float) -> int:
         return passage.request.prompt_tokens + self.expected_output(

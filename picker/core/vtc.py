@@ -150,6 +150,8 @@ class VirtualTokenCounter:
             raise KeyError(f"request of tenant {tenant!r} is not queued in this lane")
         if queue[0] is request:
             queue.popleft()
+        elif queue[-1] is request:
+            queue.pop()  # the newest, sent first from a stale backlog (adaptive LIFO)
         else:
             queue.remove(request)  # a cancellation from the middle: rare, O(tenant's queue)
         self._queued -= 1

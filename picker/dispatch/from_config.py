@@ -64,6 +64,7 @@ def gate_rules(config: PickerConfig) -> GateRules:
         health=HealthRules(config.health.consecutive_failures, config.health.base_ejection_time,
                            config.health.max_ejection_time),
         max_queued=config.queue.max_queued,
+        newest_first_after=config.queue.newest_first_after,
         shed_lower_lanes=config.queue.overload == "shedLowerLanes",
         fallback_endpoints=config.routing.fallback_endpoints,
         engine_policy=config.scheduling.engine_policy,

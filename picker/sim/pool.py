@@ -4,13 +4,15 @@ It answers: *what does the picker do with this traffic on this pool, and what do
 get?* without a network, a process or a wall clock. The gate is the one the server runs
 (``picker.core.gate.Gate``, built from a ``PickerConfig`` by ``picker.dispatch.from_config``); each
 endpoint is vLLM V1's scheduler (``picker.sim.vllm``); the traffic is a load-generator file
-(``picker.sim.traffic``) drawn with the same seeds as ``picker.sim.load`` sends it through a
-real gateway. Each engine step (``step_s``) the simulator, in this order: delivers arrivals to
-the gate (which admits, queues or dispatches them), drops requests past the queue timeout,
-reads each engine's figures every ``scrape_interval_s`` (as the scraper does), steps every
-engine that is free, and reports the tokens and completions of every step that ends then back to
-the gate (streamed output charged per token, as the meter stream does). Nothing else differs from
-the server: same decisions, same ledger.
+(``picker.sim.traffic``) drawn with the same seeds as ``picker.sim.load`` sends it through a real
+gateway. Each engine step (``step_s``) the simulator, in this order: delivers arrivals to the gate
+(which admits, queues or dispatches them), drops requests past the queue timeout, cancels requests
+whose client gave up (``timeout_s`` after it sent them, as the load client does: the engine aborts
+them and the gate settles them to what they delivered), reads each engine's figures every
+``scrape_interval_s`` (as the scraper does), steps every engine that is free, and reports the
+tokens and completions of every step that ends then back to the gate (streamed output charged per
+token, as the meter stream does). Nothing else differs from the server: same decisions, same
+ledger.
 
 Step time: a step that computes prompt tokens (prefill chunks, and the recompute of preempted
 requests alike) keeps its engine busy for ``step_s + prefill_tokens × prefill_s_per_token``,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -174,6 +177,9 @@ class _Pool:
         """(when, tenant), a heap: a closed-loop tenant's next request."""
         self.next_seq = {t.name: 0 for t in traffic.tenants}
         self.queued: list[SimPassage] = []
+        self.deadlines: list[tuple[float, int, SimPassage]] = []
+        """(when its client gives up, dispatch order, passage), a heap of dispatched requests."""
+        self.dispatches = itertools.count()
         self.refused: list[SimPassage] = []
         """Dispatched to an engine that refused them (settled after the gate's turn)."""
         self.now = 0.0
@@ -195,6 +201,8 @@ class _Pool:
                          output_tokens=planned.max_tokens)
         passage.seq = seq
         self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
+        heapq.heappush(self.deadlines, (passage.arrived_at + self.traffic.timeout_s,
+                                        next(self.dispatches), passage))
 
     def dropped(self, passage: SimPassage, outcome: str, now: float) -> None:
         self._end(passage.record, outcome, now)
@@ -264,6 +272,14 @@ class _Pool:
             else:
                 waiting.append(passage)
         self.queued = waiting
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] <= self.now:
+            passage = heapq.heappop(deadlines)[2]
+            if passage.outcome is None and passage.seq is not None \
+                    and passage.endpoint is not None:
+                # The client gave up: Envoy resets the stream and the engine aborts the request.
+                self.engines[passage.endpoint.address].abort(passage.seq)
+                self.gate.complete(passage, None, "cancelled", self.now)
 
     # -- the engines --
 
@@ -293,10 +309,15 @@ class _Pool:
         return (produced if counting else 0), computed
 
     def report(self, out: StepOutput) -> int:
-        """A step ends at the next tick: its tokens and completions reach the gate then."""
+        """A step ends at the next tick: its tokens and completions reach the gate then; returns
+        the output tokens delivered (none to a request its client has given up on)."""
         gate, now = self.gate, self.now + self.spec.step_s
+        delivered = 0
         for seq in out.tokens:
             passage: Any = seq.id  # the SimPassage ``dispatched`` gave the engine
+            if passage.outcome is not None:
+                continue  # cancelled by its client while the step ran
+            delivered += 1
             if passage.record.first_token_s is None:
                 passage.record.first_token_s = now
             if passage.stream:
@@ -304,7 +325,7 @@ class _Pool:
         for seq in out.finished:
             gate.complete(cast(SimPassage, seq.id), Usage(seq.prompt_tokens, seq.generated, 0),
                           "ok", now)
-        return len(out.tokens)
+        return delivered
 
 
 def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,

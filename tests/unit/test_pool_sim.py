@@ -164,6 +164,45 @@ def test_priority_engines_get_the_light_tenant_first_and_the_flood_last() -> Non
     assert later and all(r.engine_priority == 1 for r in later)
 
 
+def test_a_client_that_gives_up_is_cancelled_in_the_engine_and_charged_what_it_got() -> None:
+    """The load client stops waiting ``timeout_s`` after it sent a request; Envoy resets the
+    stream and the engine aborts it. The simulator does the same: the engine frees its blocks,
+    the gate settles it to the tokens it delivered, and nothing it generated later counts."""
+    traffic = load_traffic({"duration_s": 0.5, "seed": 1, "timeout_s": 1.0, "tenants": [
+        {"name": "long", "backlog": 1, "stop_s": 0.1, "api": "completions",
+         "stream_fraction": 1.0, "prompt_tokens": [100, 100], "output_tokens": [5000, 5000]}]})
+    run = _run(_config({"long": 1}), traffic, SMALL_POOL)
+    (record,) = _mine(run, "long")
+    assert record.outcome == "cancelled"
+    assert record.end_s == pytest.approx(1.0, abs=SMALL_POOL.step_s)
+    # One token a 5 ms step from its first: about 200 before its client left, far from 5,000.
+    assert 150 <= record.completion_tokens <= 200
+    assert _charged(run, "long") == _service(record)
+    assert run.gate.passages == {}
+    assert all(e.inflight_tokens == 0 and e.inflight_requests == 0
+               for e in run.gate.endpoints.values())
+
+
+@pytest.mark.parametrize("newest_first_after", ["0s", "5s"])
+def test_a_sustained_overload_serves_requests_whose_clients_still_wait(
+        newest_first_after: str) -> None:
+    """An open-loop flood far above the pool's capacity, whose clients give up after 20 s, as
+    long as the picker would hold them. Oldest first, every request sent has waited nearly its
+    client's patience and is abandoned mid-answer; newest first (the default), those sent are
+    answered and the stale ones time out in the queue without costing an engine anything."""
+    traffic = load_traffic({"duration_s": 60, "seed": 4, "timeout_s": 20, "tenants": [
+        {"name": "flood", "rate": 40, "api": "completions", "stream_fraction": 1.0,
+         "prompt_tokens": [200, 300], "output_tokens": [150, 200]}]})
+    config = _config({"flood": 1}, queue={"maxWait": "20s",
+                                          "newestFirstAfter": newest_first_after})
+    run = _run(config, traffic, SMALL_POOL)
+    outcomes = {o: sum(r.outcome == o for r in run.records) for o in ("ok", "cancelled")}
+    if newest_first_after == "0s":
+        assert outcomes["cancelled"] > outcomes["ok"]
+    else:
+        assert outcomes["ok"] > 10 * max(1, outcomes["cancelled"])
+
+
 def test_requests_past_the_queue_timeout_are_dropped_uncharged() -> None:
     config = _config({"light": 1, "flood": 1}, queue={"maxWait": "200ms"})
     run = _run(config, _flood(backlog=16))

@@ -1,0 +1,228 @@
+"""Latency isolation at realistic sizes through real Envoy, beside the pool simulator (issue 12).
+
+It answers: *does the gateway give a light tenant under a flood what the simulator says, at the
+pool sizes users run?* Each size of ``bench.isolation`` from 8k up runs through a fresh stack
+(real Envoy, the picker, two simulated vLLM servers in priority mode with the size's KV, token
+budget per step and prefill cost) in three modes: the light tenant alone, FCFS pass-through, and
+the picker with ``scheduling.enginePolicy: priority``; then the same traffic goes through the
+pool simulator, which runs the picker's own gate over a model of the same engines.
+
+Two cores carry Envoy, the picker, both servers and the load client, so time runs ``SCALE``
+times slower than in the simulator's own table (``bench/results/isolation.md``): each engine
+step and each prefill token take ``SCALE`` times as long, and the tenants send ``SCALE`` times
+fewer requests a second. The ratios the goals are about (p95 ÷ alone, tokens ÷ FCFS) keep their
+meaning; milliseconds are ``SCALE`` times larger.
+
+Run: ``python -m bench.isolation_envoy --out bench/results`` (about 7 minutes a size; ``--only
+64k`` for one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.gateway.common import GatewayRun, Plan, picker_overrides, pool_numbers, run_gateway
+from bench.isolation import (
+    RATIO_GOAL,
+    SIZES,
+    TOKENS_GOAL,
+    WARMUP_S,
+    Size,
+    _cell,
+    _light_n,
+    _ms,
+    _numbers,
+    light_ttfts,
+    size_heading,
+)
+from picker.config.schema import PickerConfig
+from picker.config.strict import load
+from picker.sim.load import percentile
+from picker.sim.pool import PoolSpec, simulate
+from picker.sim.traffic import Traffic, load_traffic
+
+SCALE = 2.0
+"""How many times slower than the simulator's table the stack runs (see the module docstring)."""
+
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (scheduling policy, picker config over the run's)
+    "light alone": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
+    "fcfs pass-through": ("fcfs", {}),
+    "vtc, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
+}
+
+
+def scaled_spec(spec: PoolSpec, scale: float) -> PoolSpec:
+    return replace(spec, engine_policy="priority", step_s=spec.step_s * scale,
+                   prefill_s_per_token=spec.prefill_s_per_token * scale)
+
+
+def scaled_traffic(size: Size, scale: float, light_only: bool = False) -> Traffic:
+    data = copy.deepcopy(size.traffic)
+    assert isinstance(data, dict), "only sizes with traffic written out scale"
+    for tenant in data["tenants"]:
+        tenant["rate"] = tenant["rate"] / scale
+    data["timeout_s"] = data.get("timeout_s", 120.0) * scale  # clients wait as many steps
+    if light_only:
+        data["tenants"] = [t for t in data["tenants"] if t["name"] == "light"]
+    return load_traffic(data)
+
+
+def server_args(spec: PoolSpec) -> list[str]:
+    """``python -m picker.sim.server`` flags for an engine of ``spec``."""
+    return ["--kv-budget-tokens", str(spec.kv_budget_tokens),
+            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+            "--step-ms", f"{spec.step_s * 1000:g}",
+            "--prefill-ms-per-1k-tokens", f"{spec.prefill_s_per_token * 1e6:g}",
+            "--scheduling-policy", spec.engine_policy]
+
+
+def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec,
+                 traffic: Traffic) -> dict[str, Any]:
+    # The picker holds a request as long as its client waits for it.
+    return {**extra, "scheduling": {"policy": policy, **extra.get("scheduling", {})},
+            "capacity": {"kvBudgetTokens": spec.kv_budget_tokens},
+            "queue": {"maxWait": f"{traffic.timeout_s:g}s"}}
+
+
+def _gateway_numbers(run: GatewayRun) -> dict[str, Any]:
+    t1, t2 = run.window
+    light, never = light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.start_s)
+                               for r in run.records if r.tenant == "light")
+    served = sum(1 for r in run.records if r.ok and t1 <= r.start_s <= t2)
+    preemptions = run.delta(run.server_series("vllm:num_preemptions_total"))
+    pool = pool_numbers(run)
+    return {"light_samples": len(light), "light_without_first_token": never,
+            "light_ttft_p50_ms": _ms(percentile(light, 50)),
+            "light_ttft_p95_ms": _ms(percentile(light, 95)),
+            "tokens_per_s": pool["server_output_tokens_per_s"],
+            "preemptions_per_1000": 1000 * preemptions / served if served else 0.0,
+            "errors": sum(1 for r in run.records if not r.ok),
+            "cpu_busy_fraction": run.resources.get("cpu_busy_fraction")}
+
+
+def _ratios(results: dict[str, dict[str, Any]]) -> None:
+    alone = results["light alone"]["light_ttft_p95_ms"]
+    fcfs = results["fcfs pass-through"]["tokens_per_s"]
+    for numbers in results.values():
+        p95 = numbers["light_ttft_p95_ms"]
+        numbers["ttft_ratio"] = p95 / alone if p95 and alone else None
+        numbers["tokens_vs_fcfs"] = numbers["tokens_per_s"] / fcfs if fcfs else None
+
+
+def run_size(size: Size, scale: float, workdir: Path, plan: Plan) -> dict[str, Any]:
+    """The three modes through Envoy, and the same in the simulator."""
+    spec = scaled_spec(size.spec, scale)
+    gateway: dict[str, dict[str, Any]] = {}
+    simulator: dict[str, dict[str, Any]] = {}
+    for name, (policy, extra) in MODES.items():
+        traffic = scaled_traffic(size, scale, light_only=name == "light alone")
+        window = (WARMUP_S, traffic.duration_s)
+        config = _mode_config(policy, extra, spec, traffic)
+        run = run_gateway(f"{size.name.split()[0]}-{name.split(',')[0].replace(' ', '-')}",
+                          policy, traffic, {}, window, workdir, plan,
+                          server_args=server_args(spec), picker_config=config)
+        gateway[name] = _gateway_numbers(run)
+        started = time.process_time()
+        sim = simulate(_sim_config(traffic, config, spec), traffic, spec, warmup_s=WARMUP_S,
+                       drain_s=traffic.timeout_s)
+        simulator[name] = _numbers(sim, time.process_time() - started)
+        print(f"    {name}: gateway p95 {gateway[name]['light_ttft_p95_ms']} ms, "
+              f"simulator p95 {simulator[name]['light_ttft_p95_ms']} ms", flush=True)
+    _ratios(gateway)
+    _ratios(simulator)
+    return {"spec": spec.__dict__, "source": size.source, "gateway": gateway,
+            "simulator": simulator}
+
+
+def _sim_config(traffic: Traffic, config: dict[str, Any], spec: PoolSpec) -> PickerConfig:
+    """The picker config ``run_gateway`` gives the stack, for the simulator's endpoints."""
+    merged: dict[str, Any] = picker_overrides(traffic, {}, "0s")
+    for key, value in config.items():
+        merged[key] = {**merged[key], **value} if isinstance(merged.get(key), dict) else value
+    merged["endpoints"] = [{"address": a} for a in spec.addresses()]
+    merged["capacity"] = {**merged["capacity"],
+                          "scrapeInterval": f"{spec.scrape_interval_s * 1000:g}ms"}
+    return load(PickerConfig, merged)
+
+
+def write_report(data: dict[str, Any], out: Path) -> None:
+    scale = data["scale"]
+    lines = ["# Latency isolation through real Envoy, beside the pool simulator", "",
+             "Generated by `python -m bench.isolation_envoy`. Each size runs through a fresh "
+             "stack (real Envoy, the picker over TLS, two simulated vLLM servers in priority "
+             "mode) and through the pool simulator on the same traffic: a flood above "
+             "capacity and a light tenant, as in `isolation.md`, with time "
+             f"{scale:g}× slower (steps and prefill {scale:g}× longer, rates ÷ {scale:g}) so that "
+             "two cores carry Envoy, the picker, both servers and the load client. Ratios keep "
+             "their meaning; milliseconds are that much larger. Goals: light p95 ÷ alone ≤ "
+             f"{RATIO_GOAL}, tokens ÷ FCFS ≥ {TOKENS_GOAL}.", ""]
+    for name, size in data["sizes"].items():
+        lines += [f"## {name}", "", size_heading(size["spec"], size["source"]), "",
+                  "| mode | where | light p50 ms | light p95 ms | p95 ÷ alone | tokens/s | "
+                  "÷ FCFS | preemptions /1k req | light n (no first token) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for mode in MODES:
+            for where in ("gateway", "simulator"):
+                n = size[where][mode]
+                lines.append(
+                    f"| {mode} | {'through Envoy' if where == 'gateway' else 'simulator'} | "
+                    f"{_cell(n['light_ttft_p50_ms'], '.0f')} | "
+                    f"{_cell(n['light_ttft_p95_ms'], '.0f')} | {_cell(n['ttft_ratio'])} | "
+                    f"{_cell(n['tokens_per_s'], '.0f')} | {_cell(n['tokens_vs_fcfs'], '.3f')} | "
+                    f"{_cell(n['preemptions_per_1000'], '.1f')} | {_light_n(n)} |")
+        busy = [size["gateway"][m].get("cpu_busy_fraction") for m in MODES]
+        busy_known = [b for b in busy if b is not None]
+        if busy_known:
+            lines += ["", f"The stack's processes kept {statistics.fmean(busy_known):.0%} of "
+                      "both cores busy on average over the three runs."]
+        lines.append("")
+    lines += ["## Goals", "", "| size | where | p95 ÷ alone ≤ 1.5 | tokens ÷ FCFS ≥ 0.97 |",
+              "|---|---|---|---|"]
+    for name, size in data["sizes"].items():
+        for where in ("gateway", "simulator"):
+            n = size[where]["vtc, priority engines"]
+            ratio, tokens = n["ttft_ratio"], n["tokens_vs_fcfs"]
+            lines.append(
+                f"| {name} | {'through Envoy' if where == 'gateway' else 'simulator'} | "
+                f"{_cell(ratio)} {_verdict(ratio is not None and ratio <= RATIO_GOAL)} | "
+                f"{_cell(tokens, '.3f')} "
+                f"{_verdict(tokens is not None and tokens >= TOKENS_GOAL)} |")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--only", action="append", help="run only this size (repeatable)")
+    parser.add_argument("--scale", type=float, default=SCALE)
+    args = parser.parse_args()
+    sizes = [s for s in SIZES if isinstance(s.traffic, dict)
+             and (not args.only or s.name.split()[0] in args.only)]
+    plan = Plan(quick=False, goals=frozenset())
+    data: dict[str, Any] = {"scale": args.scale, "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="fairway-isolation-") as tmp:
+        for size in sizes:
+            print(f"{size.name}:", flush=True)
+            data["sizes"][size.name] = run_size(size, args.scale, Path(tmp), plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "isolation_envoy.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    write_report(data, out / "isolation_envoy.md")
+    print(f"wrote {out / 'isolation_envoy.md'}")
+
+
+if __name__ == "__main__":
+    main()
