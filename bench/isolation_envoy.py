@@ -100,7 +100,13 @@ def _gateway_numbers(run: GatewayRun) -> dict[str, Any]:
     served = sum(1 for r in run.records if r.ok and t1 <= r.start_s <= t2)
     preemptions = run.delta(run.server_series("vllm:num_preemptions_total"))
     pool = pool_numbers(run)
+    unanswered: dict[str, int] = {}
+    for record in run.records:
+        if record.tenant == "light" and record.ttft_s is None:
+            why = f"{record.status} {(record.error or '')[:60]}".strip()
+            unanswered[why] = unanswered.get(why, 0) + 1
     return {"light_samples": len(light), "light_without_first_token": never,
+            "light_unanswered": unanswered,
             "light_ttft_p50_ms": _ms(percentile(light, 50)),
             "light_ttft_p95_ms": _ms(percentile(light, 95)),
             "tokens_per_s": pool["server_output_tokens_per_s"],

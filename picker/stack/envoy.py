@@ -252,7 +252,23 @@ FALLBACK_ENDPOINTS = RETRY_POLICY["num_retries"]
 """``routing.fallbackEndpoints`` behind ``RETRY_POLICY``: one fallback per retry, so every retry
 takes the picker's next choice rather than the fallback policy's."""
 
+MAX_CLUSTER_REQUESTS = 50_000
+"""Concurrent requests Envoy lets through to the picker and to the pool (its default is 1,024 a
+cluster). Every request the picker holds is an open ext_proc stream, queued (up to
+``queue.maxQueued``, 10,000 by default) or running, plus a meter stream for each running one:
+at the default, a flood of 700 queued requests and the meter streams of those running tripped the
+picker cluster's breaker, and every new request, a light tenant's too, got an immediate 503
+(``overflow``) instead of its place in the fair queue. The pool needs no breaker of Envoy's:
+only what the picker dispatched reaches it."""
+
+_NO_REQUEST_LIMITS = {"max_connections": MAX_CLUSTER_REQUESTS,
+                      "max_pending_requests": MAX_CLUSTER_REQUESTS,
+                      "max_requests": MAX_CLUSTER_REQUESTS}
+
+PICKER_CIRCUIT_BREAKERS: dict[str, Any] = {"thresholds": [dict(_NO_REQUEST_LIMITS)]}
+
 POOL_CIRCUIT_BREAKERS: dict[str, Any] = {"thresholds": [{
+    **_NO_REQUEST_LIMITS,
     # Envoy's default allows 3 concurrent retries per cluster: a dead server under load would
     # overflow it and turn retryable requests into 503s. The picker already bounds what is in
     # flight (only what it dispatched reaches the pool), and a retried request never ran on an
@@ -449,6 +465,7 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                     "explicit_http_config": {"http2_protocol_options": {}},
                 },
             },
+            "circuit_breakers": PICKER_CIRCUIT_BREAKERS,
             "load_assignment": {"cluster_name": "picker", "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _address(picker_port)}}]}]},
         })
