@@ -185,6 +185,15 @@ def write_report(data: dict[str, Any], out: Path) -> None:
                     f"{_cell(n['light_ttft_p95_ms'], '.0f')} | {_cell(n['ttft_ratio'])} | "
                     f"{_cell(n['tokens_per_s'], '.0f')} | {_cell(n['tokens_vs_fcfs'], '.3f')} | "
                     f"{_cell(n['preemptions_per_1000'], '.1f')} | {_light_n(n)} |")
+        for mode in MODES:
+            numbers = size["gateway"][mode]
+            never = numbers.get("light_without_first_token", 0)
+            if never:
+                reasons = numbers.get("light_unanswered") or {}
+                why = "; ".join(f"{n} × {r}" for r, n in reasons.items()) or "reasons not recorded"
+                lines += ["", f"{mode}, through Envoy: {never} light requests got no first "
+                          f"token ({why}); each counts at the time it ended, so a refusal "
+                          "that came at once pulls the percentiles down."]
         busy = [size["gateway"][m].get("cpu_busy_fraction") for m in MODES]
         busy_known = [b for b in busy if b is not None]
         if busy_known:
