@@ -44,6 +44,7 @@ from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
 from picker.extproc import ExternalProcessor, add_to_server
 from picker.k8s import (
+    UNREACHABLE,
     ApiError,
     ConfigMapWatcher,
     KubeClient,
@@ -219,7 +220,9 @@ async def _initial_config(settings: ServeSettings, client: KubeClient | None,
     """The config to start with; None when ``stop`` came first.
 
     A ConfigMap that does not exist yet is waited for (on first install the operator writes it a
-    few seconds after the picker starts): exiting instead would put the pod in a restart backoff.
+    few seconds after the picker starts), and so is an API server that is briefly unreachable,
+    overloaded (429, 5xx) or slow: exiting instead would put the pod in a restart backoff. A
+    refusal (401, 403, other 4xx) or a bad config is permanent and ends the start.
     """
     if not settings.config_map:
         if settings.config_path is None:
@@ -232,9 +235,12 @@ async def _initial_config(settings: ServeSettings, client: KubeClient | None,
         try:
             return await fetch_config(client, namespace, name)
         except ApiError as error:
-            if error.code != 404:
+            if error.code != 404 and error.code != 429 and error.code < 500:
                 raise
-        log.info("waiting for ConfigMap %s/%s (the operator writes it)", namespace, name)
+            reason = "the operator writes it" if error.code == 404 else f"API status {error.code}"
+        except UNREACHABLE as error:
+            reason = f"{type(error).__name__}: {error}"
+        log.info("waiting for ConfigMap %s/%s (%s)", namespace, name, reason)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
         if stop.is_set():

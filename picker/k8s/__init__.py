@@ -17,13 +17,14 @@ Wiring, in ``serve()`` (each ``run(stop)`` returns promptly once ``stop`` is set
     await client.close()   # after the tasks have ended
 """
 
-from picker.k8s.client import ApiError, KubeClient
+from picker.k8s.client import UNREACHABLE, ApiError, KubeClient
 from picker.k8s.combine import LiveConfig, with_endpoints
 from picker.k8s.configmap import ConfigMapWatcher, fetch_config, parse_config_text
 from picker.k8s.discovery import PoolDiscovery, endpoints_of
 from picker.k8s.leader import LeaderElector, default_identity
 
 __all__ = [
+    "UNREACHABLE",
     "ApiError",
     "ConfigMapWatcher",
     "KubeClient",

@@ -33,6 +33,11 @@ Headers = Callable[[], Mapping[str, str]]
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
+UNREACHABLE: tuple[type[BaseException], ...] = (aiohttp.ClientError, OSError, TimeoutError)
+"""Errors of a call that never got an answer (connection refused or reset, DNS, timeout): worth
+retrying, unlike most answers."""
+
+
 class ApiError(Exception):
     """The API answered with an error status (``code`` is the HTTP status)."""
 
@@ -293,7 +298,7 @@ class Reflector:
                         return  # a server that ends watches at once is not hammered
             except Gone:
                 log.info("watch of %s expired (410); listing again", self.path)
-            except (ApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            except (ApiError, *UNREACHABLE, ValueError) as exc:
                 self.errors += 1
                 if listed_at is not None and loop.time() - listed_at > self.retry_max:
                     delay = self.retry_min  # it worked for a while: back off afresh

@@ -31,9 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
-from picker.k8s.client import ApiError, KubeClient, resource_version, until_stopped, wait_or_stop
+from picker.k8s.client import (
+    UNREACHABLE,
+    ApiError,
+    KubeClient,
+    resource_version,
+    until_stopped,
+    wait_or_stop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ class LeaderElector:
                 return HELD
             log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
             return FAILED
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+        except (*UNREACHABLE, ValueError, AttributeError) as exc:
             log.warning("lease %s/%s: %s: %s", self.namespace, self.name, type(exc).__name__, exc)
             return FAILED
         stored = written.get("spec") if isinstance(written, dict) else None
@@ -206,7 +211,7 @@ class LeaderElector:
             if self.leading and self.release_on_stop:
                 try:
                     await asyncio.wait_for(self.release(), self.client.timeout)
-                except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                except (ApiError, *UNREACHABLE) as exc:
                     log.warning("lease %s/%s not released: %s", self.namespace, self.name, exc)
             self._set_leading(False)
 

@@ -62,8 +62,22 @@ def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: 
             seen += data
             if marker.encode() in seen:
                 return seen.decode(errors="replace")
-    raise RuntimeError(f"{process.args[:4]} did not print {marker!r} within {timeout}s; "
-                       f"see {log}")
+    tail = "\n".join(seen.decode(errors="replace").splitlines()[-15:])
+    ended = "" if process.poll() is None else f" (it exited with {process.returncode})"
+    raise RuntimeError(f"{process.args[:4]} did not print {marker!r} within {timeout}s{ended}; "
+                       f"see {log}; its last lines:\n{tail}")
+
+
+def _picker_ports(grpc: int, health: int, metrics: int, admin: int) -> list[str]:
+    return ["--grpc-port", str(grpc), "--grpc-health-port", str(health),
+            "--metrics-port", str(metrics), "--admin-port", str(admin)]
+
+
+def _printed_port(output: str, name: str) -> str:
+    found = re.search(rf"\b{name}=\S+:(\d+)", output)
+    if found is None:
+        raise RuntimeError(f"the picker did not print its {name} port; it printed:\n{output}")
+    return found.group(1)
 
 
 def _wait_http(url: str, timeout: float) -> None:
@@ -126,6 +140,8 @@ class Stack:
     envoy.py's, e.g. a gateway flavour of ``picker.stack.gateways``."""
     processes: list[subprocess.Popen] = field(default_factory=list)
     endpoint_addresses: list[str] = field(default_factory=list)
+    server_processes: list[subprocess.Popen] = field(default_factory=list)
+    """The simulated servers started, in the order of ``endpoint_addresses``."""
     grpc_port: int = 0
     metrics_port: int = 0
     admin_port: int = 0
@@ -192,34 +208,28 @@ class Stack:
         return self
 
     def _start(self) -> None:
+        # Processes that print the port they bound are started on port 0: a port found free here
+        # and bound later can be taken in between by any connection's ephemeral port.
         for i in range(self.endpoints):
-            port = free_port()
-            self._spawn([sys.executable, "-m", "picker.sim.server", "--port", str(port),
+            self._spawn([sys.executable, "-m", "picker.sim.server", "--port", "0",
                          *self.server_args], f"server{i}", "listening on")
-            self.endpoint_addresses.append(f"127.0.0.1:{port}")
+            url = re.search(r"listening on http://(\S+)", self._startup_output[f"server{i}"])
+            assert url is not None
+            self.endpoint_addresses.append(url.group(1).rstrip("/"))
+            self.server_processes.append(self.processes[-2])  # before its stdout's drain
         self.endpoint_addresses.extend(self.external_endpoints)
         if self.with_picker:
             self.write_picker_config(self.picker_config)
-            self.grpc_port, self.metrics_port = free_port(), free_port()
-            self.admin_grpc_port, self.health_port = free_port(), free_port()
             source = self.picker_source or ["--config", str(self.config_path)]
             self._spawn([sys.executable, "-m", "picker", "serve", *source,
-                         "--grpc-port", str(self.grpc_port),
-                         "--grpc-health-port", str(self.health_port),
-                         "--metrics-port", str(self.metrics_port),
-                         "--admin-port", str(self.admin_grpc_port), "--grace", "2",
+                         *_picker_ports(0, 0, 0, 0), "--grace", "2",
                          f"--secure-serving={str(self.secure_serving).lower()}",
                          *self.picker_args],
                         "picker", "picker listening")
-            # The ports it actually bound, as it printed them (their lines come before the
-            # marker's).
+            # The ports it bound, as it printed them (their lines come before the marker's).
             output = self._startup_output["picker"]
-            found = re.search(r"\badmin=\S+:(\d+)", output)
-            if found:
-                self.admin_grpc_port = int(found.group(1))
-            found = re.search(r"\bhealth=\S+:(\d+)", output)
-            if found:
-                self.health_port = int(found.group(1))
+            self.grpc_port, self.health_port, self.metrics_port, self.admin_grpc_port = (
+                int(_printed_port(output, name)) for name in ("grpc", "health", "metrics", "admin"))
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = free_port()
         if self.envoy_bootstrap is not None:
@@ -270,7 +280,12 @@ class Stack:
             os.killpg(old.pid, signal.SIGKILL)
             old.wait(10)
         self.processes.remove(old)
-        self._spawn(list(old.args), "picker", "picker listening")
+        # The same ports as before (Envoy's config names them), no longer 0.
+        args = list(old.args)
+        at = args.index("--grpc-port")
+        args[at:at + 8] = _picker_ports(self.grpc_port, self.health_port, self.metrics_port,
+                                        self.admin_grpc_port)
+        self._spawn(args, "picker", "picker listening")
 
     def write_picker_config(self, overrides: dict[str, Any]) -> None:
         """(Re)write the picker's config file; the running picker hot-reloads it."""

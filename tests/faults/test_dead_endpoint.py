@@ -44,9 +44,7 @@ def _post(stack: Stack, body: bytes, timeout: float = 20) -> tuple[int, dict[str
 
 
 def _server(stack: Stack, index: int) -> subprocess.Popen:
-    return next(p for p in stack.processes if "picker.sim.server" in p.args
-                and p.args[p.args.index("--port") + 1]
-                == stack.endpoint_addresses[index].rsplit(":", 1)[1])
+    return stack.server_processes[index]
 
 
 def _kill(process: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
-from picker.k8s import KubeClient
+from picker.k8s import ApiError, KubeClient
 from picker.server import EXT_PROC_SERVICE, ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
 from tests.integration.test_extproc_contract import (
@@ -203,3 +204,73 @@ async def test_a_picker_stopped_while_waiting_for_its_config_map_ends() -> None:
         await asyncio.sleep(0.5)
         stop.set()
         await asyncio.wait_for(task, 3)
+
+
+@contextlib.asynccontextmanager
+async def _scripted_api(statuses: list[int]) -> AsyncIterator[tuple[str, list[int]]]:
+    """An API server that answers reads of the ConfigMap with ``statuses`` in turn, then with the
+    ConfigMap; yields its URL and the statuses it has answered so far."""
+    from aiohttp import web
+
+    answered: list[int] = []
+
+    async def configmap(request: web.Request) -> web.Response:
+        status = statuses[len(answered)] if len(answered) < len(statuses) else 200
+        answered.append(status)
+        if status != 200:
+            return web.json_response({"kind": "Status", "code": status, "message": "scripted"},
+                                     status=status)
+        return web.json_response(_configmap(1))
+
+    app = web.Application()
+    app.router.add_get(f"/api/v1/namespaces/{NS}/configmaps/fairway-picker-config", configmap)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", answered
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_picker_starting_while_the_api_server_is_overloaded_waits_for_it() -> None:
+    # An API server under a rollout answers 503 and 429 for a while; the picker must not exit
+    # into a restart backoff (seen once as a picker that died at start in a busy test run).
+    async with _scripted_api([503, 429, 500]) as (url, answered):
+        stop = asyncio.Event()
+        ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve(ServeSettings(
+            grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5,
+            kube_server=url, config_map=f"{NS}/fairway-picker-config"), stop, ready))
+        grpc_port, _ = await asyncio.wait_for(asyncio.shield(ready), 20)
+        assert answered == [503, 429, 500, 200]
+        await _until(lambda: _serving(grpc_port))
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_picker_refused_its_config_map_exits_with_the_refusal() -> None:
+    # 403 is a missing RBAC rule, not a passing state: waiting would hide it behind a pod that
+    # never becomes Ready.
+    async with _scripted_api([403]) as (url, answered):
+        with pytest.raises(ApiError) as refused:
+            await asyncio.wait_for(serve(ServeSettings(
+                grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5,
+                kube_server=url, config_map=f"{NS}/fairway-picker-config")), 10)
+        assert refused.value.code == 403 and answered == [403]
+
+
+async def test_a_picker_starting_before_the_api_server_listens_waits_for_it() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(ServeSettings(
+        grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5,
+        kube_server=f"http://127.0.0.1:{port}", config_map=f"{NS}/fairway-picker-config"), stop))
+    await asyncio.sleep(1.0)
+    assert not task.done()  # connection refused is waited through, not an exit
+    stop.set()
+    await asyncio.wait_for(task, 5)
