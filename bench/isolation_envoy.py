@@ -48,6 +48,7 @@ from picker.config.strict import load
 from picker.sim.load import percentile
 from picker.sim.pool import PoolSpec, simulate
 from picker.sim.traffic import Traffic, load_traffic
+from picker.stack.launcher import merge_sections
 
 SCALE = 2.0
 """How many times slower than the simulator's table the stack runs (see the module docstring)."""
@@ -151,9 +152,7 @@ def run_size(size: Size, scale: float, workdir: Path, plan: Plan) -> dict[str, A
 
 def _sim_config(traffic: Traffic, config: dict[str, Any], spec: PoolSpec) -> PickerConfig:
     """The picker config ``run_gateway`` gives the stack, for the simulator's endpoints."""
-    merged: dict[str, Any] = picker_overrides(traffic, {}, "0s")
-    for key, value in config.items():
-        merged[key] = {**merged[key], **value} if isinstance(merged.get(key), dict) else value
+    merged = merge_sections(picker_overrides(traffic, {}, "0s"), config)
     merged["endpoints"] = [{"address": a} for a in spec.addresses()]
     merged["capacity"] = {**merged["capacity"],
                           "scrapeInterval": f"{spec.scrape_interval_s * 1000:g}ms"}

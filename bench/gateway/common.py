@@ -28,7 +28,7 @@ from picker.config.strict import safe_load
 from picker.sim.load import LoadResult, RequestRecord, percentile, run_traffic
 from picker.sim.traffic import Traffic, load_traffic
 from picker.stack.envoy import envoy_binary
-from picker.stack.launcher import Stack
+from picker.stack.launcher import Stack, merge_sections
 
 TRAFFIC = Path(__file__).resolve().parents[1] / "traffic"
 
@@ -446,9 +446,7 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
     ``idle_tenant_reserve`` overrides the plan's, ``picker_config`` sections are merged over the
     run's."""
     reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
-    config = picker_overrides(traffic, weights, reserve)
-    for key, value in (picker_config or {}).items():
-        config[key] = {**config[key], **value} if isinstance(config.get(key), dict) else value
+    config = merge_sections(picker_overrides(traffic, weights, reserve), picker_config or {})
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,

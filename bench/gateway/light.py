@@ -40,6 +40,7 @@ from picker.config.strict import load
 from picker.sim.load import RequestRecord
 from picker.sim.pool import PoolRecord, PoolSpec, simulate
 from picker.sim.traffic import Traffic, load_traffic
+from picker.stack.launcher import merge_sections
 
 #: The ``idleTenantReserve`` of goal 2's comparison run when the judged runs use none.
 COMPARE_RESERVE = "2s"
@@ -135,9 +136,8 @@ def sim_config(policy: str, traffic: Traffic, idle_tenant_reserve: str,
     base: dict[str, Any] = {"scheduling": {"policy": policy},
                             "endpoints": [{"address": a} for a in spec.addresses()],
                             "capacity": {"scrapeInterval": f"{spec.scrape_interval_s * 1000:g}ms"}}
-    for key, value in picker_overrides(traffic, {}, idle_tenant_reserve).items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
-    return load(PickerConfig, base)
+    return load(PickerConfig, merge_sections(base, picker_overrides(traffic, {},
+                                                                   idle_tenant_reserve)))
 
 
 def _as_client_record(record: PoolRecord, seq: int) -> RequestRecord:

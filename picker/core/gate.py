@@ -233,6 +233,11 @@ class Gate:
         self._lane_rank = rules.lane_rank()
         self.estimates.default_output = float(rules.default_output_tokens)
 
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """Set a tenant's weight (``Scheduler.set_weight``), for its running requests too."""
+        self.scheduler.set_weight(tenant, weight)
+        self.occupancy.reweigh(tenant, float(weight))
+
     def set_endpoints(self, budgets: Mapping[str, int | None]) -> None:
         """The pool is now these endpoints (address → configured KV budget): new ones join,
         missing ones drain (their requests finish; then they are forgotten)."""
@@ -298,7 +303,8 @@ class Gate:
         * else 0: its requests get what they ask, and it holds no more than its share.
         """
         tenant = passage.tenant
-        share = self.occupancy.share(passage.lane, tenant, self.scheduler.weights)
+        weight = self.scheduler.weights.get(tenant, 1.0)
+        share = self.occupancy.share(passage.lane, tenant, weight)
         if share is not None and share < UNDER_SERVED:
             return 0
         if self._backlogged(tenant) or (share is not None and share >= 1.0):
@@ -310,8 +316,8 @@ class Gate:
         # One request's slack: a light tenant's previous request may still be charging output.
         request = passage.request
         slack = request_cost(self.scheduler.cost, request.prompt_tokens,
-                             request.max_output_tokens or self.rules.default_output_tokens, 0) \
-            / self.scheduler.weights.get(tenant, 1.0)
+                             request.max_output_tokens or self.rules.default_output_tokens,
+                             0) / weight
         return 1 if policy.counter(tenant) > floor + slack else 0
 
     # -- admission --
@@ -628,7 +634,8 @@ class Gate:
             passage.reserved_tokens += estimate
         primary.inflight_tokens += passage.reserved_tokens
         primary.inflight_requests += 1
-        self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens)
+        self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens,
+                           self.scheduler.weights)
         on_dispatch(primary.health, now)
         passage.projected_tokens = self._projected(passage, now)
         primary.projected_tokens += passage.projected_tokens
@@ -666,7 +673,7 @@ class Gate:
             # its whole estimate reserved at dispatch.
             passage.endpoint.inflight_tokens += tokens
             passage.reserved_tokens += tokens
-            self.occupancy.add(passage.lane, passage.tenant, tokens)
+            self.occupancy.add(passage.lane, passage.tenant, tokens, self.scheduler.weights)
 
     def complete(self, passage: Passage, usage: Usage | None, outcome: str,
                  now: float) -> None:
@@ -713,7 +720,8 @@ class Gate:
             return
         endpoint.inflight_tokens -= passage.reserved_tokens
         endpoint.projected_tokens -= passage.projected_tokens
-        self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens)
+        self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens,
+                           self.scheduler.weights)
         endpoint.inflight_requests -= 1
         endpoint.completed_since_scrape += 1
         endpoint.released_since_scrape += passage.reserved_tokens

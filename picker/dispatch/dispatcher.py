@@ -171,9 +171,9 @@ class Dispatcher:
         configured = {tenant.id: tenant.weight for tenant in config.tenants}
         for tenant in list(gate.scheduler.weights):
             if tenant not in configured:
-                gate.scheduler.set_weight(tenant, 1.0)  # back to the default weight
+                gate.set_weight(tenant, 1.0)  # back to the default weight
         for tenant, weight in configured.items():
-            gate.scheduler.set_weight(tenant, weight)
+            gate.set_weight(tenant, weight)
         if config.metering != old.metering and config is not old:
             self.metering.close()
             self.metering = sink

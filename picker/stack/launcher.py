@@ -68,6 +68,18 @@ def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: 
                        f"see {log}; its last lines:\n{tail}")
 
 
+def merge_sections(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A picker config: ``base`` with each top-level section of ``overrides`` merged into its
+    own (a key of both is the override's); a section that is not a mapping replaces."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def _picker_ports(grpc: int, health: int, metrics: int, admin: int) -> list[str]:
     return ["--grpc-port", str(grpc), "--grpc-health-port", str(health),
             "--metrics-port", str(metrics), "--admin-port", str(admin)]
@@ -301,11 +313,7 @@ class Stack:
                 raise ValueError("a retrying stack's endpoints are fixed; start it with "
                                  "gateway_retries=False to change them")
             config["routing"] = {"fallbackEndpoints": FALLBACK_ENDPOINTS}
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key] = {**config[key], **value}
-            else:
-                config[key] = value
+        config = merge_sections(config, overrides)
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))
         tmp.replace(self.config_path)

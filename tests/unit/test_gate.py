@@ -289,6 +289,10 @@ class GateMachine(RuleBasedStateMachine):
         assert passage.outcome == "upstream_failed"
         assert self.admission.finishes_of(passage.reservation) == [0]
 
+    @rule(tenant=st.sampled_from(TENANTS), weight=st.sampled_from((0.5, 1.0, 3.0)))
+    def reweigh(self, tenant: str, weight: float) -> None:
+        self.gate.set_weight(tenant, weight)
+
     @rule(seconds=st.sampled_from((0.1, 0.5, 1.5, 6.0)))
     def time_passes(self, seconds: float) -> None:
         self.now += seconds
@@ -359,8 +363,13 @@ class GateMachine(RuleBasedStateMachine):
             held[key] = held.get(key, 0) + passage.reserved_tokens
         occupancy = self.gate.occupancy
         assert occupancy.tenants() == sum(1 for tokens in held.values() if tokens)
+        weights = self.gate.scheduler.weights
         for (lane, tenant), tokens in held.items():
             assert occupancy.held(lane, tenant) == tokens
+        for lane in {lane for lane, _ in held}:
+            holders = [t for (other, t), tokens in held.items() if other == lane and tokens]
+            assert occupancy.weight_sum(lane) == pytest.approx(
+                sum(weights.get(t, 1.0) for t in holders))
 
     @invariant()
     def passages_are_the_waiting_and_the_running(self) -> None:
