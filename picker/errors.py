@@ -182,6 +182,17 @@ class NotLeader(RequestError):
     retry_after = 1.0
 
 
+class StateUnavailable(RequestError):
+    """The shared state store is unreachable and ``state.onUnavailable`` is ``failClosed``:
+    budgets and fair shares cannot be judged across replicas, so nothing is admitted."""
+
+    http_status = 503
+    metric_label = "state_unavailable"
+    error_type = "server_error"
+    code = "state_unavailable"
+    retry_after = 1.0
+
+
 class NotFound(RequestError):
     """A path that is neither an inference path nor on the pass-through list."""
 

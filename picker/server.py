@@ -55,6 +55,7 @@ from picker.k8s import (
 )
 from picker.metrics import PickerMetrics
 from picker.scrape import Scraper
+from picker.state import RedisSync
 from picker.tls import CertificateSource
 
 log = logging.getLogger("picker")
@@ -320,6 +321,14 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     metrics.add_role_collector(lambda: health.state.leading, lambda: health.state.ready)
     dispatcher = Dispatcher(config, metrics=metrics)
     live = LiveConfig(dispatcher.apply_config, config)
+    sync = None
+    if config.state.backend == "redis":
+        # Before serving: counters and budgets as the replicas (or the process before this
+        # one) left them, not fresh ones.
+        sync = RedisSync(dispatcher, config.state, metrics)
+        if await sync.load(stop):
+            log.info("shared state loaded from %s (key prefix %s)", config.state.redis.url,
+                     config.state.redis.key_prefix)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
@@ -362,6 +371,8 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
 
     runners: list[_Runner] = [Scraper(dispatcher), admin,
                               *_sources(settings, client, live, metrics, health)]
+    if sync is not None:
+        runners.append(sync)
     if elector is not None:
         runners.append(elector)
     tasks = [asyncio.create_task(runner.run(stop)) for runner in runners]
@@ -394,6 +405,8 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         while dispatcher.busy and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         await server.stop(max(0.1, min(1.0, deadline - asyncio.get_running_loop().time())))
+        if sync is not None:
+            await sync.flush()
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

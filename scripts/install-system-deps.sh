@@ -3,13 +3,21 @@
 # `make setup`. Idempotent and quiet: does nothing when the tools are already there.
 #
 #   prometheus, promtool  Debian package `prometheus` (2.42 on Debian 12), for
-#                         tests/integration/test_observability.py. apt does not start the
-#                         service; the test starts its own Prometheus on 127.0.0.1.
+#                         tests/integration/test_observability.py.
+#   redis-server          Debian package `redis-server` (7.0 on Debian 12), for the shared state
+#                         backend's tests (tests/integration/test_redis_state.py and others).
+#
+# apt does not start either service here; each test starts its own on 127.0.0.1 and stops it.
 set -euo pipefail
 
-if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then
-    exit 0
-fi
+# command the package provides -> package
+declare -A wanted=([promtool]=prometheus [prometheus]=prometheus [redis-server]=redis-server)
+missing=()
+for command in "${!wanted[@]}"; do
+    command -v "$command" >/dev/null 2>&1 || missing+=("${wanted[$command]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+mapfile -t packages < <(printf '%s\n' "${missing[@]}" | sort -u)
 
 fail() {
     echo "install-system-deps: $*" >&2
@@ -17,34 +25,37 @@ fail() {
 }
 
 command -v apt-get >/dev/null 2>&1 ||
-    fail "promtool is missing and apt-get is not available: install Prometheus 2.x" \
-         "(prometheus and promtool on PATH) another way"
+    fail "${packages[*]} missing and apt-get is not available: install them another way"
 
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
         as_root=(sudo -n)
     else
-        fail "promtool is missing; installing the Debian package prometheus needs root:" \
-             "run 'apt-get install -y --no-install-recommends prometheus' as root"
+        fail "installing the Debian packages ${packages[*]} needs root:" \
+             "run 'apt-get install -y --no-install-recommends ${packages[*]}' as root"
     fi
 fi
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 install() {
-    ${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q --no-install-recommends prometheus >>"$log" 2>&1
+    # policy-rc.d: a package's post-install must not start its service (nothing may listen
+    # beyond what a test starts).
+    ${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 \
+        apt-get install -y -q --no-install-recommends "${packages[@]}" >>"$log" 2>&1
 }
 
-echo "install-system-deps: installing prometheus (apt)"
+echo "install-system-deps: installing ${packages[*]} (apt)"
 # Try with the package lists at hand first; refresh them only when that fails.
 if ! install; then
     if ! ${as_root[@]+"${as_root[@]}"} apt-get update -q >>"$log" 2>&1 || ! install; then
         cat "$log" >&2
-        fail "apt-get could not install prometheus (output above)"
+        fail "apt-get could not install ${packages[*]} (output above)"
     fi
 fi
 
-command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 ||
-    fail "the prometheus package installed, but prometheus/promtool are not on PATH"
+for command in "${!wanted[@]}"; do
+    command -v "$command" >/dev/null 2>&1 ||
+        fail "the packages installed, but $command is not on PATH"
+done

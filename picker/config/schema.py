@@ -407,6 +407,58 @@ class Metering:
 
 
 @dataclass(frozen=True)
+class RedisStore:
+    """The Redis that ``state.backend: redis`` shares state through."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://host:port/db``, or ``rediss://`` for TLS. A password does not belong here:
+    use ``passwordFile``."""
+    password_file: str | None = field(default=None, metadata=_camel("password_file"))
+    """A file holding the password (a Secret mounted into the pod), read at start."""
+    ca_file: str | None = field(default=None, metadata=_camel("ca_file"))
+    """CA certificates to verify a ``rediss://`` server with (default: the system's)."""
+    key_prefix: str = field(default="fairway", metadata=_camel("key_prefix", min_length=1))
+    """Start of every key: one per pool, so pools sharing a Redis stay apart (the chart sets
+    it to the pool's namespace and name)."""
+
+    def __post_init__(self) -> None:
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
+        if scheme not in ("redis", "rediss"):
+            raise ConfigError("url", "must start with redis:// or rediss://")
+        if "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
+            raise ConfigError("url", "must not carry credentials: put the password in a file "
+                                     "named by passwordFile")
+
+
+@dataclass(frozen=True)
+class State:
+    """Where tenants' fair-queue counters and budget levels live: in this process
+    (``memory``), or shared through Redis by every picker replica and kept across restarts
+    (``redis``)."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    """``memory``: one picker's own (lost on restart). ``redis``: see ``redis``."""
+    redis: RedisStore = RedisStore()
+    sync_interval: float = field(default=0.1, metadata=_camel("sync_interval", gt=0,
+                                                             duration=True))
+    """How often a picker sends Redis its charges and reads everyone's: others' charges reach
+    it this late, and a budget can be overrun by what the replicas admit in one interval."""
+    max_staleness: float = field(default=2.0, metadata=_camel("max_staleness", gt=0,
+                                                             duration=True))
+    """A picker whose last exchange with Redis is older than this counts Redis as
+    unavailable and acts as ``onUnavailable`` says."""
+    on_unavailable: Literal["failSoft", "failClosed"] = field(
+        default="failSoft", metadata=_camel("on_unavailable"))
+    """``failSoft``: go on deciding on this picker's own view (others' charges unseen until
+    Redis returns; nothing is charged twice when it does). ``failClosed``: refuse new requests
+    with 503 ``state_unavailable`` until Redis answers again."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < self.sync_interval:
+            raise ConfigError("maxStaleness", "must be at least syncInterval")
+
+
+@dataclass(frozen=True)
 class PickerConfig:
     """The whole picker configuration."""
 
@@ -425,6 +477,7 @@ class PickerConfig:
                                           metadata=_camel("tenant_defaults"))
     """Budgets, caps and over-budget rule of tenants without their own (and of unknown ones)."""
     metering: Metering = Metering()
+    state: State = State()
 
     def __post_init__(self) -> None:
         if not self.lanes:

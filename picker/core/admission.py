@@ -150,12 +150,14 @@ class TenantRules:
 
 
 class _Bucket:
-    __slots__ = ("level", "rule", "updated")
+    __slots__ = ("level", "rule", "untaken", "updated")
 
     def __init__(self, rule: BucketRule, now: float) -> None:
         self.rule = rule
         self.level = float(rule.capacity_tokens)
         self.updated = now
+        self.untaken = 0.0
+        """Changes made by ``add`` since ``Admission.take_budget_changes`` (not refills)."""
 
     def refill(self, now: float) -> None:
         # A clock that steps back (it should not: time is monotonic) gives nothing and takes
@@ -171,6 +173,7 @@ class _Bucket:
         capacity = float(self.rule.capacity_tokens)
         before = self.level
         self.level = max(-capacity, min(capacity, self.level + tokens))
+        self.untaken += self.level - before
         return self.level - before
 
     def full(self) -> bool:
@@ -193,9 +196,11 @@ class _TenantState:
             bucket.refill(now)
             yield window, bucket
 
-    def forgettable(self, now: float) -> bool:
+    def forgettable(self, now: float, shared: bool = False) -> bool:
+        # Shared: a change not yet taken for the store must not be forgotten with the state.
         return (self.queued == 0 and self.running == 0
-                and all(bucket.full() for _, bucket in self.refilled(now)))
+                and all(bucket.full() and not (shared and bucket.untaken)
+                        for _, bucket in self.refilled(now)))
 
 
 @dataclass(eq=False, slots=True)
@@ -271,6 +276,9 @@ class Admission:
         self._default = default
         self._set_rules(rules, default)
         self._tenants: dict[str, _TenantState] = {}
+        self.shared = False
+        """Budget levels are shared with other pickers (``picker.core.shared``): changes are
+        kept until taken."""
 
     def _set_rules(self, rules: Mapping[str, TenantRules], default: TenantRules) -> None:
         for tenant, rule in (*rules.items(), ("(default)", default)):
@@ -441,7 +449,9 @@ class Admission:
                     # Time up to now refills at the old rate, after it at the new one.
                     bucket.refill(now)
                     bucket.rule = rule
-                    bucket.add(0)
+                    untaken = bucket.untaken
+                    bucket.add(0)  # clamped to a smaller capacity: not a charge
+                    bucket.untaken = untaken
                 buckets[window] = bucket
             state.buckets = buckets
             self._forget_if_idle(tenant, state, now)
@@ -452,7 +462,8 @@ class Admission:
         O(tenants tracked). Forgetting loses nothing: such a tenant's state is what a fresh one
         would be.
         """
-        idle = [tenant for tenant, state in self._tenants.items() if state.forgettable(now)]
+        idle = [tenant for tenant, state in self._tenants.items()
+                if state.forgettable(now, self.shared)]
         for tenant in idle:
             del self._tenants[tenant]
         if len(idle) > len(self._tenants):
@@ -460,12 +471,49 @@ class Admission:
         return len(idle)
 
     def _forget_if_idle(self, tenant: str, state: _TenantState, now: float) -> None:
-        if self._tenants.get(tenant) is state and state.forgettable(now):
+        if self._tenants.get(tenant) is state and state.forgettable(now, self.shared):
             del self._tenants[tenant]
 
     def tracked_tenants(self) -> int:
         """How many tenants have state (memory use)."""
         return len(self._tenants)
+
+    # -- shared state (``picker.core.shared``) --
+
+    def take_budget_changes(self, now: float, *, every: bool = False
+                            ) -> dict[tuple[str, str], tuple[float, float, BucketRule]]:
+        """``{(tenant, window): (change, level, rule)}``: what admissions and settlements
+        changed in each bucket since the last call (refill excluded: every holder refills by
+        itself), and the bucket's level at ``now``. ``every``: buckets without a change too."""
+        taken: dict[tuple[str, str], tuple[float, float, BucketRule]] = {}
+        for tenant, state in self._tenants.items():
+            for window, bucket in state.buckets.items():
+                if bucket.untaken or every:
+                    bucket.refill(now)
+                    taken[(tenant, window)] = (bucket.untaken, bucket.level, bucket.rule)
+                    bucket.untaken = 0.0
+        return taken
+
+    def set_level(self, tenant: str, window: str, level: float | None, now: float) -> None:
+        """The bucket's level as the store has it at ``now`` (None: full), plus this picker's
+        changes not yet taken. A window the tenant's rules do not have is ignored."""
+        rule = dict(self.rules_for(tenant).budgets).get(window)
+        if rule is None:
+            return
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _TenantState(self.rules_for(tenant), now)
+        bucket = state.buckets[window]
+        capacity = float(rule.capacity_tokens)
+        stored = capacity if level is None else level
+        bucket.level = max(-capacity, min(capacity, stored + bucket.untaken))
+        bucket.updated = now
+
+    def tracked_budgets(self) -> Iterator[tuple[str, str]]:
+        """``(tenant, window)`` of every bucket held here."""
+        for tenant, state in self._tenants.items():
+            for window in state.buckets:
+                yield tenant, window
 
     # -- reading --
 

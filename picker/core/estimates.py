@@ -27,6 +27,10 @@ takes at once), so how they are learned is decided on purpose:
   the rule, not an approximation), so ``prune`` drops it without changing any later decision: a
   never-forgetting copy would read the default too. A tenant that waits out the ttl gets what a
   brand-new tenant gets, no less.
+- **Shared, last learned wins.** With a shared state store every replica learns from the
+  requests it served and sends what it learned; the last estimate learned anywhere is everyone's.
+  Samples two replicas took in the same interval are not averaged together: the estimate is a
+  moving average, and losing a few samples moves it less than one sample does.
 - **Bounded under a flood.** Within the ttl, each table holds at most ``max_tenants`` tenants;
   past that the least recently updated one reverts to the default. That can change a decision,
   but only to what a fresh tenant id gets, which any client in header mode can have anyway.
@@ -59,6 +63,10 @@ DEFAULT_TTL = 600.0
 """Seconds after which an estimate that was not refreshed reverts to the default."""
 
 
+SCALE, OUTPUT, STREAM = "scale", "output", "stream"
+"""The kinds of estimate, as shared with other pickers."""
+
+
 @dataclass(slots=True)
 class _Learned:
     value: float
@@ -86,6 +94,9 @@ class TenantEstimates:
         self._scale: dict[str, dict[str, _Learned]] = {}
         self._output: dict[str, _Learned] = {}
         self._stream: dict[str, _Learned] = {}
+        self._changed: set[tuple[str, str, str]] | None = None
+        """With a shared state store (``track_changes``): ``(kind, tenant, model)`` of the
+        estimates learned here since ``take_learned``."""
 
     def _put(self, table: dict, tenant: str, value: object) -> None:
         """Store as the most recently updated (dicts keep insertion order), dropping the least
@@ -140,6 +151,8 @@ class TenantEstimates:
             value = learned.value + PROMPT_ALPHA * (sample - learned.value)
         models[model] = _Learned(_clamp(value, SCALE_MIN, SCALE_MAX), now)
         self._put(self._scale, tenant, models)
+        if self._changed is not None:
+            self._changed.add((SCALE, tenant, model))
 
     # -- output --
 
@@ -161,12 +174,60 @@ class TenantEstimates:
             value = sample if learned is None or now - learned.updated > self.ttl else \
                 learned.value + OUTPUT_ALPHA * (sample - learned.value)
             self._put(self._output, tenant, _Learned(value, now))
+            if self._changed is not None:
+                self._changed.add((OUTPUT, tenant, ""))
             return
         current = self.output(tenant, now, stream=True)
         if sample < current and not complete:
             return
         alpha = RISE_ALPHA if sample >= current else FALL_ALPHA
         self._put(self._stream, tenant, _Learned(current + alpha * (sample - current), now))
+        if self._changed is not None:
+            self._changed.add((STREAM, tenant, ""))
+
+    # -- shared state (``picker.core.shared``) --
+
+    def track_changes(self) -> None:
+        """From now on record which estimates are learned here, for ``take_learned``."""
+        if self._changed is None:
+            self._changed = set()
+
+    def take_learned(self) -> list[tuple[str, str, str, float, float]]:
+        """``(kind, tenant, model, value, updated)`` of each estimate learned here since the
+        last call (``model`` is empty but for ``scale``)."""
+        if not self._changed:
+            return []
+        taken = []
+        for kind, tenant, model in self._changed:
+            learned = self._learned(kind, tenant, model)
+            if learned is not None:
+                taken.append((kind, tenant, model, learned.value, learned.updated))
+        self._changed = set()
+        return taken
+
+    def set_learned(self, kind: str, tenant: str, model: str, value: float,
+                    updated: float) -> None:
+        """An estimate learned elsewhere (the last one learned anywhere wins), unless this
+        picker learned a newer one that it has not sent yet."""
+        if self._changed and (kind, tenant, model) in self._changed:
+            return
+        current = self._learned(kind, tenant, model)
+        if current is not None and current.value == value:
+            return
+        if kind == SCALE:
+            models = self._scale.get(tenant, {})
+            if model not in models and len(models) >= MAX_MODELS:
+                return
+            models[model] = _Learned(_clamp(value, SCALE_MIN, SCALE_MAX), updated)
+            self._put(self._scale, tenant, models)
+        elif kind in (OUTPUT, STREAM):
+            self._put(self._output if kind == OUTPUT else self._stream, tenant,
+                      _Learned(max(0.0, value), updated))
+
+    def _learned(self, kind: str, tenant: str, model: str) -> _Learned | None:
+        if kind == SCALE:
+            return self._scale.get(tenant, {}).get(model)
+        return (self._output if kind == OUTPUT else self._stream).get(tenant)
 
     # -- memory --
 

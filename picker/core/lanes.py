@@ -15,7 +15,7 @@ reaches the tenant's counter; ``service`` keeps the undivided totals.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from picker.core.cost import CostFunction, LinearCost, request_cost
@@ -91,6 +91,9 @@ class Scheduler:
         self.service: dict[str, float] = {}
         """Weighted service charged per tenant, not divided by weight (all lanes)."""
         self._seq = 0
+        self._changes: dict[str, dict[str, float]] | None = None
+        """With a shared state store (``track_changes``): per lane, per tenant, how much its
+        counter rose (charges and lifts) since ``take_counter_changes``."""
 
     # -- configuration --
 
@@ -103,6 +106,48 @@ class Scheduler:
         if not weight > 0:
             raise ValueError(f"tenant {tenant!r}: weight must be > 0")
         self.weights[tenant] = float(weight)
+
+    # -- shared state (``picker.core.shared``) --
+
+    def track_changes(self) -> None:
+        """From now on record every change to a counter, for ``take_counter_changes``."""
+        if self._changes is None:
+            self._changes = {lane.name: {} for lane in self._lanes}
+
+    def take_counter_changes(self) -> dict[str, dict[str, float]]:
+        """Per lane, per tenant, the counter change since the last call (then forgotten)."""
+        if self._changes is None:
+            return {}
+        taken, self._changes = self._changes, {lane.name: {} for lane in self._lanes}
+        return {lane: changes for lane, changes in taken.items() if changes}
+
+    def adopt_changes(self, old: Scheduler) -> None:
+        """Record changes as ``old`` did, starting with its changes not yet taken (in the lanes
+        this scheduler has): for a scheduler rebuilt on a config change."""
+        if old._changes is None:
+            return
+        self.track_changes()
+        assert self._changes is not None
+        for lane, changes in old._changes.items():
+            if lane in self._changes:
+                self._changes[lane].update(changes)
+
+    def counters(self) -> Iterator[tuple[str, str, float]]:
+        """``(lane, tenant, counter)`` of every counter held."""
+        for lane in self._lanes:
+            for tenant, counter in getattr(lane.policy, "counters", {}).items():
+                yield lane.name, tenant, counter
+
+    def untaken_change(self, lane: str, tenant: str) -> float:
+        """The tenant's counter change in ``lane`` not yet taken."""
+        return 0.0 if self._changes is None else self._changes[lane].get(tenant, 0.0)
+
+    def set_counter(self, lane: str, tenant: str, value: float) -> None:
+        """Set the tenant's counter in ``lane`` (a value read from the shared store); recorded
+        as no change of this picker's."""
+        setter = getattr(self._by_name[lane].policy, "set_counter", None)
+        if setter is not None:
+            setter(tenant, value)
 
     def policy(self, lane: str) -> FairnessPolicy:
         """The fairness policy instance serving ``lane``."""
@@ -123,7 +168,18 @@ class Scheduler:
         request.seq = self._seq
         self._seq += 1
         request.state = "queued"
+        changes = self._changes
+        if changes is None:
+            lane.policy.enqueue(request, now)
+            return
+        # A lift raises the counter too: peers must see it.
+        tenant = request.tenant
+        before = lane.policy.counter(tenant)
         lane.policy.enqueue(request, now)
+        lifted = lane.policy.counter(tenant) - before
+        if lifted:
+            mine = changes[lane.name]
+            mine[tenant] = mine.get(tenant, 0.0) + lifted
 
     def peek(self, now: float) -> Request | None:
         """The request that should be dispatched next, or None if nothing should be."""
@@ -267,7 +323,11 @@ class Scheduler:
         request.charged += amount
         service = self.service
         service[tenant] = service.get(tenant, 0.0) + amount
-        self._policies[request.lane].charge(tenant, amount / self.weights.get(tenant, 1.0))
+        normalized = amount / self.weights.get(tenant, 1.0)
+        self._policies[request.lane].charge(tenant, normalized)
+        if self._changes is not None:
+            mine = self._changes[request.lane]
+            mine[tenant] = mine.get(tenant, 0.0) + normalized
         for protected in self._protected:
             if protected.policy.queued():
                 protected.total_service += amount

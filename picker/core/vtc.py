@@ -87,6 +87,12 @@ class VirtualTokenCounter:
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
 
+    def set_counter(self, tenant: str, value: float) -> None:
+        """Set the tenant's counter (from a store shared with other pickers); it may fall."""
+        self.counters[tenant] = value
+        if self._queues.get(tenant):
+            self._stale.add(tenant)  # its heap key may now be too high: re-push it
+
     def queued(self) -> int:
         return self._queued
 

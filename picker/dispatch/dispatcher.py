@@ -43,6 +43,7 @@ from picker.errors import (
     QueueTimeout,
     RequestError,
     ShuttingDown,
+    StateUnavailable,
 )
 from picker.identity import OBJECTIVE_HEADER
 from picker.metering import MeteringRecord, MeteringSink
@@ -77,6 +78,9 @@ class Dispatcher:
         self._closed = False
         self.standby = False
         """A replica that is not the elected leader: it refuses requests (retryable 503)."""
+        self.state_unavailable = False
+        """The shared state store is unreachable and the config says fail closed: refuse
+        requests (retryable 503) until it answers (``picker.state``)."""
         self.metering: MeteringSink = metering_sink(config)
         self.config = config
         self.gate = Gate(gate_rules(config), self._new_scheduler(config),
@@ -150,6 +154,7 @@ class Dispatcher:
         for lane in set(old.lane_names) & set(new.lane_names):
             new.policy(lane).counters.update(old.policy(lane).counters)
         new.service.update(old.service)
+        new.adopt_changes(old)
         return new
 
     def apply_config(self, config: PickerConfig) -> None:
@@ -164,6 +169,8 @@ class Dispatcher:
         if structural and config is not old and gate.passages:
             raise ValueError("lanes, scheduling policy and cost can change only while no "
                              "request is in the picker; retry when idle or restart")
+        if config.state != old.state and config is not old:
+            raise ValueError("state (the shared state backend) changes only with a restart")
         if config.metering != old.metering and config is not old:
             sink = metering_sink(config)  # a bad path raises before anything changed
         if structural and config is not old:
@@ -228,6 +235,9 @@ class Dispatcher:
             raise ShuttingDown("the picker is shutting down")
         if self.standby:
             raise NotLeader("this picker replica is a standby; the leader serves")
+        if self.state_unavailable:
+            raise StateUnavailable("the shared state store is unreachable (state.onUnavailable: "
+                                   "failClosed)")
         ticket = self.gate.admit(
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,

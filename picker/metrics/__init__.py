@@ -119,6 +119,21 @@ class PickerMetrics:
         self.buffered_body_bytes = Gauge(
             "fairway_buffered_body_bytes", "Request body bytes held at once, all streams "
             "(limits.maxBufferedBytes bounds it).", registry=r)
+        self.state_up = Gauge(
+            "fairway_state_backend_up", "1 while the shared state store (state.backend: redis) "
+            "answered within state.maxStaleness, else 0; absent with the memory backend.",
+            registry=r)
+        self.state_syncs = Counter(
+            "fairway_state_syncs", "Exchanges with the shared state store, by result "
+            "(ok, error).", ["result"], registry=r)
+        self.state_sync_seconds = Histogram(
+            "fairway_state_sync_seconds", "Duration of one exchange with the shared state "
+            "store (sending this picker's changes and reading everyone's).",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r)
+        self.state_staleness = Gauge(
+            "fairway_state_staleness_seconds", "Age of this picker's view of the shared state "
+            "(time since its last successful exchange).", registry=r)
         labels = build_labels()
         Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
               list(labels), registry=r).labels(**labels).set(1)

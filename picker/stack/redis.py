@@ -1,0 +1,107 @@
+"""A real ``redis-server`` on 127.0.0.1 for the shared state backend's tests and benchmarks
+(Debian's package, which ``scripts/install-system-deps.sh`` installs; nothing else listens)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from picker.stack.launcher import free_port
+
+READY_LINE = b"Ready to accept connections"
+
+
+def redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run `make setup` (it installs "
+                           "Debian's redis-server) or install Redis 7 another way")
+    return binary
+
+
+@dataclass
+class RedisServer:
+    """``start()`` a Redis on a free port of 127.0.0.1, without persistence unless ``aof``;
+    ``kill()`` and ``start()`` again on the same port (a restart loses everything without
+    ``aof``); ``stop()`` at the end."""
+
+    workdir: Path
+    aof: bool = False
+    """Append-only persistence in ``workdir``: a restarted server keeps its data."""
+    password: str | None = None
+    """Required of clients (``requirepass``) when set."""
+    port: int = 0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a free port may be taken before Redis binds it
+            port = self.port or free_port()
+            if self._spawn(port, timeout):
+                self.port = port
+                return self
+            if self.port:
+                break  # a fixed port (a restart): another try would not free it
+        raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+
+    def _spawn(self, port: int, timeout: float) -> bool:
+        args = [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                "--dir", str(self.workdir), "--protected-mode", "yes"]
+        if self.aof:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        log = (self.workdir / "redis.log").open("ab")
+        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        assert process.stdout is not None
+        deadline = time.monotonic() + timeout
+        seen = b""
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            log.write(line)
+            seen += line
+            if READY_LINE in line:
+                # Keep draining its output so it never blocks on a full pipe.
+                subprocess.Popen(["cat"], stdin=process.stdout, stdout=log)
+                self.process = process
+                return True
+        process.kill()
+        process.wait(5)
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL (no shutdown save)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+
+    def stop(self) -> None:
+        self.kill()
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

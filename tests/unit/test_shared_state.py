@@ -1,0 +1,205 @@
+"""``picker.core.shared``: replicas exchanging their changes through a store end with the
+counters and budget levels one picker alone would have, with nothing counted twice or lost.
+
+The store here is a few lines of Python with the Lua script's rules (``picker.state``): add a
+change where a value is held, take the sender's own value where none is; a bucket absent is full.
+The real script is tested against a real Redis in ``tests/integration/test_redis_state.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from picker.core import Request, Usage
+from picker.core.admission import Admission, Admitted, BucketRule, TenantRules
+from picker.core.estimates import TenantEstimates
+from picker.core.lanes import Scheduler
+from picker.core.shared import Changes, apply_view, start_sharing, take_changes
+
+BURST = TenantRules(burst=BucketRule(1000, 3600.0))
+
+
+class Store:
+    def __init__(self) -> None:
+        self.counters: dict[tuple[str, str], float] = {}
+        self.levels: dict[tuple[str, str], float] = {}  # refill ignored: the tests run at t=0
+
+    def exchange(self, changes: Changes) -> tuple[dict, dict]:
+        for c in changes.counters:
+            key = (c.lane, c.tenant)
+            self.counters[key] = self.counters[key] + c.change if key in self.counters \
+                else c.value
+        for b in changes.budgets:
+            key = (b.tenant, b.window)
+            level = self.levels[key] + b.change if key in self.levels else b.level
+            self.levels[key] = max(-b.capacity, min(b.capacity, level))
+        self.levels = {k: v for k, v in self.levels.items() if v < 1000}  # full: absent
+        return dict(self.counters), dict(self.levels)
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.scheduler = Scheduler()
+        self.admission = Admission({"a": BURST, "b": BURST}, TenantRules())
+        start_sharing(self.scheduler, self.admission)
+
+    def serve(self, tenant: str, prompt: int, output: int) -> None:
+        request = Request(tenant, prompt)
+        self.scheduler.enqueue(request, 0.0)
+        self.scheduler.dispatch(request, 0.0)
+        self.scheduler.charge_output(request, output)
+        self.scheduler.finish(request)
+
+    def spend(self, tenant: str, tokens: int) -> None:
+        admitted = self.admission.admit(tenant, "default", tokens, None, 0, 0.0)
+        assert isinstance(admitted, Admitted)
+        self.admission.finish(admitted.reservation, tokens, 0.0)
+
+    def sync(self, store: Store) -> None:
+        counters, levels = store.exchange(take_changes(self.scheduler, self.admission, 0.0))
+        apply_view(self.scheduler, self.admission, counters, levels, 0.0)
+
+    def level(self, tenant: str) -> float:
+        return dict(self.admission.budget_state(0.0).get(tenant, {"burst": (1000.0, 1000)})
+                    )["burst"][0]
+
+
+def test_replicas_see_the_sum_of_everyone_s_charges() -> None:
+    store, one, two = Store(), Replica(), Replica()
+    one.serve("a", 100, 50)
+    two.serve("a", 30, 20)
+    two.serve("b", 10, 0)
+    one.spend("a", 300)
+    two.spend("a", 200)
+    for replica in (one, two, one):
+        replica.sync(store)
+    for replica in (one, two):  # output tokens cost 2 (the default LinearCost)
+        assert replica.scheduler.counter("a") == pytest.approx(100 + 2 * 50 + 30 + 2 * 20)
+        # b entered two's queue after a left it: lifted to a's counter there (70), then 10
+        assert replica.scheduler.counter("b") == pytest.approx(70 + 10)
+        assert replica.level("a") == pytest.approx(500.0)
+        assert replica.level("b") == pytest.approx(1000.0)
+
+
+def test_changes_made_during_an_exchange_are_neither_lost_nor_counted_twice() -> None:
+    store, one = Store(), Replica()
+    one.serve("a", 100, 0)
+    one.spend("a", 100)
+    changes = take_changes(one.scheduler, one.admission, 0.0)
+    one.serve("a", 40, 0)  # while the exchange is under way
+    one.spend("a", 40)
+    counters, levels = store.exchange(changes)
+    apply_view(one.scheduler, one.admission, counters, levels, 0.0)
+    assert one.scheduler.counter("a") == pytest.approx(140.0)
+    assert one.level("a") == pytest.approx(860.0)
+    one.sync(store)
+    assert store.counters[("default", "a")] == pytest.approx(140.0)
+    assert store.levels[("a", "burst")] == pytest.approx(860.0)
+    one.sync(store)  # nothing new: nothing changes
+    assert one.scheduler.counter("a") == pytest.approx(140.0)
+    assert one.level("a") == pytest.approx(860.0)
+
+
+def test_a_restarted_replica_resumes_from_the_store() -> None:
+    store, before = Store(), Replica()
+    before.serve("a", 100, 100)
+    before.spend("a", 700)
+    before.sync(store)
+    after = Replica()  # a new process: fresh counters and full buckets
+    after.sync(store)
+    assert after.scheduler.counter("a") == pytest.approx(100 + 2 * 100)
+    assert after.level("a") == pytest.approx(300.0)
+    refused = after.admission.admit("a", "default", 400, None, 0, 0.0)
+    assert not isinstance(refused, Admitted)  # the spent burst budget stays spent
+
+
+def test_a_store_that_lost_its_state_gets_the_whole_view_back() -> None:
+    store, one, two = Store(), Replica(), Replica()
+    one.serve("a", 100, 0)
+    one.spend("a", 600)
+    two.serve("b", 50, 0)
+    one.sync(store)
+    two.sync(store)
+    one.sync(store)
+    empty = Store()  # restarted without persistence
+    for replica in (one, two):
+        counters, levels = empty.exchange(take_changes(replica.scheduler, replica.admission, 0.0,
+                                                       every=True))
+    apply_view(one.scheduler, one.admission, counters, levels, 0.0)
+    assert empty.counters == {("default", "a"): 100.0, ("default", "b"): 50.0}
+    assert empty.levels == {("a", "burst"): 400.0}
+    assert one.level("a") == pytest.approx(400.0)
+
+
+def test_a_negative_settlement_travels_as_a_negative_change() -> None:
+    store, one, two = Store(), Replica(), Replica()
+    request = Request("a", 100)
+    one.scheduler.enqueue(request, 0.0)
+    one.scheduler.dispatch(request, 0.0)
+    one.scheduler.charge_estimate(request, 400)  # charged ahead on an estimate
+    one.sync(store)
+    two.sync(store)
+    assert two.scheduler.counter("a") == pytest.approx(100 + 2 * 400)
+    one.scheduler.finish(request, Usage(100, 50))  # it produced far less
+    one.sync(store)
+    two.sync(store)
+    assert two.scheduler.counter("a") == pytest.approx(100 + 2 * 50)
+    assert one.scheduler.counter("a") == pytest.approx(100 + 2 * 50)
+
+
+def test_a_lift_is_a_change_peers_see() -> None:
+    store, one = Store(), Replica()
+    one.serve("b", 500, 0)
+    busy = Request("b", 10)
+    one.scheduler.enqueue(busy, 0.0)  # b backlogged at counter 500
+    one.scheduler.enqueue(Request("a", 10), 0.0)  # a returns: lifted to b's counter
+    one.sync(store)
+    assert store.counters[("default", "a")] == pytest.approx(500.0)
+
+
+def test_a_budget_change_is_kept_until_taken_even_when_the_tenant_could_be_forgotten() -> None:
+    one = Replica()
+    spent = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    assert isinstance(spent, Admitted)
+    one.admission.finish(spent.reservation, 100, 0.0)
+    one.admission.prune(7200.0)  # refilled to full and idle: a fresh tenant but for its change
+    assert one.admission.tracked_tenants() == 1
+    changes = take_changes(one.scheduler, one.admission, 7200.0)
+    assert [(b.tenant, b.change) for b in changes.budgets] == [("a", pytest.approx(-100.0))]
+    one.admission.prune(7200.0)
+    assert one.admission.tracked_tenants() == 0
+
+
+def test_a_refund_that_cancels_the_reservation_is_no_change() -> None:
+    one = Replica()
+    admitted = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    assert isinstance(admitted, Admitted)
+    one.admission.finish(admitted.reservation, 0, 0.0)  # cancelled: everything refunded
+    assert take_changes(one.scheduler, one.admission, 0.0).budgets == ()
+    assert one.admission.tracked_tenants() == 0
+
+
+def test_estimates_learned_anywhere_are_everyone_s_unless_a_newer_one_waits_to_be_sent() -> None:
+    one, two = TenantEstimates(256), TenantEstimates(256)
+    for estimates in (one, two):
+        estimates.track_changes()
+    one.learn_output("a", 40, 10.0)
+    one.learn_prompt("a", "m", 100, 250, 10.0)
+    sent = {(kind, tenant, model): (value, 0.0)
+            for kind, tenant, model, value, _ in one.take_learned()}
+    assert one.take_learned() == []  # taken once
+    two.learn_output("b", 7, 10.0)  # learned on two, not sent yet
+    sent[("output", "b", "")] = (300.0, 0.0)  # an older value from the store
+    apply_view(Scheduler(), Admission({}, TenantRules()), {}, {}, 11.0, estimates=two,
+               learned=sent)
+    assert two.output("a", 11.0) == 40.0
+    assert two.prompt_scale("a", "m", 11.0) == pytest.approx(2.5)
+    assert two.output("b", 11.0) == 7.0  # its own newer sample is kept until sent
+
+
+def test_an_estimate_from_the_store_ages_from_when_it_was_learned() -> None:
+    estimates = TenantEstimates(256, ttl=600.0)
+    apply_view(Scheduler(), Admission({}, TenantRules()), {}, {}, 1000.0, estimates=estimates,
+               learned={("stream", "a", ""): (90.0, 550.0)})
+    assert estimates.output("a", 1000.0, stream=True) == 90.0
+    assert estimates.output("a", 1051.0, stream=True) == 256.0  # 601 s old: the default
