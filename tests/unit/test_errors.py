@@ -37,6 +37,7 @@ EXPECTED: dict[type[RequestError], tuple[int, str, str, str]] = {
     errors.NoEndpoint: (503, "server_error", "no_endpoint_available", "no_endpoint"),
     errors.ShuttingDown: (503, "server_error", "shutting_down", "shutting_down"),
     errors.NotLeader: (503, "server_error", "not_leader", "not_leader"),
+    errors.StateUnavailable: (503, "server_error", "state_unavailable", "state_unavailable"),
     errors.BodyBuffersFull: (503, "server_error", "server_overloaded", "buffers_full"),
     errors.BodyTimeout: (408, "invalid_request_error", "request_timeout", "body_timeout"),
     errors.InternalError: (500, "server_error", "internal_error", "internal"),
