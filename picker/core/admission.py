@@ -150,7 +150,7 @@ class TenantRules:
 
 
 class _Bucket:
-    __slots__ = ("level", "rule", "untaken", "updated")
+    __slots__ = ("level", "rule", "synced", "untaken", "updated")
 
     def __init__(self, rule: BucketRule, now: float) -> None:
         self.rule = rule
@@ -158,6 +158,8 @@ class _Bucket:
         self.updated = now
         self.untaken = 0.0
         """Changes made by ``add`` since ``Admission.take_budget_changes`` (not refills)."""
+        self.synced: float | None = None
+        """The level the shared store last reported (``Admission.set_level``)."""
 
     def refill(self, now: float) -> None:
         # A clock that steps back (it should not: time is monotonic) gives nothing and takes
@@ -279,6 +281,13 @@ class Admission:
         self.shared = False
         """Budget levels are shared with other pickers (``picker.core.shared``): changes are
         kept until taken."""
+        self.replicas = 1
+        """Pickers sharing the budgets (this one included). With more than one, each may spend
+        between two exchanges no more than its part of what the store last reported (a first
+        request excepted), so together they overrun a budget by one request each at most."""
+        self.slice_wait = 0.1
+        """Seconds until the next exchange: when a request over this picker's part may be
+        retried."""
 
     def _set_rules(self, rules: Mapping[str, TenantRules], default: TenantRules) -> None:
         for tenant, rule in (*rules.items(), ("(default)", default)):
@@ -358,21 +367,26 @@ class Admission:
         return Admitted(reservation, lane, max_output_tokens, expected, demoted)
 
     def _check_budgets(self, state: _TenantState, estimate: int, now: float) -> Refused | None:
-        worst: tuple[float, str, _Bucket, bool] | None = None
+        worst: tuple[float, str, _Bucket, bool, bool] | None = None
         for window, bucket in state.refilled(now):
             capacity = bucket.rule.capacity_tokens
             # An estimate above the capacity can never fit: it waits for a full bucket instead.
             oversized = estimate > capacity
             needed = min(estimate, capacity)
-            if bucket.level + _EPSILON < needed:
-                wait = bucket.seconds_until(needed)
+            short = bucket.level + _EPSILON < needed
+            sliced = not short and self._over_slice(bucket, needed)
+            if short or sliced:
+                wait = bucket.seconds_until(needed) if short else self.slice_wait
                 if worst is None or wait > worst[0]:
-                    worst = (wait, window, bucket, oversized)
+                    worst = (wait, window, bucket, oversized, sliced)
         if worst is None:
             return None
-        wait, window, bucket, oversized = worst
+        wait, window, bucket, oversized, sliced = worst
         capacity = bucket.rule.capacity_tokens
-        if oversized:
+        if sliced:
+            message = (f"this picker has spent its part of the {window} token budget until it "
+                       f"next hears from the other replicas; retry in {format_duration(wait)}")
+        elif oversized:
             message = (f"this request's estimated {estimate} tokens exceed the {window} token "
                        f"budget of {capacity}: it can only be admitted on a full budget, in "
                        f"{format_duration(wait)}")
@@ -382,8 +396,18 @@ class Admission:
                        f"request needs an estimated {estimate}; retry in {format_duration(wait)}")
         # The bucket that must wait longest binds: when that is the long window, waiting out the
         # burst would not help, and the client is told so (OpenAI's ``insufficient_quota``).
-        reason = INSUFFICIENT_QUOTA if window == SUSTAINED else OVER_BUDGET
+        reason = INSUFFICIENT_QUOTA if window == SUSTAINED and not sliced else OVER_BUDGET
         return Refused(reason, message, retry_after=wait, window=window)
+
+    def _over_slice(self, bucket: _Bucket, needed: float) -> bool:
+        """Beside other pickers: whether this one has spent its part of the store's level
+        since the last exchange (the first request of an exchange always passes the slice)."""
+        if self.replicas <= 1:
+            return False
+        # Not yet reported: absent from the store, which means full.
+        synced = bucket.rule.capacity_tokens if bucket.synced is None else bucket.synced
+        spent = -bucket.untaken
+        return spent > 0 and spent + needed > max(0.0, synced) / self.replicas + _EPSILON
 
     def may_start(self, tenant: str) -> bool:
         """Whether ``tenant`` is under its concurrency cap, so one of its requests may start."""
@@ -507,6 +531,7 @@ class Admission:
         capacity = float(rule.capacity_tokens)
         stored = capacity if level is None else level
         bucket.level = max(-capacity, min(capacity, stored + bucket.untaken))
+        bucket.synced = stored
         bucket.updated = now
 
     def tracked_budgets(self) -> Iterator[tuple[str, str]]:

@@ -223,6 +223,8 @@ class Gate:
         """Per tenant: last arrival and typical footprint (tokens), for the idle reserve."""
         self.occupancy = Occupancy()
         """Per lane, the tokens each tenant holds in running requests (engine priority)."""
+        self.capacity_share = 1.0
+        """This picker's lease: the fraction of each endpoint's budget it may hold."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
 
@@ -246,8 +248,42 @@ class Gate:
             state.configured_budget = budgets.get(address, state.configured_budget)
         for address, budget in budgets.items():
             if address not in self.endpoints:
-                self.endpoints[address] = EndpointState(address, configured_budget=budget)
+                self.endpoints[address] = EndpointState(address, configured_budget=budget,
+                                                        share=self.capacity_share)
         self._forget_drained()
+
+    # -- active-active replicas (``picker.core.leases``) --
+
+    def set_capacity_share(self, share: float, now: float) -> None:
+        """This picker may hold ``share`` of every endpoint's budget (its lease); a larger one
+        may let queued requests go."""
+        self.capacity_share = max(0.0, min(1.0, share))
+        for endpoint in self.endpoints.values():
+            endpoint.share = self.capacity_share
+        self.pump(now)
+
+    def demand(self, now: float) -> dict[tuple[str, str], float]:
+        """Tokens wanted per (lane, tenant): what its running requests hold plus what its
+        waiting requests will hold (prompt and expected output)."""
+        wanted: dict[tuple[str, str], float] = {}
+        for passage in self.passages.values():
+            key = (passage.lane, passage.tenant)
+            tokens = passage.reserved_tokens if passage.dispatched_at is not None \
+                else self._projected(passage, now)
+            wanted[key] = wanted.get(key, 0.0) + tokens
+        return wanted
+
+    def held_fraction(self) -> float:
+        """The largest fraction of an endpoint's budget this picker holds (its lease can shrink
+        no lower until requests finish)."""
+        fallback = self.rules.capacity.fallback_budget
+        return max((e.inflight_tokens / e.budget(fallback) for e in self.endpoints.values()),
+                   default=0.0)
+
+    def pool_capacity(self) -> int:
+        """The KV budget of every endpoint in service, in tokens."""
+        fallback = self.rules.capacity.fallback_budget
+        return sum(e.budget(fallback) for e in self.endpoints.values() if not e.draining)
 
     def _forget_drained(self) -> None:
         for address in [a for a, e in self.endpoints.items()

@@ -53,6 +53,25 @@ class _Lane:
         return self.own_service < self.min_share * self.total_service
 
 
+class CounterChanges:
+    """What changed a tenant's counter in a lane since the changes were last taken: charges
+    add up; a lift sets a floor (the counter it was lifted to, plus what was charged since)."""
+
+    __slots__ = ("charges", "lift_to", "since_lift")
+
+    def __init__(self) -> None:
+        self.charges = 0.0
+        self.lift_to: float | None = None
+        self.since_lift = 0.0
+
+    def applied_to(self, stored: float) -> float:
+        """The counter after these changes, from ``stored`` (the store's value)."""
+        value = stored + self.charges
+        if self.lift_to is not None:
+            value = max(value, self.lift_to + self.since_lift)
+        return value
+
+
 class Scheduler:
     """Lanes of fair queues plus the accounting that drives them.
 
@@ -91,9 +110,9 @@ class Scheduler:
         self.service: dict[str, float] = {}
         """Weighted service charged per tenant, not divided by weight (all lanes)."""
         self._seq = 0
-        self._changes: dict[str, dict[str, float]] | None = None
-        """With a shared state store (``track_changes``): per lane, per tenant, how much its
-        counter rose (charges and lifts) since ``take_counter_changes``."""
+        self._changes: dict[str, dict[str, CounterChanges]] | None = None
+        """With a shared state store (``track_changes``): per lane, per tenant, what changed
+        its counter since ``take_counter_changes``."""
 
     # -- configuration --
 
@@ -114,8 +133,8 @@ class Scheduler:
         if self._changes is None:
             self._changes = {lane.name: {} for lane in self._lanes}
 
-    def take_counter_changes(self) -> dict[str, dict[str, float]]:
-        """Per lane, per tenant, the counter change since the last call (then forgotten)."""
+    def take_counter_changes(self) -> dict[str, dict[str, CounterChanges]]:
+        """Per lane, per tenant, the counter changes since the last call (then forgotten)."""
         if self._changes is None:
             return {}
         taken, self._changes = self._changes, {lane.name: {} for lane in self._lanes}
@@ -138,9 +157,27 @@ class Scheduler:
             for tenant, counter in getattr(lane.policy, "counters", {}).items():
                 yield lane.name, tenant, counter
 
-    def untaken_change(self, lane: str, tenant: str) -> float:
-        """The tenant's counter change in ``lane`` not yet taken."""
-        return 0.0 if self._changes is None else self._changes[lane].get(tenant, 0.0)
+    def with_untaken(self, lane: str, tenant: str, stored: float) -> float:
+        """A counter read from the store, with this picker's changes not yet taken applied as
+        the store will apply them."""
+        changes = None if self._changes is None else self._changes[lane].get(tenant)
+        return stored if changes is None else changes.applied_to(stored)
+
+    def floors(self) -> dict[str, float]:
+        """Per lane with backlogged tenants, the lowest of their counters."""
+        out = {}
+        for lane in self._lanes:
+            floor = getattr(lane.policy, "min_backlogged_counter", lambda: None)()
+            if floor is not None:
+                out[lane.name] = floor
+        return out
+
+    def set_shared_floors(self, floors: Mapping[str, float]) -> None:
+        """The lowest backlogged counter per lane on the other pickers (none: absent): lifts
+        here go no higher (see ``VirtualTokenCounter.shared_floor``)."""
+        for lane in self._lanes:
+            if hasattr(lane.policy, "shared_floor"):
+                lane.policy.shared_floor = floors.get(lane.name)
 
     def set_counter(self, lane: str, tenant: str, value: float) -> None:
         """Set the tenant's counter in ``lane`` (a value read from the shared store); recorded
@@ -172,14 +209,18 @@ class Scheduler:
         if changes is None:
             lane.policy.enqueue(request, now)
             return
-        # A lift raises the counter too: peers must see it.
+        # A lift raises the counter too: peers must see it, as a floor (not an amount: the
+        # counter it was lifted from may lag the store's).
         tenant = request.tenant
         before = lane.policy.counter(tenant)
         lane.policy.enqueue(request, now)
-        lifted = lane.policy.counter(tenant) - before
-        if lifted:
+        after = lane.policy.counter(tenant)
+        if after != before:
             mine = changes[lane.name]
-            mine[tenant] = mine.get(tenant, 0.0) + lifted
+            pending = mine.get(tenant)
+            if pending is None:
+                pending = mine[tenant] = CounterChanges()
+            pending.lift_to, pending.since_lift = after, 0.0
 
     def peek(self, now: float) -> Request | None:
         """The request that should be dispatched next, or None if nothing should be."""
@@ -327,7 +368,12 @@ class Scheduler:
         self._policies[request.lane].charge(tenant, normalized)
         if self._changes is not None:
             mine = self._changes[request.lane]
-            mine[tenant] = mine.get(tenant, 0.0) + normalized
+            pending = mine.get(tenant)
+            if pending is None:
+                pending = mine[tenant] = CounterChanges()
+            pending.charges += normalized
+            if pending.lift_to is not None:
+                pending.since_lift += normalized
         for protected in self._protected:
             if protected.policy.queued():
                 protected.total_service += amount

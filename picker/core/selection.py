@@ -47,6 +47,9 @@ class EndpointState:
     """Going away: gets no new requests; its in-flight requests finish."""
     health: EndpointHealth = field(default_factory=EndpointHealth)
     """Outlier ejection (``picker.core.health``): an ejected endpoint gets no new requests."""
+    share: float = 1.0
+    """The fraction of the budget this picker may hold here: its lease among active-active
+    replicas (``picker.core.leases``); 1 for a picker alone."""
 
     def in_service(self, now: float) -> bool:
         """Whether it may get a new request: not draining, not ejected (a probing endpoint
@@ -110,6 +113,9 @@ def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
     budget = endpoint.budget(rules.fallback_budget)
     if used >= budget or (endpoint.inflight_requests and used + prompt_tokens > budget):
         return False
+    # Beside other replicas, strictly within the lease: the leases sum to at most the budget.
+    if endpoint.share < 1.0 and endpoint.inflight_tokens + prompt_tokens > endpoint.share * budget:
+        return False
     return waiting(endpoint, now, rules) < rules.max_waiting
 
 
@@ -121,9 +127,12 @@ def free_tokens(endpoint: EndpointState, now: float, rules: CapacityRules,
     if not endpoint.in_service(now) or waiting(endpoint, now, rules) >= rules.max_waiting:
         return 0.0
     used = occupancy(endpoint, now, rules)
+    own = float(endpoint.inflight_tokens)
     if projected:
         used = max(used, endpoint.projected_tokens)
-    return max(0.0, endpoint.budget(rules.fallback_budget) - used)
+        own = max(own, endpoint.projected_tokens)
+    budget = endpoint.budget(rules.fallback_budget)
+    return max(0.0, min(budget - used, endpoint.share * budget - own))
 
 
 def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,
@@ -148,12 +157,15 @@ class Scorer(Protocol):
 
 
 class LeastLoaded:
-    """Prefer the endpoint with the shortest waiting queue, then the most free KV budget."""
+    """Prefer the endpoint with the shortest waiting queue, then the most free KV budget, as
+    this picker may use it: beside active-active peers, within its own lease (so that what it
+    holds is spread evenly and its lease is not pinned by one endpoint)."""
 
     def score(self, endpoint: EndpointState, prompt_tokens: int, now: float,
               rules: CapacityRules) -> float:
         budget = endpoint.budget(rules.fallback_budget)
-        free = 1.0 - occupancy(endpoint, now, rules) / budget
+        free = min(1.0 - occupancy(endpoint, now, rules) / budget,
+                   endpoint.share - endpoint.inflight_tokens / budget)
         return free - waiting(endpoint, now, rules)
 
 

@@ -5,11 +5,12 @@ With a shared state backend (``state.backend: redis``) every replica keeps decid
 in-memory state (the fair queue's counters, the budget buckets) and exchanges, every sync
 interval, the *changes* it made since the last exchange for the store's totals:
 
-* A counter change is everything that raised (or, on a negative settlement, lowered) a tenant's
-  counter in a lane: charges and lifts. The store adds changes; a counter the store does not hold
-  yet starts at the picker's own value. Lifts are added like charges, so two replicas lifting the
-  same returning tenant in one interval lift it twice (a returning tenant's first turn comes a
-  little later; it never gains).
+* A counter change is what was charged to a tenant in a lane (a negative settlement lowers
+  it), and a lift: the floor the fair queue lifted the tenant to, plus what was charged since.
+  The store adds the charges and then raises the counter to the lift's floor if it is below: a
+  lift is a floor, not an amount, as the counter it was lifted from may lag the store's (adding
+  it would inflate the counter of a tenant that reaches a replica rarely and is lifted there
+  each time). A counter the store does not hold yet starts at the picker's own value.
 * A budget change is what admissions reserved and settlements refunded or charged; refill is not
   a change, every holder refills by the clock (the store by its own). A bucket the store does not
   return is full there.
@@ -45,8 +46,12 @@ class CounterChange:
     lane: str
     tenant: str
     change: float
+    """What was charged (normalized by weight)."""
     value: float
     """The picker's own counter: where the store starts a counter it does not hold."""
+    lift_to: float | None = None
+    """A lift's floor: the counter is at least this plus ``since_lift``."""
+    since_lift: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +97,8 @@ def take_changes(scheduler: Scheduler, admission: Admission, now: float, *,
     """This picker's changes since the last call (each is taken once). ``every``: also every
     counter and bucket without a change, with a change of 0 (for a store that lost its state)."""
     counter_changes = scheduler.take_counter_changes()
-    counters = [CounterChange(lane, tenant, change, scheduler.counter(tenant, lane))
+    counters = [CounterChange(lane, tenant, change.charges, scheduler.counter(tenant, lane),
+                              change.lift_to, change.since_lift)
                 for lane, changes in counter_changes.items()
                 for tenant, change in changes.items()]
     if every:
@@ -125,7 +131,7 @@ def apply_view(scheduler: Scheduler, admission: Admission,
     lanes = set(scheduler.lane_names)
     for (lane, tenant), value in counters.items():
         if lane in lanes:
-            scheduler.set_counter(lane, tenant, value + scheduler.untaken_change(lane, tenant))
+            scheduler.set_counter(lane, tenant, scheduler.with_untaken(lane, tenant, value))
     full = [key for key in admission.tracked_budgets() if key not in budgets]
     for tenant, window in full:
         admission.set_level(tenant, window, None, now)

@@ -52,6 +52,10 @@ class VirtualTokenCounter:
         self._queued = 0
         self._last_left: str | None = None
         self._tick = 0
+        self.shared_floor: float | None = None
+        """The lowest backlogged counter on other pickers sharing these counters (active-active
+        replicas), or None: a tenant backlogged elsewhere is not idle, so a lift here goes no
+        higher than that (``picker.core.shared``)."""
 
     # -- the FairnessPolicy interface --
 
@@ -146,6 +150,8 @@ class VirtualTokenCounter:
         floor = self.min_backlogged_counter()
         if floor is None and self._last_left is not None:
             floor = self.counters[self._last_left]
+        if floor is not None and self.shared_floor is not None:
+            floor = min(floor, self.shared_floor)
         if floor is not None and floor > self.counters[tenant]:
             self.counters[tenant] = floor
 

@@ -131,6 +131,9 @@ class PickerMetrics:
             "store (sending this picker's changes and reading everyone's).",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r)
+        self.state_lease = Gauge(
+            "fairway_state_lease_ratio", "The share of every endpoint's KV budget this picker "
+            "may hold beside its active-active peers (1 alone).", registry=r)
         self.state_staleness = Gauge(
             "fairway_state_staleness_seconds", "Age of this picker's view of the shared state "
             "(time since its last successful exchange).", registry=r)

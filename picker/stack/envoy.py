@@ -410,7 +410,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
     return filters
 
 
-def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
+def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int] | None,
                  failure_mode_allow: bool = False, request_timeout_s: int = 300,
                  access_log: Path | None = None,
                  response_path: str = "meter-stream", picker_tls: bool = True,
@@ -419,6 +419,10 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
                  endpoints: list[str] | None = None,
                  pool_pods: str | None = None) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
+
+    ``picker_port``: the picker's ext_proc port, or the ports of active-active replicas (one
+    cluster: Envoy spreads the ext_proc streams over them; replicas need the inline response
+    path, as a meter stream could reach another replica than its request's).
 
     ``picker_tls``: dial the picker over TLS without verification (the picker's default,
     ``--secure-serving``); False for a picker started with ``--secure-serving=false``.
@@ -441,6 +445,10 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
         raise ValueError("identity='jwt' and a JwtIdentity go together")
     if response_path not in RESPONSE_PATHS:
         raise ValueError(f"response_path must be one of {RESPONSE_PATHS}, got {response_path!r}")
+    ports = [picker_port] if isinstance(picker_port, int) else list(picker_port or [])
+    if len(ports) > 1 and response_path != "inline":
+        raise ValueError("picker replicas need response_path='inline': a meter stream could "
+                         "reach another replica than the one holding its request")
     http_filters = [] if jwt is None else [jwt_authn_filter(jwt)]
     if picker_port is not None:
         http_filters += _picker_filters(failure_mode_allow, request_timeout_s, response_path)
@@ -467,7 +475,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | None,
             },
             "circuit_breakers": PICKER_CIRCUIT_BREAKERS,
             "load_assignment": {"cluster_name": "picker", "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _address(picker_port)}}]}]},
+                {"lb_endpoints": [{"endpoint": {"address": _address(port)}}
+                                  for port in ports]}]},
         })
         if picker_tls:
             clusters[-1]["transport_socket"] = picker_transport_socket(picker_sni)

@@ -154,6 +154,14 @@ class Stack:
     endpoint_addresses: list[str] = field(default_factory=list)
     server_processes: list[subprocess.Popen] = field(default_factory=list)
     """The simulated servers started, in the order of ``endpoint_addresses``."""
+    picker_replicas: int = 1
+    """Active-active pickers behind Envoy's one ext_proc cluster (more than one needs
+    ``response_path='inline'`` and a shared state backend in ``picker_config``)."""
+    picker_processes: list[subprocess.Popen] = field(default_factory=list)
+    """The running pickers, in the order of ``replica_ports``."""
+    replica_ports: list[dict[str, int]] = field(default_factory=list)
+    """Each picker's ports (``grpc``, ``health``, ``metrics``, ``admin``), the first picker's
+    also in ``grpc_port`` and the others."""
     grpc_port: int = 0
     metrics_port: int = 0
     admin_port: int = 0
@@ -223,25 +231,31 @@ class Stack:
         # Processes that print the port they bound are started on port 0: a port found free here
         # and bound later can be taken in between by any connection's ephemeral port.
         for i in range(self.endpoints):
-            self._spawn([sys.executable, "-m", "picker.sim.server", "--port", "0",
-                         *self.server_args], f"server{i}", "listening on")
+            self.server_processes.append(self._spawn(
+                [sys.executable, "-m", "picker.sim.server", "--port", "0", *self.server_args],
+                f"server{i}", "listening on"))
             url = re.search(r"listening on http://(\S+)", self._startup_output[f"server{i}"])
             assert url is not None
             self.endpoint_addresses.append(url.group(1).rstrip("/"))
-            self.server_processes.append(self.processes[-2])  # before its stdout's drain
         self.endpoint_addresses.extend(self.external_endpoints)
         if self.with_picker:
             self.write_picker_config(self.picker_config)
             source = self.picker_source or ["--config", str(self.config_path)]
-            self._spawn([sys.executable, "-m", "picker", "serve", *source,
-                         *_picker_ports(0, 0, 0, 0), "--grace", "2",
-                         f"--secure-serving={str(self.secure_serving).lower()}",
-                         *self.picker_args],
-                        "picker", "picker listening")
-            # The ports it bound, as it printed them (their lines come before the marker's).
-            output = self._startup_output["picker"]
-            self.grpc_port, self.health_port, self.metrics_port, self.admin_grpc_port = (
-                int(_printed_port(output, name)) for name in ("grpc", "health", "metrics", "admin"))
+            for i in range(self.picker_replicas):
+                name = "picker" if i == 0 else f"picker{i}"
+                self.picker_processes.append(self._spawn(
+                            [sys.executable, "-m", "picker", "serve", *source,
+                             *_picker_ports(0, 0, 0, 0), "--grace", "2",
+                             f"--secure-serving={str(self.secure_serving).lower()}",
+                             *self.picker_args],
+                            name, "picker listening"))
+                # The ports it bound, as it printed them (their lines come before the marker's).
+                output = self._startup_output[name]
+                self.replica_ports.append({port: int(_printed_port(output, port))
+                                           for port in ("grpc", "health", "metrics", "admin")})
+            first = self.replica_ports[0]
+            self.grpc_port, self.health_port = first["grpc"], first["health"]
+            self.metrics_port, self.admin_grpc_port = first["metrics"], first["admin"]
         self.gateway_port = self.gateway_port or free_port()
         self.admin_port = free_port()
         if self.envoy_bootstrap is not None:
@@ -251,7 +265,8 @@ class Stack:
             envoy_yaml = write_envoy_config(
                 self.workdir / "envoy.yaml", listen_port=self.gateway_port,
                 admin_port=self.admin_port,
-                picker_port=self.grpc_port if self.with_picker else None,
+                picker_port=[r["grpc"] for r in self.replica_ports] if self.with_picker
+                else None,
                 access_log=self.access_log, response_path=self.response_path,
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
                 endpoints=self.endpoint_addresses if self.retries else None)
@@ -267,9 +282,8 @@ class Stack:
 
     @property
     def picker_process(self) -> subprocess.Popen:
-        """The running picker (the last one started)."""
-        return next(p for p in reversed(self.processes)
-                    if "picker" in p.args and "serve" in p.args)
+        """The running picker (the first replica)."""
+        return self.picker_processes[0]
 
     def restart_envoy(self) -> None:
         """SIGKILL Envoy and start it again on the same ports with the same config file."""
@@ -285,9 +299,10 @@ class Stack:
         self._spawn(args, "envoy", None)
         _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
 
-    def restart_picker(self) -> None:
-        """Start the picker again (after it died or was killed) on the same ports and config."""
-        old = self.picker_process
+    def restart_picker(self, replica: int = 0) -> None:
+        """Start a picker again (SIGKILLed first if it still runs) on the same ports and
+        config."""
+        old = self.picker_processes[replica]
         if old.poll() is None:
             os.killpg(old.pid, signal.SIGKILL)
             old.wait(10)
@@ -295,9 +310,11 @@ class Stack:
         # The same ports as before (Envoy's config names them), no longer 0.
         args = list(old.args)
         at = args.index("--grpc-port")
-        args[at:at + 8] = _picker_ports(self.grpc_port, self.health_port, self.metrics_port,
-                                        self.admin_grpc_port)
-        self._spawn(args, "picker", "picker listening")
+        ports = self.replica_ports[replica]
+        args[at:at + 8] = _picker_ports(ports["grpc"], ports["health"], ports["metrics"],
+                                        ports["admin"])
+        self.picker_processes[replica] = self._spawn(
+            args, "picker" if replica == 0 else f"picker{replica}", "picker listening")
 
     def write_picker_config(self, overrides: dict[str, Any]) -> None:
         """(Re)write the picker's config file; the running picker hot-reloads it."""

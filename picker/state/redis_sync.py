@@ -16,6 +16,9 @@ Keys (one hash tag, so a Redis Cluster keeps them on one shard; ``P`` is ``redis
     {P}:estimates      hash  "kind\\x1ftenant\\x1fmodel" -> "value stamp" (dropped after the
                        estimates' ttl)
     {P}:applied:<id>   the last batch number applied for replica <id> (expires after an hour)
+    {P}:leases         hash  replica -> "held grant stamp": each replica's lease (dropped once
+                       silent for maxStaleness)
+    {P}:demands        hash  replica -> its demand per lane and tenant, and its queue's floors
 
 **Exactly once.** A batch of changes is numbered; the script applies a batch only if its number
 is above the one recorded for the replica, so a batch re-sent after a timeout (Redis may have
@@ -54,6 +57,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from picker.config.schema import State
+from picker.core.leases import replica_targets
 from picker.core.shared import SEPARATOR, Changes, apply_view, start_sharing, take_changes
 from picker.dispatch import Dispatcher
 from picker.metrics import PickerMetrics
@@ -63,15 +67,18 @@ log = logging.getLogger(__name__)
 APPLIED_TTL_SECONDS = 3600
 """How long Redis remembers a replica's last batch number (a replica that has been silent
 longer has restarted under a new id)."""
+TARGET_SMOOTHING = 0.2
+"""How far a replica's lease target moves toward the fair one at each exchange."""
 STATE_TTL_SECONDS = 7 * 24 * 3600
 """Counters and buckets untouched by every replica this long are dropped (a pool gone)."""
 
 SYNC_SCRIPT = """
--- KEYS: counters, budgets, epoch, estimates, applied marker of this replica.
+-- KEYS: counters, budgets, epoch, estimates, applied marker of this replica, leases, demands.
 -- ARGV: batch number, marker ttl, state ttl, epoch to create if there is none, estimate ttl,
---       n counters, n x (field, change, own value),
+--       n counters, n x (field, change, own value, lift floor or '', charged since the lift),
 --       n budgets, n x (field, change, own level, capacity, rate),
---       n estimates, n x (field, value).
+--       n estimates, n x (field, value),
+--       replica, target lease, fraction held, lease expiry (s), demand (opaque text).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local epoch = redis.call('GET', KEYS[3])
@@ -91,13 +98,19 @@ end
 local i = 7
 for _ = 1, tonumber(ARGV[6]) do
   if fresh then
-    if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-      redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+    local stored = redis.call('HGET', KEYS[1], ARGV[i])
+    local value
+    if stored then
+      value = tonumber(stored) + tonumber(ARGV[i + 1])
+      if ARGV[i + 3] ~= '' then
+        value = math.max(value, tonumber(ARGV[i + 3]) + tonumber(ARGV[i + 4]))
+      end
     else
-      redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+      value = tonumber(ARGV[i + 2])
     end
+    redis.call('HSET', KEYS[1], ARGV[i], string.format('%.17g', value))
   end
-  i = i + 3
+  i = i + 5
 end
 local budgets = tonumber(ARGV[i])
 i = i + 1
@@ -150,10 +163,36 @@ for j = 1, #all, 2 do
     learned[#learned + 1] = string.format('%.17g', age)
   end
 end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[4], ARGV[3])
-return {redis.call('HGETALL', KEYS[1]), levels, epoch, learned}
+-- The lease: granted out of what the other live replicas may hold (their grant, or what they
+-- hold if more: running requests grow), so that the grants never sum above 1.
+local replica, target, held, expiry = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]),
+                                       tonumber(ARGV[i + 3])
+local others = 0
+local demands = {}
+all = redis.call('HGETALL', KEYS[6])
+for j = 1, #all, 2 do
+  local ack, _, stamp = string.match(all[j + 1], '(%S+) (%S+) (%S+)')
+  if now - tonumber(stamp) > expiry then
+    redis.call('HDEL', KEYS[6], all[j])
+    redis.call('HDEL', KEYS[7], all[j])
+  elseif all[j] ~= replica then
+    others = others + tonumber(ack)
+    local demand = redis.call('HGET', KEYS[7], all[j])
+    if demand then
+      demands[#demands + 1] = all[j]
+      demands[#demands + 1] = demand
+    end
+  end
+end
+local grant = math.max(0, math.min(target, 1 - others))
+redis.call('HSET', KEYS[6], replica, string.format('%.17g %.17g %.17g', math.max(grant, held),
+                                                   grant, now))
+redis.call('HSET', KEYS[7], replica, ARGV[i + 4])
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
+  redis.call('EXPIRE', key, ARGV[3])
+end
+return {redis.call('HGETALL', KEYS[1]), levels, epoch, learned, string.format('%.17g', grant),
+        demands}
 """
 
 
@@ -178,7 +217,8 @@ def _batch_args(batch: int, epoch: str, estimate_ttl: float,
     args: list[str | int] = [batch, APPLIED_TTL_SECONDS, STATE_TTL_SECONDS, epoch,
                              repr(estimate_ttl), len(changes.counters)]
     for c in changes.counters:
-        args += [f"{c.lane}{SEPARATOR}{c.tenant}", repr(c.change), repr(c.value)]
+        args += [f"{c.lane}{SEPARATOR}{c.tenant}", repr(c.change), repr(c.value),
+                 "" if c.lift_to is None else repr(c.lift_to), repr(c.since_lift)]
     args.append(len(changes.budgets))
     for b in changes.budgets:
         args += [f"{b.tenant}{SEPARATOR}{b.window}", repr(b.change), repr(b.level),
@@ -205,6 +245,30 @@ def _estimates(flat: list[str]) -> dict[tuple[str, str, str], tuple[float, float
     return out
 
 
+def _encode_peer(demand: dict[tuple[str, str], float], floors: dict[str, float]) -> str:
+    """What a replica tells its peers: its demand per (lane, tenant) and its fair queue's
+    floor per lane."""
+    return "\x1e".join(f"{lane}{SEPARATOR}{tenant}{SEPARATOR}{tokens:.0f}"
+                        for (lane, tenant), tokens in demand.items()) + "\x1d" + \
+        "\x1e".join(f"{lane}{SEPARATOR}{floor!r}" for lane, floor in floors.items())
+
+
+def _peers(flat: list[str]) -> dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]]:
+    out = {}
+    for j in range(0, len(flat), 2):
+        demand_text, _, floor_text = flat[j + 1].partition("\x1d")
+        demand: dict[tuple[str, str], float] = {}
+        for entry in demand_text.split("\x1e") if demand_text else ():
+            lane, tenant, tokens = entry.split(SEPARATOR)
+            demand[(lane, tenant)] = float(tokens)
+        floors: dict[str, float] = {}
+        for entry in floor_text.split("\x1e") if floor_text else ():
+            lane, floor = entry.split(SEPARATOR)
+            floors[lane] = float(floor)
+        out[flat[j]] = (demand, floors)
+    return out
+
+
 class RedisSync:
     """The exchange loop of one picker (``run``), and its first read (``load``)."""
 
@@ -220,7 +284,13 @@ class RedisSync:
         """This process's id in Redis (a restarted picker is a new replica)."""
         prefix = "{" + state.redis.key_prefix + "}"
         self.keys = [f"{prefix}:counters", f"{prefix}:budgets", f"{prefix}:epoch",
-                     f"{prefix}:estimates", f"{prefix}:applied:{self.replica}"]
+                     f"{prefix}:estimates", f"{prefix}:applied:{self.replica}",
+                     f"{prefix}:leases", f"{prefix}:demands"]
+        self.lease = 1.0
+        """The share of every endpoint this picker may hold, as last granted."""
+        self._target = 1.0
+        self.peers: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]] = {}
+        """The other live replicas' demands and fair-queue floors, as last seen."""
         self.epoch: str | None = None
         """The store's epoch as last seen: a new one means the store lost its state."""
         self._resend_all = False
@@ -234,8 +304,9 @@ class RedisSync:
         gate = dispatcher.gate
         start_sharing(gate.scheduler, gate.admission, gate.estimates)
 
-    async def exchange(self) -> None:
-        """Send this picker's changes (or the batch still pending) and take the view."""
+    async def exchange(self, releasing: bool = False) -> None:
+        """Send this picker's changes (or the batch still pending) and take the view.
+        ``releasing``: a stopping picker gives up its lease."""
         gate = self.dispatcher.gate
         if self._pending is None:
             changes = take_changes(gate.scheduler, gate.admission, self.clock(),
@@ -245,10 +316,21 @@ class RedisSync:
                                         changes)
             self._resend_all = False
         started = self.clock()
-        counters, levels, epoch, learned = await self._script(keys=self.keys,
-                                                              args=self._pending)
+        counters, levels, epoch, learned, grant, peers = await self._script(
+            keys=self.keys, args=[*self._pending, *self._lease_args(releasing)])
         self._pending = None
         now = self.clock()
+        self.peers = _peers(peers)
+        floors: dict[str, float] = {}
+        for _, theirs in self.peers.values():
+            for lane, floor in theirs.items():
+                floors[lane] = min(floor, floors.get(lane, floor))
+        gate.scheduler.set_shared_floors(floors)
+        gate.admission.replicas = 1 + len(self.peers)
+        gate.admission.slice_wait = self.state.sync_interval
+        self.lease = float(grant)
+        gate.set_capacity_share(self.lease, now)
+        self.metrics.state_lease.set(self.lease)
         self.metrics.state_sync_seconds.observe(now - started)
         if self.epoch is not None and epoch != self.epoch:
             # The store came back empty (restarted without persistence): its view would reset
@@ -260,6 +342,24 @@ class RedisSync:
         apply_view(gate.scheduler, gate.admission, _pairs(counters), _pairs(levels), now,
                    estimates=gate.estimates, learned=_estimates(learned))
         self.dispatcher.pump()  # counters moved: someone else may be next
+
+    def _lease_args(self, releasing: bool) -> list[str]:
+        gate = self.dispatcher.gate
+        mine = gate.demand(self.clock())
+        if releasing:
+            target = 0.0
+        else:
+            demands = {replica: demand for replica, (demand, _) in self.peers.items()}
+            targets = replica_targets({**demands, self.replica: mine},
+                                      gate.scheduler.lane_names, gate.scheduler.weights,
+                                      gate.pool_capacity())
+            # Demands jitter from one interval to the next (queues fill and drain), and a lease
+            # given up is reclaimed only as its requests finish: follow the trend, not the jitter.
+            self._target += TARGET_SMOOTHING * (targets[self.replica] - self._target)
+            target = self._target
+        return [self.replica, repr(target), repr(gate.held_fraction()),
+                repr(self.state.max_staleness),
+                _encode_peer(mine, gate.scheduler.floors())]
 
     async def load(self, stop: asyncio.Event) -> bool:
         """The first exchange, before serving: retried until it succeeds or ``maxStaleness``
@@ -286,17 +386,25 @@ class RedisSync:
         """The last exchanges of a stopping picker (after its requests drained): the pending
         batch, then the changes since; then the connection is closed."""
         for _ in range(2):
-            if not await self._try():
+            if not await self._try(releasing=True):
                 break
         await self.client.aclose()
 
-    async def _try(self) -> bool:
+    async def _try(self, releasing: bool = False) -> bool:
         try:
-            await self.exchange()
+            await self.exchange(releasing)
         except (RedisError, OSError, TimeoutError) as error:
             self.metrics.state_syncs.labels("error").inc()
             now = self.clock()
             stale = self.last_ok is None or now - self.last_ok >= self.state.max_staleness
+            if stale:
+                # Others may reclaim a silent replica's lease: keep no more than an equal part.
+                self.lease = min(self.lease, 1.0 / (1 + len(self.peers)))
+                self.dispatcher.gate.set_capacity_share(self.lease, now)
+                # failSoft decides on its own view: its budgets as if alone (none of the
+                # others' spending is seen); failClosed refuses anyway.
+                self.dispatcher.gate.admission.replicas = 1
+                self.metrics.state_lease.set(self.lease)
             if stale and self.available:
                 log.warning("shared state store unreachable for %.1fs (%s: %s): %s",
                             self.state.max_staleness, type(error).__name__, error,

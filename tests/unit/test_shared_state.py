@@ -27,8 +27,13 @@ class Store:
     def exchange(self, changes: Changes) -> tuple[dict, dict]:
         for c in changes.counters:
             key = (c.lane, c.tenant)
-            self.counters[key] = self.counters[key] + c.change if key in self.counters \
-                else c.value
+            if key not in self.counters:
+                self.counters[key] = c.value
+                continue
+            value = self.counters[key] + c.change
+            if c.lift_to is not None:
+                value = max(value, c.lift_to + c.since_lift)
+            self.counters[key] = value
         for b in changes.budgets:
             key = (b.tenant, b.window)
             level = self.levels[key] + b.change if key in self.levels else b.level
@@ -203,3 +208,61 @@ def test_an_estimate_from_the_store_ages_from_when_it_was_learned() -> None:
                learned={("stream", "a", ""): (90.0, 550.0)})
     assert estimates.output("a", 1000.0, stream=True) == 90.0
     assert estimates.output("a", 1051.0, stream=True) == 256.0  # 601 s old: the default
+
+
+def test_a_lift_from_a_stale_counter_does_not_inflate_the_store_s() -> None:
+    store, one, two = Store(), Replica(), Replica()
+    two.serve("a", 1000, 0)  # a is served at two: 1,000
+    two.sync(store)
+    one.serve("b", 500, 0)
+    one.scheduler.enqueue(Request("b", 10), 0.0)  # b backlogged at one at 500
+    one.scheduler.enqueue(Request("a", 10), 0.0)  # a reaches one: lifted from 0 (stale) to 500
+    one.sync(store)
+    assert store.counters[("default", "a")] == pytest.approx(1000.0)  # not 1,500
+    assert one.scheduler.counter("a") == pytest.approx(1000.0)
+
+
+def test_a_lift_above_the_store_s_counter_raises_it_with_what_was_charged_since() -> None:
+    store, one, two = Store(), Replica(), Replica()
+    two.serve("a", 100, 0)
+    two.sync(store)
+    one.sync(store)
+    one.serve("b", 500, 0)
+    one.scheduler.enqueue(Request("b", 10), 0.0)
+    request = Request("a", 30)
+    one.scheduler.enqueue(request, 0.0)  # lifted from 100 to 500
+    one.scheduler.dispatch(request, 0.0)  # then charged 30
+    one.sync(store)
+    assert store.counters[("default", "a")] == pytest.approx(530.0)
+
+
+def _admitted(replica: Replica, tokens: int) -> bool:
+    admitted = replica.admission.admit("a", "default", tokens, None, 0, 0.0)
+    return isinstance(admitted, Admitted)
+
+
+@pytest.mark.parametrize(("spent", "most"), [(0, 900), (750, 300)])
+def test_replicas_together_overrun_a_budget_by_one_request_each_at_most(
+        spent: int, most: int) -> None:
+    store, replicas = Store(), [Replica() for _ in range(3)]
+    if spent:
+        replicas[0].spend("a", spent)
+    for replica in (*replicas, *replicas):
+        replica.sync(store)
+        replica.admission.replicas = 3
+    # Between two exchanges each spends no more than a third of what is left (its first
+    # request excepted): 1,000 left -> 3 x 300; 250 left -> one request each.
+    admitted = sum(100 for replica in replicas for _ in range(10) if _admitted(replica, 100))
+    assert admitted == most
+    left = BURST.burst.capacity_tokens - spent  # type: ignore[union-attr]
+    assert admitted <= left + 3 * 100
+
+
+def test_a_picker_over_its_part_is_told_to_retry_after_the_next_exchange() -> None:
+    store, one = Store(), Replica()
+    one.sync(store)
+    one.admission.replicas, one.admission.slice_wait = 4, 0.1
+    assert _admitted(one, 200)  # the first request passes
+    refused = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    assert not isinstance(refused, Admitted)
+    assert refused.retry_after == 0.1 and "part of the burst token budget" in refused.message
