@@ -137,3 +137,90 @@ def apply_view(scheduler: Scheduler, admission: Admission,
         admission.set_level(tenant, window, None, now)
     for (tenant, window), level in budgets.items():
         admission.set_level(tenant, window, level, now)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReply:
+    """What an exchange returns: the store's counters and the levels of the buckets that are
+    not full, the estimates (value, age), this replica's lease and the live peers' demands and
+    floors."""
+
+    counters: dict[tuple[str, str], float]
+    levels: dict[tuple[str, str], float]
+    learned: dict[tuple[str, str, str], tuple[float, float]]
+    grant: float
+    peers: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]]
+
+
+class StoreModel:
+    """The shared store's rules (``picker.state``'s Lua script) in Python: for the multi-picker
+    simulator, and to test the script against. Time is passed in; one call is one exchange,
+    atomic as the script is."""
+
+    def __init__(self, lease_expiry: float = 2.0, estimate_ttl: float = 600.0) -> None:
+        self.lease_expiry, self.estimate_ttl = lease_expiry, estimate_ttl
+        self.counters: dict[tuple[str, str], float] = {}
+        self.buckets: dict[tuple[str, str], tuple[float, float, int, float]] = {}
+        """(tenant, window) -> (level, stamp, capacity, rate)."""
+        self.estimates: dict[tuple[str, str, str], tuple[float, float]] = {}
+        self.applied: dict[str, int] = {}
+        self.leases: dict[str, tuple[float, float, float]] = {}
+        """replica -> (held or granted, granted, stamp)."""
+        self.demands: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]] = {}
+
+    def _refilled(self, key: tuple[str, str], now: float) -> float:
+        level, stamp, capacity, rate = self.buckets[key]
+        if now > stamp and level < capacity:
+            level = min(float(capacity), level + rate * (now - stamp))
+        return level
+
+    def exchange(self, replica: str, batch: int, changes: Changes, now: float, *,
+                 target: float = 1.0, held: float = 0.0,
+                 demand: dict[tuple[str, str], float] | None = None,
+                 floors: dict[str, float] | None = None) -> StoreReply:
+        if batch > self.applied.get(replica, 0):
+            self._apply(changes, now)
+            self.applied[replica] = batch
+        levels = {}
+        for key in list(self.buckets):
+            level = self._refilled(key, now)
+            if level >= self.buckets[key][2]:
+                del self.buckets[key]
+            else:
+                levels[key] = level
+        learned = {}
+        for estimate, (value, stamp) in list(self.estimates.items()):
+            if now - stamp > self.estimate_ttl:
+                del self.estimates[estimate]
+            else:
+                learned[estimate] = (value, max(0.0, now - stamp))
+        others = 0.0
+        for other, (holds, _, stamp) in list(self.leases.items()):
+            if now - stamp > self.lease_expiry:
+                del self.leases[other]
+                self.demands.pop(other, None)
+            elif other != replica:
+                others += holds
+        grant = max(0.0, min(target, 1.0 - others))
+        self.leases[replica] = (max(grant, held), grant, now)
+        self.demands[replica] = (dict(demand or {}), dict(floors or {}))
+        peers = {r: d for r, d in self.demands.items() if r != replica and r in self.leases}
+        return StoreReply(dict(self.counters), levels, learned, grant, peers)
+
+    def _apply(self, changes: Changes, now: float) -> None:
+        for c in changes.counters:
+            key = (c.lane, c.tenant)
+            if key in self.counters:
+                value = self.counters[key] + c.change
+                if c.lift_to is not None:
+                    value = max(value, c.lift_to + c.since_lift)
+            else:
+                value = c.value
+            self.counters[key] = value
+        for b in changes.budgets:
+            key = (b.tenant, b.window)
+            level = self._refilled(key, now) + b.change if key in self.buckets else b.level
+            self.buckets[key] = (max(-b.capacity, min(float(b.capacity), level)), now,
+                                 b.capacity, b.rate)
+        for e in changes.estimates:
+            self.estimates[(e.kind, e.tenant, e.model)] = (e.value, now)

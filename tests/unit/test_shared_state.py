@@ -1,9 +1,9 @@
 """``picker.core.shared``: replicas exchanging their changes through a store end with the
 counters and budget levels one picker alone would have, with nothing counted twice or lost.
 
-The store here is a few lines of Python with the Lua script's rules (``picker.state``): add a
-change where a value is held, take the sender's own value where none is; a bucket absent is full.
-The real script is tested against a real Redis in ``tests/integration/test_redis_state.py``.
+The store is ``StoreModel``, the Lua script's rules in Python (``picker.state``): add a change
+where a value is held, take the sender's own value where none is; a lift is a floor; a bucket
+absent is full. ``tests/integration/test_redis_script.py`` holds the real script to the model.
 """
 
 from __future__ import annotations
@@ -14,32 +14,30 @@ from picker.core import Request, Usage
 from picker.core.admission import Admission, Admitted, BucketRule, TenantRules
 from picker.core.estimates import TenantEstimates
 from picker.core.lanes import Scheduler
-from picker.core.shared import Changes, apply_view, start_sharing, take_changes
+from picker.core.shared import Changes, StoreModel, apply_view, start_sharing, take_changes
 
 BURST = TenantRules(burst=BucketRule(1000, 3600.0))
 
 
 class Store:
+    """``StoreModel`` (the script's rules in Python) at t=0, each exchange its own batch."""
+
     def __init__(self) -> None:
-        self.counters: dict[tuple[str, str], float] = {}
-        self.levels: dict[tuple[str, str], float] = {}  # refill ignored: the tests run at t=0
+        self.model = StoreModel()
+        self.batches = 0
+
+    @property
+    def counters(self) -> dict[tuple[str, str], float]:
+        return self.model.counters
+
+    @property
+    def levels(self) -> dict[tuple[str, str], float]:
+        return {key: level for key, (level, *_) in self.model.buckets.items()}
 
     def exchange(self, changes: Changes) -> tuple[dict, dict]:
-        for c in changes.counters:
-            key = (c.lane, c.tenant)
-            if key not in self.counters:
-                self.counters[key] = c.value
-                continue
-            value = self.counters[key] + c.change
-            if c.lift_to is not None:
-                value = max(value, c.lift_to + c.since_lift)
-            self.counters[key] = value
-        for b in changes.budgets:
-            key = (b.tenant, b.window)
-            level = self.levels[key] + b.change if key in self.levels else b.level
-            self.levels[key] = max(-b.capacity, min(b.capacity, level))
-        self.levels = {k: v for k, v in self.levels.items() if v < 1000}  # full: absent
-        return dict(self.counters), dict(self.levels)
+        self.batches += 1
+        reply = self.model.exchange(f"replica{self.batches}", 1, changes, 0.0)
+        return reply.counters, reply.levels
 
 
 class Replica:
