@@ -419,7 +419,7 @@ class RedisStore:
     """CA certificates to verify a ``rediss://`` server with (default: the system's)."""
     key_prefix: str = field(default="fairway", metadata=_camel("key_prefix", min_length=1))
     """Start of every key: one per pool, so pools sharing a Redis stay apart (the chart sets
-    it to the pool's namespace and name)."""
+    it to the release namespace and the picker's name)."""
 
     def __post_init__(self) -> None:
         scheme = self.url.split("://", 1)[0] if "://" in self.url else ""

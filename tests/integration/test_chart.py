@@ -21,8 +21,13 @@ defaults under another release name), and checked:
 - the rendered base config loads with the picker's ``load_config`` (and the operator's renderer
   accepts it with a policy), the CRD in ``crds/`` is byte-identical to ``manifests/crd/``, the
   dashboard in the chart is the repository's dashboard;
+- with ``state.backend: redis`` every replica serves: no ``--lease``, a readiness-gated rollout,
+  a PodDisruptionBudget of one eviction at a time, and the Secrets mounted where the rendered
+  ``state`` section (as the picker loads it) looks for them; with ``memory`` the chart renders as
+  before;
 - every file in ``tests/fixtures/chart/bad/`` is refused at install by ``values.schema.json``
-  with the message on its ``# expect:`` line.
+  with the message on its ``# expect:`` line; the state backend's are refused by the templates
+  too when the schema is skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import copy
 import functools
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,8 @@ CASES: list[tuple[str, str, dict]] = [("default", "fairway", {}),
 CASES += [(p.stem, "fairway", yaml.safe_load(p.read_text(encoding="utf-8")))
           for p in sorted(FIXTURES.glob("*.yaml"))]
 IDS = [c[0] for c in CASES]
+OPERATOR_IDS = [c[0] for c in CASES if c[2].get("operator", {}).get("enabled", True)]
+REDIS_IDS = [c[0] for c in CASES if c[2].get("state", {}).get("backend") == "redis"]
 
 
 @functools.cache
@@ -123,6 +131,11 @@ def _selected(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def _shared(case_id: str) -> bool:
+    """Whether the case's pickers share their state through Redis (all serve, none leads)."""
+    return bool(_values(case_id)["state"]["backend"] == "redis")
+
+
 # --- Helm: lint, schema, rendering ---------------------------------------------------------
 
 
@@ -173,6 +186,27 @@ def test_grace_must_be_shorter_than_the_termination_grace_period() -> None:
     with pytest.raises(HelmRenderError, match="terminationGracePeriodSeconds must exceed"):
         _chart().render({"picker": {"grace": 30, "terminationGracePeriodSeconds": 30}},
                         name="fairway", namespace=NS, is_install=True)
+
+
+# The template's message for each state fixture in bad/: what `helm install
+# --skip-schema-validation` says.
+TEMPLATE_REFUSALS = {
+    "redis_without_url": "state.redis.url is required with state.backend redis",
+    "redis_url_not_redis": "state.redis.url must start with redis:// or rediss://",
+    "redis_url_with_credentials": "state.redis.url must not carry credentials",
+    "state_in_config": "config.state is not read: set the top-level `state` values",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATE_REFUSALS))
+def test_state_mistakes_are_refused_without_the_schema_too(name: str, tmp_path: Path) -> None:
+    chart_dir = tmp_path / "fairway"
+    shutil.copytree(CHART, chart_dir)
+    (chart_dir / "values.schema.json").unlink()
+    values = yaml.safe_load((FIXTURES / "bad" / f"{name}.yaml").read_text(encoding="utf-8"))
+    with Chart.load(chart_dir) as unchecked, pytest.raises(HelmRenderError) as refused:
+        unchecked.render(values, name="fairway", namespace=NS, is_install=True)
+    assert TEMPLATE_REFUSALS[name] in str(refused.value)
 
 
 # --- Kubernetes' schemas and the custom kinds --------------------------------------------------
@@ -388,7 +422,7 @@ def test_picker_deployment(case_id: str) -> None:
     assert config_map.endswith("-picker-config")
     assert flags.get("pool") == (f"{NS}/{pool}" if pool else None)
     lease = flags.get("lease")
-    if replicas > 1:
+    if replicas > 1 and not _shared(case_id):
         assert lease == f"{NS}/{deployment['metadata']['name']}"
         assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "100%",
                                                                    "maxUnavailable": "100%"}
@@ -457,7 +491,10 @@ def test_pdb_only_with_several_replicas(case_id: str) -> None:
         return
     (pdb,) = budgets
     deployment = _one(case_id, "Deployment", "picker")
-    assert pdb["spec"]["minAvailable"] == 1
+    if _shared(case_id):  # every replica serves: any one may go, the others keep serving
+        assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    else:  # only the leader is Ready: it stays
+        assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # standbys are unready
     assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
 
@@ -475,10 +512,71 @@ def test_ha_spreads_replicas_and_elects_a_leader() -> None:
     assert _picker_settings(container["args"]).lease == f"{NS}/fairway-picker"
 
 
+@pytest.mark.parametrize("case_id", REDIS_IDS)
+def test_with_redis_every_replica_serves(case_id: str) -> None:
+    """No leader election, whatever the replica count; a readiness-gated rollout and one
+    eviction at a time, since every replica is Ready; still spread over nodes."""
+    deployment = _one(case_id, "Deployment", "picker")
+    assert deployment["spec"]["replicas"] == _values(case_id)["picker"]["replicas"] > 1
+    args = _container(deployment)["args"]
+    assert not any(arg.startswith("--lease") for arg in args)
+    assert _picker_settings(args).lease is None
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (pdb,) = _kind(case_id, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    term = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_with_redis_an_update_strategy_value_wins() -> None:
+    _, _, values = next(c for c in CASES if c[0] == "redis")
+    values = copy.deepcopy(values)
+    values["picker"]["updateStrategy"] = {"type": "Recreate"}
+    manifests = _chart().render(values, name="fairway", namespace=NS, is_install=True)
+    deployment = yaml.safe_load(manifests["fairway/templates/picker-deployment.yaml"])
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_with_redis_the_secrets_are_mounted_where_the_config_names_them() -> None:
+    values = _values("redis")["state"]["redis"]
+    deployment = _one("redis", "Deployment", "picker")
+    pod = deployment["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in _container(deployment)["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["redis"] == {"name": "redis", "mountPath": "/etc/fairway/redis",
+                               "readOnly": True}
+    # Only the named key of each Secret, under the file name the config gives.
+    assert volumes["redis"]["projected"]["sources"] == [
+        {"secret": {"name": "fairway-redis",
+                    "items": [{"key": "redis-password", "path": "password"}]}},
+        {"secret": {"name": "redis-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
+    assert values["passwordSecret"]["key"] == "redis-password"  # the fixture's
+    assert values["caSecret"]["key"] == "ca.crt"  # the default
+    config = load_config(yaml.safe_load(
+        _one("redis", "ConfigMap", "picker-config")["data"]["base.yaml"]))
+    files = {item["path"] for source in volumes["redis"]["projected"]["sources"]
+             for item in source["secret"]["items"]}
+    assert config.state.redis.password_file == "/etc/fairway/redis/password"
+    assert config.state.redis.ca_file == "/etc/fairway/redis/ca.crt"
+    for path in (config.state.redis.password_file, config.state.redis.ca_file):
+        directory, _, name = path.rpartition("/")
+        assert directory == mounts["redis"]["mountPath"] and name in files
+    # Without Secrets: nothing mounted, no file named.
+    config = load_config(yaml.safe_load(
+        _one("redis-no-operator", "ConfigMap", "picker-config")["data"]["picker.yaml"]))
+    assert config.state.redis.password_file is None and config.state.redis.ca_file is None
+    deployment = _one("redis-no-operator", "Deployment", "picker")
+    assert [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
+    assert [m["name"] for m in _container(deployment)["volumeMounts"]] == ["tmp"]
+
+
 # --- the operator and the names the components share -------------------------------------------
 
 
-@pytest.mark.parametrize("case_id", [i for i in IDS if i != "no-operator"])
+@pytest.mark.parametrize("case_id", OPERATOR_IDS)
 def test_operator_flags_match_the_picker_and_the_base_config(
         case_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("POOL", "NAMESPACES", "ALL_NAMESPACES", "BASE_CONFIGMAP", "BASE_KEY",
@@ -526,9 +624,12 @@ def test_rendered_config_loads_in_the_picker(case_id: str) -> None:
     configmap = _one(case_id, "ConfigMap", "picker-config")
     (key,) = configmap["data"]
     data = yaml.safe_load(configmap["data"][key])
-    assert data == values["config"]  # toYaml kept every value and its type
+    # toYaml kept every value and its type; `state` is the chart's, from the `state` values.
+    assert {k: v for k, v in data.items() if k != "state"} == values["config"]
+    assert ("state" in data) == _shared(case_id)
     config = load_config(data)
     assert isinstance(config, PickerConfig)
+    assert config.state.backend == values["state"]["backend"]
     if values["operator"]["enabled"]:
         assert key == "base.yaml" and configmap["metadata"]["name"].endswith("-base")
         # The operator accepts the base and adds a policy's tenant to it.
@@ -542,6 +643,7 @@ def test_rendered_config_loads_in_the_picker(case_id: str) -> None:
         rendered, verdicts = operator_render.render(base, [policy], {})
         assert rendered is not None and verdicts["team-a"].ready, verdicts
         assert load_config(rendered).tenant("team-a").weight == 2
+        assert load_config(rendered).state == config.state  # the operator keeps it
     else:
         assert key == "picker.yaml" and configmap["metadata"]["name"].endswith("-picker-config")
 
@@ -554,6 +656,50 @@ def test_config_values_keep_their_types() -> None:
     assert isinstance(sustained.tokens, int) and sustained.per == 86400
     assert config.capacity.kv_budget_tokens == 16384
     assert [lane.engine_priority for lane in config.lanes] == [0, 10]
+
+
+def _state(case_id: str) -> Any:
+    """The picker's ``state`` settings, as it loads them from the config the chart renders."""
+    configmap = _one(case_id, "ConfigMap", "picker-config")
+    (text,) = configmap["data"].values()
+    return load_config(yaml.safe_load(text)).state
+
+
+def test_redis_state_section_loads_in_the_picker() -> None:
+    state = _state("redis")
+    assert (state.backend, state.redis.url) == ("redis", "rediss://redis-master.redis.svc:6379/0")
+    assert (state.sync_interval, state.max_staleness, state.on_unavailable) == (
+        0.05, 1.0, "failSoft")
+    state = _state("redis-no-operator")
+    assert (state.backend, state.redis.url) == ("redis", "redis://redis.shared.svc:6379/2")
+    assert (state.sync_interval, state.max_staleness, state.on_unavailable) == (
+        0.1, 2.0, "failClosed")  # the chart's defaults are the picker's
+    for case_id in IDS:
+        if case_id not in REDIS_IDS:
+            assert _state(case_id).backend == "memory"
+
+
+def test_redis_key_prefix_defaults_to_the_namespace_and_the_picker() -> None:
+    """Two pools (releases) sharing a Redis stay apart; an explicit prefix is kept."""
+    deployment = _one("redis", "Deployment", "picker")
+    assert _state("redis").redis.key_prefix == f"{NS}/{deployment['metadata']['name']}" == \
+        f"{NS}/fairway-picker"
+    assert _state("redis-no-operator").redis.key_prefix == "team-pools/llm"
+    _, _, values = next(c for c in CASES if c[0] == "redis")
+    manifests = _chart().render(copy.deepcopy(values), name="chat", namespace="other",
+                                is_install=True)
+    base = yaml.safe_load(yaml.safe_load(manifests["fairway/templates/config.yaml"])["data"][
+        "base.yaml"])
+    assert load_config(base).state.redis.key_prefix == "other/chat-fairway-picker"
+
+
+def test_memory_backend_renders_no_state_section() -> None:
+    """The picker's default: the chart adds nothing to the config it renders."""
+    assert _values("default")["state"]["backend"] == "memory"
+    for case_id in IDS:
+        if case_id not in REDIS_IDS:
+            (text,) = _one(case_id, "ConfigMap", "picker-config")["data"].values()
+            assert "state" not in yaml.safe_load(text)
 
 
 def test_without_operator_the_chart_writes_the_whole_picker_config() -> None:
@@ -639,6 +785,16 @@ def test_network_policy_with_only_a_gateway_pod_selector() -> None:
         "matchLabels": {"app": "envoy"}}}]  # pods of the release namespace only
 
 
+def test_network_policy_leaves_the_pickers_way_to_redis_open() -> None:
+    _, _, values = next(c for c in CASES if c[0] == "redis")
+    values = copy.deepcopy(values)
+    values["networkPolicy"] = {"enabled": True, "gateway": {
+        "podSelector": {"matchLabels": {"app": "envoy"}}}}
+    manifests = _chart().render(values, name="fairway", namespace=NS, is_install=True)
+    for policy in yaml.safe_load_all(manifests["fairway/templates/networkpolicy.yaml"]):
+        assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+
+
 # --- files shared with the repository ----------------------------------------------------------
 
 
@@ -687,7 +843,8 @@ def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
             _rendered("default")[0]
 
 
-@pytest.mark.parametrize("case_id", ["default", "ha", "inferencepool-failopen", "no-operator"])
+@pytest.mark.parametrize("case_id", ["default", "ha", "inferencepool-failopen", "no-operator",
+                                     "redis"])
 def test_notes_say_what_to_do_next(case_id: str) -> None:
     notes = next(text for path, text in _rendered(case_id)[0].items()
                  if path.endswith("NOTES.txt"))
@@ -696,7 +853,8 @@ def test_notes_say_what_to_do_next(case_id: str) -> None:
     assert ("kind: TenantPolicy" in notes) == _values(case_id)["operator"]["enabled"]
     assert ("Grafana" in notes) == _values(case_id)["dashboard"]["enabled"]
     assert "9002" in notes
-    assert ("delete the leader pod" in notes) == (_values(case_id)["picker"]["replicas"] > 1)
+    assert ("delete the leader pod" in notes) == (_values(case_id)["picker"]["replicas"] > 1
+                                                  and not _shared(case_id))
 
 
 
@@ -720,3 +878,22 @@ def test_notes_in_api_key_mode_say_authorization_reaches_the_picker() -> None:
                  if path.endswith("NOTES.txt"))
     assert "Tenancy mode: apiKey." in notes and "Authorization" in notes
     assert "Tenancy mode: header" not in notes
+
+
+def test_notes_with_redis_say_how_to_bring_it_and_that_all_replicas_serve() -> None:
+    notes = next(text for path, text in _rendered("redis")[0].items()
+                 if path.endswith("NOTES.txt"))
+    assert "3 replicas, all serving" in notes and "leader election" not in notes
+    assert "rediss://redis-master.redis.svc:6379/0" in notes and f"{NS}/fairway-picker" in notes
+    assert "Redis 6+" in notes and "AOF" in notes and "Bitnami" in notes
+    assert "create secret generic fairway-redis --from-literal=redis-password=" in notes
+    assert "Secret redis-ca" in notes
+    assert "inline response path" in notes
+    assert "one picker at a time" in notes and "delete the leader pod" not in notes
+    notes = next(text for path, text in _rendered("redis-no-operator")[0].items()
+                 if path.endswith("NOTES.txt"))
+    assert "No password is set" in notes and "503 state_unavailable" in notes
+    for case_id in ("default", "ha"):
+        notes = next(text for path, text in _rendered(case_id)[0].items()
+                     if path.endswith("NOTES.txt"))
+        assert "Redis" not in notes

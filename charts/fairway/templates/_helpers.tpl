@@ -60,7 +60,7 @@ when the operator is disabled. */}}
 {{- printf "%s-base" (include "fairway.fullname" .) }}
 {{- end }}
 
-{{/* The Lease of the picker's leader election (replicas > 1). */}}
+{{/* The Lease of the picker's leader election (replicas > 1 on the memory backend). */}}
 {{- define "fairway.leaseName" -}}
 {{- include "fairway.picker.fullname" . }}
 {{- end }}
@@ -119,6 +119,54 @@ same as upstream's picker: ext_proc 9002, gRPC health 9003, metrics 9090; the ad
 {{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.namespaceSelector) (not .Values.networkPolicy.gateway.podSelector) }}
 {{- fail "networkPolicy.gateway needs a namespaceSelector or a podSelector (who may reach ext_proc)" }}
 {{- end }}
+{{- if hasKey .Values.config "state" }}
+{{- fail "config.state is not read: set the top-level `state` values instead (the chart renders the picker's state section from them, and mounts the Secrets it names)" }}
+{{- end }}
+{{- if eq .Values.state.backend "redis" }}
+{{- $url := .Values.state.redis.url }}
+{{- if not $url }}
+{{- fail "state.redis.url is required with state.backend redis (redis://host:6379/0, or rediss:// for TLS)" }}
+{{- end }}
+{{- if not (or (hasPrefix "redis://" $url) (hasPrefix "rediss://" $url)) }}
+{{- fail "state.redis.url must start with redis:// or rediss://" }}
+{{- end }}
+{{- if contains "@" $url }}
+{{- fail "state.redis.url must not carry credentials (it is written to a ConfigMap): put the password in a Secret named by state.redis.passwordSecret" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when the pickers share their state through Redis: then every replica
+serves, and none elects a leader. */}}
+{{- define "fairway.sharedState" -}}
+{{- if eq .Values.state.backend "redis" }}true{{ end }}
+{{- end }}
+
+{{/* Where the picker finds the Redis password (file password) and CA bundle (file ca.crt). */}}
+{{- define "fairway.redisMountPath" -}}/etc/fairway/redis{{- end }}
+
+{{/* The picker's `state` section from .Values.state (redis only: memory is the picker's
+default, so its config stays as it was). The key prefix defaults to the release namespace and
+the picker's name, so two pools sharing a Redis stay apart. */}}
+{{- define "fairway.stateConfig" -}}
+{{- $state := .Values.state }}
+{{- $redis := dict "url" $state.redis.url "keyPrefix" (default (printf "%s/%s" .Release.Namespace (include "fairway.picker.fullname" .)) $state.redis.keyPrefix) }}
+{{- if $state.redis.passwordSecret.name }}
+{{- $_ := set $redis "passwordFile" (printf "%s/password" (include "fairway.redisMountPath" .)) }}
+{{- end }}
+{{- if $state.redis.caSecret.name }}
+{{- $_ := set $redis "caFile" (printf "%s/ca.crt" (include "fairway.redisMountPath" .)) }}
+{{- end }}
+{{- toYaml (dict "backend" "redis" "redis" $redis "syncInterval" $state.syncInterval "maxStaleness" $state.maxStaleness "onUnavailable" $state.onUnavailable) }}
+{{- end }}
+
+{{/* The picker's config as the chart renders it: .Values.config, plus `state` with redis. */}}
+{{- define "fairway.pickerConfig" -}}
+{{- $config := deepCopy .Values.config }}
+{{- if include "fairway.sharedState" . }}
+{{- $_ := set $config "state" (include "fairway.stateConfig" . | fromYaml) }}
+{{- end }}
+{{- toYaml $config }}
 {{- end }}
 
 {{/* Where the picker finds tls.secretName's tls.crt and tls.key (--cert-path). */}}
