@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 from picker.core.admission import Admission
 from picker.core.estimates import TenantEstimates
+from picker.core.gate import Gate
 from picker.core.lanes import Scheduler
+from picker.core.leases import replica_targets
 
 SEPARATOR = "\x1f"
 """Between the parts of a store key's field (lane and tenant; tenant and window): a control
@@ -224,3 +226,83 @@ class StoreModel:
                                  b.capacity, b.rate)
         for e in changes.estimates:
             self.estimates[(e.kind, e.tenant, e.model)] = (e.value, now)
+
+
+TARGET_SMOOTHING = 0.2
+"""How far a replica's lease target moves toward the fair one at each exchange: demands jitter
+from one interval to the next (queues fill and drain), and a lease given up is reclaimed only as
+its requests finish, so the target follows the trend, not the jitter."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """What a replica asks of the store about the pool beside its changes."""
+
+    target: float
+    """The lease it asks for (``picker.core.leases``), smoothed."""
+    held: float
+    """The largest fraction of an endpoint it holds now (its lease covers at least that)."""
+    demand: dict[tuple[str, str], float]
+    floors: dict[str, float]
+
+
+class Replica:
+    """One picker's side of the exchange, whatever carries it (Redis in the server, a
+    ``StoreModel`` in the simulator): what it sends, and how the answer becomes its view."""
+
+    def __init__(self, gate: Gate, sync_interval: float) -> None:
+        self.gate = gate
+        self.sync_interval = sync_interval
+        self.lease = 1.0
+        """The share of every endpoint this picker may hold, as last granted."""
+        self.peers: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]] = {}
+        """The other live replicas' demands and fair-queue floors, as last seen."""
+        self._target = 1.0
+        start_sharing(gate.scheduler, gate.admission, gate.estimates)
+
+    def changes(self, now: float, *, every: bool = False) -> Changes:
+        gate = self.gate
+        return take_changes(gate.scheduler, gate.admission, now, estimates=gate.estimates,
+                            every=every)
+
+    def lease_request(self, me: str, now: float, *, releasing: bool = False) -> LeaseRequest:
+        """``me``: this replica's name among the peers. ``releasing``: a stopping picker asks
+        for nothing."""
+        gate = self.gate
+        mine = gate.demand(now)
+        if releasing:
+            target = 0.0
+        else:
+            demands = {replica: demand for replica, (demand, _) in self.peers.items()}
+            targets = replica_targets({**demands, me: mine}, gate.scheduler.lane_names,
+                                      gate.scheduler.weights, gate.pool_capacity())
+            self._target += TARGET_SMOOTHING * (targets[me] - self._target)
+            target = self._target
+        return LeaseRequest(target, gate.held_fraction(), mine, gate.scheduler.floors())
+
+    def receive(self, reply: StoreReply, now: float, *, view: bool = True) -> None:
+        """The store's answer: peers, their floors, this picker's lease and (``view``) the
+        counters, levels and estimates."""
+        gate = self.gate
+        self.peers = reply.peers
+        floors: dict[str, float] = {}
+        for _, theirs in self.peers.values():
+            for lane, floor in theirs.items():
+                floors[lane] = min(floor, floors.get(lane, floor))
+        gate.scheduler.set_shared_floors(floors)
+        gate.admission.replicas = 1 + len(self.peers)
+        gate.admission.slice_wait = self.sync_interval
+        self.lease = reply.grant
+        gate.set_capacity_share(self.lease, now)
+        if view:
+            apply_view(gate.scheduler, gate.admission, reply.counters, reply.levels, now,
+                       estimates=gate.estimates, learned=reply.learned)
+            gate.pump(now)  # counters moved: someone else may be next
+
+    def out_of_touch(self, now: float) -> None:
+        """The store has not answered for longer than peers wait for a silent replica: they
+        may take its lease, so it keeps no more than an equal part, and it judges budgets as if
+        alone (none of the others' spending is seen)."""
+        self.lease = min(self.lease, 1.0 / (1 + len(self.peers)))
+        self.gate.set_capacity_share(self.lease, now)
+        self.gate.admission.replicas = 1

@@ -57,8 +57,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from picker.config.schema import State
-from picker.core.leases import replica_targets
-from picker.core.shared import SEPARATOR, Changes, apply_view, start_sharing, take_changes
+from picker.core.shared import SEPARATOR, Changes, Replica, StoreReply
 from picker.dispatch import Dispatcher
 from picker.metrics import PickerMetrics
 
@@ -67,8 +66,6 @@ log = logging.getLogger(__name__)
 APPLIED_TTL_SECONDS = 3600
 """How long Redis remembers a replica's last batch number (a replica that has been silent
 longer has restarted under a new id)."""
-TARGET_SMOOTHING = 0.2
-"""How far a replica's lease target moves toward the fair one at each exchange."""
 STATE_TTL_SECONDS = 7 * 24 * 3600
 """Counters and buckets untouched by every replica this long are dropped (a pool gone)."""
 
@@ -286,11 +283,8 @@ class RedisSync:
         self.keys = [f"{prefix}:counters", f"{prefix}:budgets", f"{prefix}:epoch",
                      f"{prefix}:estimates", f"{prefix}:applied:{self.replica}",
                      f"{prefix}:leases", f"{prefix}:demands"]
-        self.lease = 1.0
-        """The share of every endpoint this picker may hold, as last granted."""
-        self._target = 1.0
-        self.peers: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]] = {}
-        """The other live replicas' demands and fair-queue floors, as last seen."""
+        self.sharing = Replica(dispatcher.gate, state.sync_interval)
+        """This picker's side of the exchange (``picker.core.shared``)."""
         self.epoch: str | None = None
         """The store's epoch as last seen: a new one means the store lost its state."""
         self._resend_all = False
@@ -301,65 +295,44 @@ class RedisSync:
         self.last_ok: float | None = None
         """When the last exchange succeeded (``clock``)."""
         self.available = True
-        gate = dispatcher.gate
-        start_sharing(gate.scheduler, gate.admission, gate.estimates)
+
+    @property
+    def lease(self) -> float:
+        return self.sharing.lease
+
+    @property
+    def peers(self) -> dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]]:
+        return self.sharing.peers
 
     async def exchange(self, releasing: bool = False) -> None:
         """Send this picker's changes (or the batch still pending) and take the view.
         ``releasing``: a stopping picker gives up its lease."""
-        gate = self.dispatcher.gate
+        sharing = self.sharing
         if self._pending is None:
-            changes = take_changes(gate.scheduler, gate.admission, self.clock(),
-                                   estimates=gate.estimates, every=self._resend_all)
+            changes = sharing.changes(self.clock(), every=self._resend_all)
             self._batch += 1
-            self._pending = _batch_args(self._batch, uuid.uuid4().hex, gate.estimates.ttl,
-                                        changes)
+            self._pending = _batch_args(self._batch, uuid.uuid4().hex,
+                                        sharing.gate.estimates.ttl, changes)
             self._resend_all = False
         started = self.clock()
+        ask = sharing.lease_request(self.replica, started, releasing=releasing)
         counters, levels, epoch, learned, grant, peers = await self._script(
-            keys=self.keys, args=[*self._pending, *self._lease_args(releasing)])
+            keys=self.keys, args=[*self._pending, self.replica, repr(ask.target),
+                                  repr(ask.held), repr(self.state.max_staleness),
+                                  _encode_peer(ask.demand, ask.floors)])
         self._pending = None
         now = self.clock()
-        self.peers = _peers(peers)
-        floors: dict[str, float] = {}
-        for _, theirs in self.peers.values():
-            for lane, floor in theirs.items():
-                floors[lane] = min(floor, floors.get(lane, floor))
-        gate.scheduler.set_shared_floors(floors)
-        gate.admission.replicas = 1 + len(self.peers)
-        gate.admission.slice_wait = self.state.sync_interval
-        self.lease = float(grant)
-        gate.set_capacity_share(self.lease, now)
-        self.metrics.state_lease.set(self.lease)
         self.metrics.state_sync_seconds.observe(now - started)
-        if self.epoch is not None and epoch != self.epoch:
+        lost = self.epoch is not None and epoch != self.epoch
+        if lost:
             # The store came back empty (restarted without persistence): its view would reset
             # every budget to full. Keep ours and send all of it with the next batch.
             log.warning("shared state store lost its state (new epoch): sending this picker's")
-            self.epoch, self._resend_all = epoch, True
-            return
+            self._resend_all = True
         self.epoch = epoch
-        apply_view(gate.scheduler, gate.admission, _pairs(counters), _pairs(levels), now,
-                   estimates=gate.estimates, learned=_estimates(learned))
-        self.dispatcher.pump()  # counters moved: someone else may be next
-
-    def _lease_args(self, releasing: bool) -> list[str]:
-        gate = self.dispatcher.gate
-        mine = gate.demand(self.clock())
-        if releasing:
-            target = 0.0
-        else:
-            demands = {replica: demand for replica, (demand, _) in self.peers.items()}
-            targets = replica_targets({**demands, self.replica: mine},
-                                      gate.scheduler.lane_names, gate.scheduler.weights,
-                                      gate.pool_capacity())
-            # Demands jitter from one interval to the next (queues fill and drain), and a lease
-            # given up is reclaimed only as its requests finish: follow the trend, not the jitter.
-            self._target += TARGET_SMOOTHING * (targets[self.replica] - self._target)
-            target = self._target
-        return [self.replica, repr(target), repr(gate.held_fraction()),
-                repr(self.state.max_staleness),
-                _encode_peer(mine, gate.scheduler.floors())]
+        sharing.receive(StoreReply(_pairs(counters), _pairs(levels), _estimates(learned),
+                                   float(grant), _peers(peers)), now, view=not lost)
+        self.metrics.state_lease.set(sharing.lease)
 
     async def load(self, stop: asyncio.Event) -> bool:
         """The first exchange, before serving: retried until it succeeds or ``maxStaleness``
@@ -398,13 +371,8 @@ class RedisSync:
             now = self.clock()
             stale = self.last_ok is None or now - self.last_ok >= self.state.max_staleness
             if stale:
-                # Others may reclaim a silent replica's lease: keep no more than an equal part.
-                self.lease = min(self.lease, 1.0 / (1 + len(self.peers)))
-                self.dispatcher.gate.set_capacity_share(self.lease, now)
-                # failSoft decides on its own view: its budgets as if alone (none of the
-                # others' spending is seen); failClosed refuses anyway.
-                self.dispatcher.gate.admission.replicas = 1
-                self.metrics.state_lease.set(self.lease)
+                self.sharing.out_of_touch(now)
+                self.metrics.state_lease.set(self.sharing.lease)
             if stale and self.available:
                 log.warning("shared state store unreachable for %.1fs (%s: %s): %s",
                             self.state.max_staleness, type(error).__name__, error,
