@@ -32,6 +32,7 @@ import functools
 import heapq
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
 from picker.core.selection import observe
+from picker.core.shared import Replica, StoreModel, StoreReply
 from picker.dispatch.from_config import (
     admission_rules,
     cost_function,
@@ -125,6 +127,36 @@ class SimPassage(Passage):
     planned: PlannedRequest = field(kw_only=True)
     record: PoolRecord = field(kw_only=True)
     seq: SeqRequest | None = None
+    picker: int = 0
+    """The picker (gate) that holds it."""
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """Active-active pickers sharing state through a store (``picker.core.shared``), each with
+    its own gate over the same engines."""
+
+    pickers: int = 2
+    sync_interval_s: float = 0.1
+    latency_s: float = 0.001
+    """Round trip of an exchange: its answer reaches the picker this much after it sent."""
+    lease_expiry_s: float = 2.0
+    arrival: dict[str, tuple[float, ...]] | None = None
+    """Per tenant, the fraction of its requests that reaches each picker (default: evenly)."""
+
+
+@dataclass
+class SharingStats:
+    """What the exchange did over a run."""
+
+    exchanges: int = 0
+    view_age_s: list[float] = field(default_factory=list)
+    """Per picker and tick, how old the view it decides on is (since its last answer was
+    produced)."""
+    grants_max: float = 0.0
+    """The largest sum of the pickers' grants at any moment (at most 1)."""
+    held_max: float = 0.0
+    """The largest share of one endpoint's budget the pickers together held at dispatch."""
 
 
 @dataclass
@@ -143,6 +175,7 @@ class PoolRun:
     steps: int
     gate: Gate = field(repr=False, compare=False)
     """The gate as the run left it (its ledger and the tenants' service totals)."""
+    sharing: SharingStats | None = None
 
     def tokens_per_s(self) -> float:
         return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
@@ -152,17 +185,24 @@ class _Pool:
     """One run's state: the gate, the engines, and the traffic still to send."""
 
     def __init__(self, config: PickerConfig, traffic: Traffic, spec: PoolSpec,
-                 duration_s: float) -> None:
+                 duration_s: float, sharing: Sharing | None = None) -> None:
         self.config, self.traffic, self.spec, self.duration_s = config, traffic, spec, duration_s
-        scheduler = Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
-                              policy=config.scheduling.policy, cost=cost_function(config))
-        for tenant in config.tenants:
-            scheduler.set_weight(tenant.id, tenant.weight)
-        self.gate = Gate(gate_rules(config), scheduler, Admission(*admission_rules(config)),
-                         now=0.0, listener=self)
         addresses = spec.addresses()
         budgets = endpoint_budgets(config)
-        self.gate.set_endpoints({a: budgets.get(a) or spec.kv_budget_tokens for a in addresses})
+        self.gates = [self._gate(config, {a: budgets.get(a) or spec.kv_budget_tokens
+                                          for a in addresses})
+                      for _ in range(1 if sharing is None else sharing.pickers)]
+        self.gate = self.gates[0]
+        self.sharing = sharing
+        if sharing is not None:
+            self.store = StoreModel(lease_expiry=sharing.lease_expiry_s)
+            self.replicas = [Replica(gate, sharing.sync_interval_s) for gate in self.gates]
+            self.batches = [0] * sharing.pickers
+            self.answers: list[tuple[float, int, int, StoreReply]] = []
+            """(when it arrives, order, picker, answer), a heap."""
+            self.answered_at = [0.0] * sharing.pickers
+            self.stats = SharingStats()
+            self.route = random.Random(traffic.seed)
         engine = VllmConfig(total_blocks=spec.kv_budget_tokens // spec.block_size,
                             block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                             max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -183,6 +223,60 @@ class _Pool:
         self.refused: list[SimPassage] = []
         """Dispatched to an engine that refused them (settled after the gate's turn)."""
         self.now = 0.0
+
+    def _gate(self, config: PickerConfig, budgets: dict[str, int]) -> Gate:
+        scheduler = Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
+                              policy=config.scheduling.policy, cost=cost_function(config))
+        for tenant in config.tenants:
+            scheduler.set_weight(tenant.id, tenant.weight)
+        gate = Gate(gate_rules(config), scheduler, Admission(*admission_rules(config)),
+                    now=0.0, listener=self)
+        gate.set_endpoints(dict(budgets))
+        return gate
+
+    # -- active-active pickers --
+
+    def exchange(self) -> None:
+        """Every picker sends its changes; each answer arrives ``latency_s`` later."""
+        assert self.sharing is not None
+        for i, replica in enumerate(self.replicas):
+            self.batches[i] += 1
+            ask = replica.lease_request(f"p{i}", self.now)
+            answer = self.store.exchange(
+                f"p{i}", self.batches[i], replica.changes(self.now), self.now,
+                target=ask.target, held=ask.held, demand=ask.demand, floors=ask.floors)
+            self.stats.exchanges += 1
+            heapq.heappush(self.answers, (self.now + self.sharing.latency_s,
+                                          self.stats.exchanges, i, answer))
+        grants = sum(granted for _, granted, _ in self.store.leases.values())
+        self.stats.grants_max = max(self.stats.grants_max, grants)
+
+    def receive(self) -> None:
+        answers = self.answers
+        while answers and answers[0][0] <= self.now:
+            sent_at, _, i, answer = heapq.heappop(answers)
+            self.replicas[i].receive(answer, self.now)
+            self.answered_at[i] = sent_at - self.sharing.latency_s if self.sharing else 0.0
+        self.stats.view_age_s.extend(self.now - at for at in self.answered_at)
+
+    def note_held(self) -> None:
+        """The largest share of one endpoint the pickers together hold now."""
+        for address in self.engines:
+            held = 0.0
+            for gate in self.gates:
+                endpoint = gate.endpoints.get(address)
+                if endpoint is not None:
+                    held += endpoint.inflight_tokens / endpoint.budget(
+                        gate.rules.capacity.fallback_budget)
+            self.stats.held_max = max(self.stats.held_max, held)
+
+    def _picker_for(self, tenant: str) -> int:
+        if self.sharing is None:
+            return 0
+        weights = (self.sharing.arrival or {}).get(tenant)
+        if weights is None:
+            return self.route.randrange(self.sharing.pickers)
+        return self.route.choices(range(self.sharing.pickers), weights)[0]
 
     # -- what the gate decided (``GateListener``) --
 
@@ -233,7 +327,9 @@ class _Pool:
                             planned.max_tokens, planned.stream)
         self.records.append(record)
         build = functools.partial(SimPassage, planned=planned, record=record)
-        passage = self.gate.admit(
+        picker = self._picker_for(planned.tenant)
+        build = functools.partial(build, picker=picker)
+        passage = self.gates[picker].admit(
             build, planned.tenant, None, model=self.traffic.model,
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
             stream=planned.stream, now=self.now)
@@ -259,7 +355,8 @@ class _Pool:
     def engine_refusals(self) -> None:
         refused, self.refused = self.refused, []
         for passage in refused:
-            self.gate.complete(passage, Usage(0, 0, 0), "engine_refused", self.now)
+            self.gates[passage.picker].complete(passage, Usage(0, 0, 0), "engine_refused",
+                                                self.now)
 
     def timeouts(self) -> None:
         limit = self.config.queue.max_wait
@@ -268,7 +365,7 @@ class _Pool:
             if passage.dispatched_at is not None or passage.outcome is not None:
                 continue
             if self.now - passage.arrived_at >= limit:
-                self.gate.drop(passage, "queue_timeout", self.now)
+                self.gates[passage.picker].drop(passage, "queue_timeout", self.now)
             else:
                 waiting.append(passage)
         self.queued = waiting
@@ -279,16 +376,17 @@ class _Pool:
                     and passage.endpoint is not None:
                 # The client gave up: Envoy resets the stream and the engine aborts the request.
                 self.engines[passage.endpoint.address].abort(passage.seq)
-                self.gate.complete(passage, None, "cancelled", self.now)
+                self.gates[passage.picker].complete(passage, None, "cancelled", self.now)
 
     # -- the engines --
 
     def scrape(self) -> None:
         for address, engine in self.engines.items():
-            endpoint = self.gate.endpoints.get(address)
-            if endpoint is not None:
-                observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
-                        None, self.now)
+            for gate in self.gates:
+                endpoint = gate.endpoints.get(address)
+                if endpoint is not None:
+                    observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
+                            None, self.now)
 
     def step_engines(self, counting: bool) -> tuple[int, int]:
         """Step every free engine and report every step that ends at the next tick; returns
@@ -311,7 +409,7 @@ class _Pool:
     def report(self, out: StepOutput) -> int:
         """A step ends at the next tick: its tokens and completions reach the gate then; returns
         the output tokens delivered (none to a request its client has given up on)."""
-        gate, now = self.gate, self.now + self.spec.step_s
+        gates, now = self.gates, self.now + self.spec.step_s
         delivered = 0
         for seq in out.tokens:
             passage: Any = seq.id  # the SimPassage ``dispatched`` gave the engine
@@ -321,21 +419,24 @@ class _Pool:
             if passage.record.first_token_s is None:
                 passage.record.first_token_s = now
             if passage.stream:
-                gate.charge_output(passage, 1)
+                gates[passage.picker].charge_output(passage, 1)
         for seq in out.finished:
-            gate.complete(cast(SimPassage, seq.id), Usage(seq.prompt_tokens, seq.generated, 0),
-                          "ok", now)
+            finished = cast(SimPassage, seq.id)
+            gates[finished.picker].complete(finished, Usage(seq.prompt_tokens, seq.generated, 0),
+                                            "ok", now)
         return delivered
 
 
 def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
              duration_s: float | None = None, warmup_s: float = 0.0,
-             drain_s: float = 0.0) -> PoolRun:
+             drain_s: float = 0.0, sharing: Sharing | None = None) -> PoolRun:
     """Run ``traffic`` through the gate onto ``spec``'s engines for ``duration_s`` (default the
     traffic's), then up to ``drain_s`` more for requests in flight. Output tokens are counted
-    between ``warmup_s`` and ``duration_s``."""
+    between ``warmup_s`` and ``duration_s``. ``sharing``: several pickers, each its own gate,
+    sharing state through a ``StoreModel`` (``PoolRun.gate`` is the first)."""
     duration = traffic.duration_s if duration_s is None else duration_s
-    pool = _Pool(config, traffic, spec, duration)
+    pool = _Pool(config, traffic, spec, duration, sharing)
+    sync_every = 0 if sharing is None else max(1, round(sharing.sync_interval_s / spec.step_s))
     for tenant in traffic.tenants:
         if tenant.backlog is not None:
             for _ in range(tenant.backlog):
@@ -345,13 +446,21 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
     end = duration + drain_s
     while True:
         pool.now = step * spec.step_s
-        if pool.now >= end or (pool.now >= duration and not pool.gate.passages):
+        if pool.now >= end or (pool.now >= duration
+                               and not any(gate.passages for gate in pool.gates)):
             break
+        if sync_every:
+            if step % sync_every == 0:
+                pool.exchange()
+            pool.receive()
         pool.arrivals()
         pool.timeouts()
         if step % scrape_every == 0:
             pool.scrape()
-        pool.gate.pump(pool.now)
+        for gate in pool.gates:
+            gate.pump(pool.now)
+        if sync_every:
+            pool.note_held()
         pool.engine_refusals()
         tokens, work = pool.step_engines(warmup_s <= pool.now < duration)
         produced += tokens
@@ -365,4 +474,5 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                    output_tokens_in_window=produced, window_s=max(0.0, duration - warmup_s),
                    preemptions=sum(e.preemptions_total for e in engines),
                    recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
-                   computed_tokens=computed, steps=step, gate=pool.gate)
+                   computed_tokens=computed, steps=step, gate=pool.gate,
+                   sharing=pool.stats if sharing is not None else None)
