@@ -282,9 +282,11 @@ class Admission:
         """Budget levels are shared with other pickers (``picker.core.shared``): changes are
         kept until taken."""
         self.replicas = 1
-        """Pickers sharing the budgets (this one included). With more than one, each may spend
-        between two exchanges no more than its part of what the store last reported (a first
-        request excepted), so together they overrun a budget by one request each at most."""
+        """Pickers sharing the budgets (this one included). With N > 1, each may spend between
+        two exchanges no more than 1/(2N - 1) of what the store last reported (a first request
+        excepted). Not 1/N: the others' views are up to one interval older than this one's, and
+        each may spend a part before this picker's next exchange and another after it; with
+        1/N, three replicas exchanging one after another overran a budget by six requests."""
         self.slice_wait = 0.1
         """Seconds until the next exchange: when a request over this picker's part may be
         retried."""
@@ -407,7 +409,7 @@ class Admission:
         # Not yet reported: absent from the store, which means full.
         synced = bucket.rule.capacity_tokens if bucket.synced is None else bucket.synced
         spent = -bucket.untaken
-        return spent > 0 and spent + needed > max(0.0, synced) / self.replicas + _EPSILON
+        return spent > 0 and spent + needed > max(0.0, synced) / (2 * self.replicas - 1) + _EPSILON
 
     def may_start(self, tenant: str) -> bool:
         """Whether ``tenant`` is under its concurrency cap, so one of its requests may start."""

@@ -161,3 +161,59 @@ def test_three_replicas_keep_weighted_shares_and_never_over_commit(
         assert metric(url, "fairway_requests_total", outcome="ok") > 0
         assert metric(url, "fairway_ready") == 1
     assert sums and max(sums) <= 1.0 + 1e-9, max(sums)
+
+
+BUDGET_TOKENS = 8000
+
+
+def _spend_budget(stack: Stack) -> list[int]:
+    """30 clients (spread over the replicas) send a budgeted tenant's requests until refused;
+    the tokens of every request served."""
+    spent: list[int] = []
+
+    async def client(session: aiohttp.ClientSession, replica: int) -> None:
+        for _ in range(40):
+            async with session.post(
+                    stack.gateway_url + "/v1/chat/completions",
+                    data=chat_body(words=60, max_tokens=20),
+                    headers={TENANT_HEADER: "a", REPLICA_HEADER: str(replica),
+                             "content-type": "application/json"}) as response:
+                answer = await response.json()
+                if response.status == 200:
+                    usage = answer["usage"]
+                    spent.append(usage["prompt_tokens"] + usage["completion_tokens"])
+                else:
+                    assert response.status == 429, answer
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            await asyncio.gather(*(client(session, i % REPLICAS) for i in range(30)))
+
+    asyncio.run(run())
+    return spent
+
+
+def test_three_replicas_spend_a_budget_once_not_three_times(tmp_path: Path) -> None:
+    # A tenant with a burst budget (refilled over 24 h) sends from 30 clients until refused
+    # everywhere. Even one picker overruns a budget by what its estimates fell short (a budget
+    # is reserved on estimates and settled on use). Three replicas add a few requests: measured
+    # one to four (issue 13 asks for at most one each, which this does not guarantee yet); with
+    # a 1/N part each they added six to fourteen, and without parts a budget would be spent up
+    # to three times over.
+    tenant = {"id": "a", "budgets": {"burst": {"tokens": BUDGET_TOKENS, "per": "24h"}}}
+    with Stack(tmp_path / "one", endpoints=2, server_args=["--step-ms", "2"],
+               picker_config={"tenants": [tenant]}) as one:
+        alone = _spend_budget(one)
+    with RedisServer(tmp_path / "redis") as store, Stack(
+            tmp_path / "three", endpoints=2, picker_replicas=REPLICAS,
+            response_path="inline", envoy_bootstrap=_bootstrap,
+            server_args=["--step-ms", "2"],
+            picker_config={"tenants": [tenant], "state": {
+                "backend": "redis", "redis": {"url": store.url}, "syncInterval": "100ms",
+                "maxStaleness": "1s"}}) as three:
+        replicated = _spend_budget(three)
+    largest = max(alone + replicated)
+    print("one picker spent", sum(alone), "three", sum(replicated), "of", BUDGET_TOKENS,
+          "largest request", largest)
+    assert sum(alone) >= BUDGET_TOKENS - largest
+    assert sum(replicated) <= max(sum(alone), BUDGET_TOKENS) + 2 * REPLICAS * largest
