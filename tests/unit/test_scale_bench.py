@@ -14,7 +14,7 @@ def test_a_small_simulated_run_is_measured_and_reported() -> None:
                    "redis_cost": {"rate": 200, "memory": _latency(), "redis": _latency(),
                                   "added_ms": {"p50_ms": 0.1, "p99_ms": 0.2}},
                    "replicas": [], "simulated": [row]})
-    assert "| 6 | 2 | 2 | 1 | 0.7 |" in text and "goal <= 0.3 ms at p50: met" in text
+    assert "| 6 | 2 | 2 | 4 | 1 | 0.7 |" in text and "goal <= 0.3 ms at p50: met" in text
 
 
 def _latency() -> dict:
