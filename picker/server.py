@@ -326,6 +326,7 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         # Before serving: counters and budgets as the replicas (or the process before this
         # one) left them, not fresh ones.
         sync = RedisSync(dispatcher, config.state, metrics)
+        dispatcher.reserve_in_store = sync.reserve
         if await sync.load(stop):
             log.info("shared state loaded from %s (key prefix %s)", config.state.redis.url,
                      config.state.redis.key_prefix)

@@ -306,7 +306,8 @@ class Admission:
 
     def admit(self, tenant: str, lane: str, prompt_tokens: int, max_output_tokens: int | None,
               expected_output_tokens: int, now: float, *,
-              cap_prompt_tokens: int | None = None) -> Admitted | Refused:
+              cap_prompt_tokens: int | None = None,
+              prereserved: int | None = None) -> Admitted | Refused:
         """Decide whether a request may queue; when it may, reserve its estimate.
 
         ``cap_prompt_tokens`` is what ``max_input_tokens`` is judged on (default
@@ -355,7 +356,8 @@ class Admission:
             state = self._tenants[tenant] = _TenantState(rules, now)
 
         estimate = prompt_tokens + expected
-        refusal = self._check_budgets(state, estimate, now)
+        # Reserved already in the shared store (``near_limit``): the store judged the budget.
+        refusal = None if prereserved is not None else self._check_budgets(state, estimate, now)
         demoted = False
         if refusal is not None:
             if rules.over_budget == "reject":
@@ -364,6 +366,9 @@ class Admission:
             assert rules.demote_lane is not None  # TenantRules guarantees it
             lane, demoted = rules.demote_lane, True
         charged = tuple((bucket, -bucket.add(-estimate)) for bucket in state.buckets.values())
+        if prereserved is not None:
+            for bucket in state.buckets.values():
+                bucket.untaken += prereserved  # the store has it: send only the difference
         state.queued += 1
         reservation = Reservation(tenant, estimate, "queued", state, charged)
         return Admitted(reservation, lane, max_output_tokens, expected, demoted)
@@ -400,6 +405,36 @@ class Admission:
         # burst would not help, and the client is told so (OpenAI's ``insufficient_quota``).
         reason = INSUFFICIENT_QUOTA if window == SUSTAINED and not sliced else OVER_BUDGET
         return Refused(reason, message, retry_after=wait, window=window)
+
+    def judged_in_store(self, tenant: str) -> bool:
+        """Beside other pickers: whether the tenant's requests are reserved in the shared store
+        one by one, atomically (it has budgets), rather than judged on this picker's view, which
+        lags the others' spending by an exchange. Slices (``replicas``) are then only the
+        fallback for a store that does not answer."""
+        return self.replicas > 1 and bool(self.rules_for(tenant).budgets)
+
+    def budget_needs(self, tenant: str, prompt_tokens: int, max_output_tokens: int | None,
+                     expected_output_tokens: int) -> int:
+        """The tokens ``admit`` would reserve for this request (its estimate)."""
+        limit = self.rules_for(tenant).max_output_tokens
+        cap = max_output_tokens
+        if limit is not None and (cap is None or cap > limit):
+            cap = limit  # as admit clamps (a request it rejects for it never reaches budgets)
+        expected = expected_output_tokens if cap is None else min(expected_output_tokens, cap)
+        return prompt_tokens + expected
+
+    def windows(self, tenant: str) -> tuple[tuple[str, BucketRule], ...]:
+        """The tenant's budgets: (window, rule)."""
+        return self.rules_for(tenant).budgets
+
+    def return_to_store(self, tenant: str, tokens: int, now: float) -> None:
+        """A reservation made in the store for a request that was then not admitted here:
+        it goes back with the next exchange."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _TenantState(self.rules_for(tenant), now)
+        for bucket in state.buckets.values():
+            bucket.untaken += tokens
 
     def _over_slice(self, bucket: _Bucket, needed: float) -> bool:
         """Beside other pickers: whether this one has spent its part of the store's level

@@ -360,14 +360,37 @@ class Gate:
 
     def admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
               prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
-              subset: frozenset[str] | None = None,
-              request_id: str = "") -> P | Refused | Turnaway:
+              subset: frozenset[str] | None = None, request_id: str = "",
+              prereserved: int | None = None) -> P | Refused | Turnaway:
         """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
         set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
 
         ``lane``: the lane asked for (already checked with ``choose_lane``); default the
-        tenant's. ``prompt_tokens``: the body's estimate.
+        tenant's. ``prompt_tokens``: the body's estimate. ``prereserved``: tokens already
+        reserved for it in the shared store (``budget_needs``); a request not admitted gives
+        them back.
         """
+        decision = self._admit(build, tenant, lane, model=model, prompt_tokens=prompt_tokens,
+                               max_tokens=max_tokens, stream=stream, now=now, subset=subset,
+                               request_id=request_id, prereserved=prereserved)
+        # Refused before anything was reserved here: the store's reservation goes back. (A full
+        # queue is turned away after: settling that reservation gives it back.)
+        if prereserved is not None and (isinstance(decision, Refused) or (
+                isinstance(decision, Turnaway) and decision.reason == NO_ENDPOINT)):
+            self.admission.return_to_store(tenant, prereserved, now)
+        return decision
+
+    def budget_needs(self, tenant: str, *, model: str, prompt_tokens: int,
+                     max_tokens: int | None, stream: bool, now: float) -> int:
+        """What ``admit`` would reserve from the tenant's budgets for this request."""
+        prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
+        expected = self.expected_output(tenant, max_tokens, stream, now)
+        return self.admission.budget_needs(tenant, prompt, max_tokens, expected)
+
+    def _admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
+               prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
+               subset: frozenset[str] | None, request_id: str,
+               prereserved: int | None) -> P | Refused | Turnaway:
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(e.in_service(now) and (subset is None or e.address in subset)
@@ -380,7 +403,8 @@ class Gate:
         self._note_arrival(tenant, prompt + expected, now)
         decision = self.admission.admit(
             tenant, lane, prompt, max_tokens, expected, now,
-            cap_prompt_tokens=self.estimates.prompt_floor(prompt_tokens, prompt))
+            cap_prompt_tokens=self.estimates.prompt_floor(prompt_tokens, prompt),
+            prereserved=prereserved)
         if isinstance(decision, Refused):
             return decision
         if self.queued_total() >= self.rules.max_queued and not self._shed_for(decision.lane,

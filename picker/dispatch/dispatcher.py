@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,10 @@ class Dispatcher:
         self.state_unavailable = False
         """The shared state store is unreachable and the config says fail closed: refuse
         requests (retryable 503) until it answers (``picker.state``)."""
+        self.reserve_in_store: Callable[[str, int], Awaitable[
+            tuple[bool, str, float] | None]] | None = None
+        """With a shared state store: reserve a near-limit tenant's request there first
+        (``RedisSync.reserve``)."""
         self.metering: MeteringSink = metering_sink(config)
         self.config = config
         self.gate = Gate(gate_rules(config), self._new_scheduler(config),
@@ -238,11 +242,12 @@ class Dispatcher:
         if self.state_unavailable:
             raise StateUnavailable("the shared state store is unreachable (state.onUnavailable: "
                                    "failClosed)")
+        prereserved = await self._reserve_in_store(tenant, inference)
         ticket = self.gate.admit(
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,
             max_tokens=inference.max_tokens, stream=inference.stream, now=self.clock(),
-            subset=subset, request_id=request_id)
+            subset=subset, request_id=request_id, prereserved=prereserved)
         if isinstance(ticket, Refused):
             raise refusal_error(ticket)
         if isinstance(ticket, Turnaway):
@@ -262,6 +267,25 @@ class Dispatcher:
             error.metered = True
             raise error
         return ticket
+
+    async def _reserve_in_store(self, tenant: str, inference: InferenceRequest) -> int | None:
+        """Beside other pickers, for a tenant with budgets: reserve in the shared store first
+        (the tokens reserved), or learn the store's level there so that the gate refuses."""
+        reserve, gate, now = self.reserve_in_store, self.gate, self.clock()
+        if reserve is None or not gate.admission.judged_in_store(tenant):
+            return None
+        needs = gate.budget_needs(tenant, model=inference.model,
+                                  prompt_tokens=inference.prompt_tokens,
+                                  max_tokens=inference.max_tokens, stream=inference.stream,
+                                  now=now)
+        answer = await reserve(tenant, needs)
+        if answer is None:
+            return None  # the store is away: judged on this picker's view
+        reserved, window, level = answer
+        if reserved:
+            return needs
+        gate.admission.set_level(tenant, window, level, self.clock())
+        return None
 
     async def _wait(self, ticket: Ticket) -> None:
         assert ticket._ready is not None

@@ -30,6 +30,14 @@ until it goes through; changes made meanwhile wait for the next batch.
 set ``fairway_state_backend_up`` to 0. When Redis answers again the pending batch goes through
 and the view is refreshed: the changes of the outage are sent once.
 
+**Budgets beside other replicas.** A tenant with budgets has each request reserved in Redis
+first (``reserve``, one atomic script: all of the tenant's budgets or none), so replicas cannot
+overrun a budget together, by more than what estimates fell short (as one picker alone); the
+local admission takes the store's word (``Admission.judged_in_store``,
+``Gate.admit(prereserved=)``). That is one round trip per such request, and none for tenants
+without budgets or for a picker alone. If the store does not answer, the picker judges on its
+own view, spending at most its part between exchanges (``Admission.replicas``).
+
 **Restart of a picker.** Before the picker serves, ``load`` reads the view: counters and
 budget levels are those of the last exchange of the process that ran before (at most one
 interval old).
@@ -193,6 +201,41 @@ return {redis.call('HGETALL', KEYS[1]), levels, epoch, learned, string.format('%
 """
 
 
+RESERVE_SCRIPT = """
+-- A request's reservation near a tenant's limit, judged here so that replicas cannot overrun
+-- it together. KEYS: budgets. ARGV: n, n x (field, tokens, capacity, rate).
+-- Returns {1} (reserved from every bucket) or {0, failing field, its level}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local n = tonumber(ARGV[1])
+local levels = {}
+for k = 0, n - 1 do
+  local at = 2 + 4 * k
+  local cap, rate = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
+  local level = cap
+  local stored = redis.call('HGET', KEYS[1], ARGV[at])
+  if stored then
+    local l, stamp = string.match(stored, '(%S+) (%S+)')
+    level, stamp = tonumber(l), tonumber(stamp)
+    if now > stamp and level < cap then level = math.min(cap, level + rate * (now - stamp)) end
+  end
+  local needed = math.min(tonumber(ARGV[at + 1]), cap)
+  if level + 0.000001 < needed then
+    return {0, ARGV[at], string.format('%.17g', level)}
+  end
+  levels[k] = level
+end
+for k = 0, n - 1 do
+  local at = 2 + 4 * k
+  local cap = tonumber(ARGV[at + 2])
+  local level = math.max(-cap, levels[k] - tonumber(ARGV[at + 1]))
+  redis.call('HSET', KEYS[1], ARGV[at], string.format('%.17g %.17g %s %s', level, now,
+                                                      ARGV[at + 2], ARGV[at + 3]))
+end
+return {1}
+"""
+
+
 def open_redis(state: State) -> aioredis.Redis:
     """A client for ``state.redis``: one attempt per call (the sync loop is the retry), and
     timeouts well inside ``maxStaleness``."""
@@ -289,6 +332,7 @@ class RedisSync:
         """The store's epoch as last seen: a new one means the store lost its state."""
         self._resend_all = False
         self._script = self.client.register_script(SYNC_SCRIPT)
+        self._reserve = self.client.register_script(RESERVE_SCRIPT)
         self._batch = 0
         self._pending: list[str | int] | None = None
         """The batch sent and not yet acknowledged: re-sent unchanged until it is."""
@@ -333,6 +377,23 @@ class RedisSync:
         sharing.receive(StoreReply(_pairs(counters), _pairs(levels), _estimates(learned),
                                    float(grant), _peers(peers)), now, view=not lost)
         self.metrics.state_lease.set(sharing.lease)
+
+    async def reserve(self, tenant: str, tokens: int) -> tuple[bool, str, float] | None:
+        """Reserve ``tokens`` from each of the tenant's budgets in Redis, atomically, if every
+        one has them: ``(True, "", 0)``; else ``(False, window, its level)`` and nothing is
+        reserved. None when Redis does not answer (the picker then judges on its own view)."""
+        args: list[str | int] = []
+        windows = self.sharing.gate.admission.windows(tenant)
+        for window, rule in windows:
+            args += [f"{tenant}{SEPARATOR}{window}", tokens, rule.capacity_tokens,
+                     repr(rule.rate)]
+        try:
+            answer = await self._reserve(keys=[self.keys[1]], args=[len(windows), *args])
+        except (RedisError, OSError, TimeoutError):
+            return None
+        if int(answer[0]) == 1:
+            return True, "", 0.0
+        return False, str(answer[1]).split(SEPARATOR, 1)[1], float(answer[2])
 
     async def load(self, stop: asyncio.Event) -> bool:
         """The first exchange, before serving: retried until it succeeds or ``maxStaleness``

@@ -253,3 +253,23 @@ async def test_a_picker_that_cannot_reach_redis_at_start_starts_as_configured(
         assert not await closed.sync.load(asyncio.Event())
         assert closed.dispatcher.state_unavailable
         assert soft.metric("fairway_state_backend_up") == 0
+
+
+async def test_a_reservation_in_redis_is_all_of_the_tenant_s_budgets_or_none(
+        redis_server: RedisServer) -> None:
+    async with picker(redis_server.url) as one, picker(redis_server.url) as two:
+        assert await one.sync.reserve("a", 6000) == (True, "", 0.0)  # absent means full
+        answer = await two.sync.reserve("a", 6000)  # 4,000 left: refused, the level told
+        assert answer is not None and answer[0] is False and answer[1] == "burst"
+        assert answer[2] == pytest.approx(BURST - 6000, abs=5)
+        assert await two.sync.reserve("a", 3000) == (True, "", 0.0)
+        await one.sync.exchange()
+        assert one.level("a") == pytest.approx(BURST - 9000, abs=5)  # both reservations
+
+
+async def test_a_reservation_when_redis_is_away_is_left_to_the_picker(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    url = server.url
+    server.stop()
+    async with picker(url) as one:
+        assert await one.sync.reserve("a", 100) is None

@@ -264,3 +264,52 @@ def test_a_picker_over_its_part_is_told_to_retry_after_the_next_exchange() -> No
     refused = one.admission.admit("a", "default", 100, None, 0, 0.0)
     assert not isinstance(refused, Admitted)
     assert refused.retry_after == 0.1 and "part of the burst token budget" in refused.message
+
+
+def test_a_request_reserved_in_the_store_is_not_sent_again_and_a_refused_one_goes_back() -> None:
+    one = Replica()
+    one.admission.replicas = 2
+    assert one.admission.judged_in_store("a") and not one.admission.judged_in_store("nobody")
+    assert one.admission.budget_needs("a", 100, None, 40) == 140
+    admitted = one.admission.admit("a", "default", 100, None, 40, 0.0, prereserved=150)
+    assert isinstance(admitted, Admitted)
+    assert one.level("a") == 1000 - 140  # reserved here as usual
+    changes = take_changes(one.scheduler, one.admission, 0.0)
+    # The store has 150 of it already: only the difference travels.
+    assert [(b.tenant, b.change) for b in changes.budgets] == [("a", 10.0)]
+    one.admission.return_to_store("a", 70, 0.0)
+    changes = take_changes(one.scheduler, one.admission, 0.0)
+    assert [(b.tenant, b.change) for b in changes.budgets] == [("a", 70.0)]
+    assert one.level("a") == 1000 - 140  # this picker never reserved the returned tokens
+
+
+def test_a_prereserved_admission_takes_the_store_s_word_over_a_stale_view() -> None:
+    one = Replica()
+    one.admission.replicas = 2
+    one.spend("a", 990)  # this picker's view: 10 left
+    assert not isinstance(one.admission.admit("a", "default", 100, None, 0, 0.0), Admitted)
+    assert isinstance(one.admission.admit("a", "default", 100, None, 0, 0.0, prereserved=100),
+                      Admitted)
+
+
+@pytest.mark.parametrize(("case", "sent_back"), [
+    ("refused here", 300), ("no endpoint", 300), ("queue full", 300), ("admitted", 0)])
+def test_a_store_reservation_the_gate_does_not_keep_goes_back(case: str, sent_back: int) -> None:
+    from picker.core.admission import TenantRules as Rules
+    from picker.core.gate import Gate, GateRules, LaneRules, Passage
+
+    rules = {"a": Rules(burst=BucketRule(1000, 3600.0),
+                        max_input_tokens=50 if case == "refused here" else None)}
+    gate = Gate(GateRules(lanes=(LaneRules("default"),),
+                          max_queued=0 if case == "queue full" else 100),
+                Scheduler(), Admission(rules, Rules()), now=0.0)
+    gate.set_endpoints({} if case == "no endpoint" else {"e:1": 10_000})
+    start_sharing(gate.scheduler, gate.admission)
+    gate.admission.replicas = 2
+    needs = gate.budget_needs("a", model="m", prompt_tokens=200, max_tokens=100, stream=False,
+                              now=0.0)
+    assert needs == 300
+    gate.admit(Passage, "a", None, model="m", prompt_tokens=200, max_tokens=100, stream=False,
+               now=0.0, prereserved=needs)
+    changes = take_changes(gate.scheduler, gate.admission, 0.0)
+    assert sum(b.change for b in changes.budgets) == sent_back
