@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from picker.stack.launcher import free_port
+from picker.tls import self_signed
 
 READY_LINE = b"Ready to accept connections"
 
@@ -36,12 +37,19 @@ class RedisServer:
     """Append-only persistence in ``workdir``: a restarted server keeps its data."""
     password: str | None = None
     """Required of clients (``requirepass``) when set."""
+    tls: bool = False
+    """Serve TLS only (``rediss://``), with a self-signed certificate for 127.0.0.1 written to
+    ``ca_file`` (clients verify against it; they need no certificate of their own)."""
     port: int = 0
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.workdir / "redis-cert.pem"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -61,6 +69,15 @@ class RedisServer:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            pair = self_signed(["127.0.0.1"])
+            self.ca_file.write_bytes(pair.cert_pem)
+            key = self.workdir / "redis-key.pem"
+            key.write_bytes(pair.key_pem)
+            at = args.index("--port")
+            args[at:at + 2] = ["--port", "0", "--tls-port", str(port)]
+            args += ["--tls-cert-file", str(self.ca_file), "--tls-key-file", str(key),
+                     "--tls-ca-cert-file", str(self.ca_file), "--tls-auth-clients", "no"]
         log = (self.workdir / "redis.log").open("ab")
         process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    start_new_session=True)

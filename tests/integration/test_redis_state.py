@@ -273,3 +273,16 @@ async def test_a_reservation_when_redis_is_away_is_left_to_the_picker(tmp_path: 
     server.stop()
     async with picker(url) as one:
         assert await one.sync.reserve("a", 100) is None
+
+
+async def test_state_shared_over_tls_verified_against_a_ca_file(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", tls=True) as server:
+        assert server.url.startswith("rediss://")
+        async with picker(server.url, redis={"caFile": str(server.ca_file)}) as one, \
+                picker(server.url, redis={"caFile": str(server.ca_file)}) as two:
+            one.serve("a", 100)
+            assert await one.sync._try()
+            assert await two.sync._try()
+            assert two.scheduler.counter("a") == pytest.approx(100.0)
+        async with picker(server.url) as unverified:  # the system's CAs do not know it
+            assert not await unverified.sync._try()
