@@ -538,7 +538,7 @@ class Gate:
             passage = self._newest_if_stale(self.passages[request], now)
             request = passage.request
             candidates = self.candidates(passage.subset, now, require_room=True,
-                                         prompt_tokens=request.prompt_tokens)
+                                         prompt_tokens=request.prompt_tokens, passage=passage)
             if candidates and self._backlogged(passage.tenant):
                 reserve = self._idle_reserve(now, passage.tenant)
                 if reserve:
@@ -617,7 +617,7 @@ class Gate:
                 continue
             candidates = [] if passage.request.prompt_tokens > free else self.candidates(
                 passage.subset, now, require_room=True,
-                prompt_tokens=passage.request.prompt_tokens)
+                prompt_tokens=passage.request.prompt_tokens, passage=passage)
             if candidates:
                 return passage, candidates, False
             if preempts:
@@ -663,11 +663,16 @@ class Gate:
         return pool
 
     def candidates(self, subset: frozenset[str] | None, now: float, *,
-                   require_room: bool = False, prompt_tokens: int = 0) -> list[EndpointState]:
-        """Endpoints that may take a request (in ``subset``, when given), best first."""
+                   require_room: bool = False, prompt_tokens: int = 0,
+                   passage: Passage | None = None) -> list[EndpointState]:
+        """Endpoints that may take a request (in ``subset``, when given), best first.
+        ``passage``: the request's, whose whole expected size is judged against this picker's
+        lease beside other replicas."""
         pool = [e for e in self.endpoints.values() if subset is None or e.address in subset]
+        lease_tokens = None if passage is None or self.capacity_share >= 1.0 \
+            else self._projected(passage, now)
         return rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
-                    require_room=require_room)
+                    require_room=require_room, lease_tokens=lease_tokens)
 
     def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float,
                   preempting: bool = False) -> None:

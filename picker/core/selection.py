@@ -105,8 +105,10 @@ def waiting(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
 
 
 def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
-             prompt_tokens: int = 0) -> bool:
-    """Whether the endpoint should take a request with this prompt now."""
+             prompt_tokens: int = 0, lease_tokens: int | None = None) -> bool:
+    """Whether the endpoint should take a request with this prompt now. ``lease_tokens``:
+    what the request will hold at its end (default its prompt), judged against this picker's
+    lease beside other replicas, so that together they never reserve past the budget."""
     if not endpoint.in_service(now):
         return False
     used = occupancy(endpoint, now, rules)
@@ -114,7 +116,8 @@ def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
     if used >= budget or (endpoint.inflight_requests and used + prompt_tokens > budget):
         return False
     # Beside other replicas, strictly within the lease: the leases sum to at most the budget.
-    if endpoint.share < 1.0 and endpoint.inflight_tokens + prompt_tokens > endpoint.share * budget:
+    if endpoint.share < 1.0 and endpoint.inflight_tokens + (
+            prompt_tokens if lease_tokens is None else lease_tokens) > endpoint.share * budget:
         return False
     return waiting(endpoint, now, rules) < rules.max_waiting
 
@@ -170,12 +173,13 @@ class LeastLoaded:
 
 
 def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
-         scorer: Scorer, require_room: bool = True) -> list[EndpointState]:
+         scorer: Scorer, require_room: bool = True,
+         lease_tokens: int | None = None) -> list[EndpointState]:
     """Candidates, best first: those with room (``require_room=False``: all in service, i.e.
     neither draining nor ejected). A failing endpoint looks least loaded (nothing in flight
     stays there), so skipping ejected ones is what keeps traffic off a dead server."""
     candidates = [e for e in endpoints
-                  if (has_room(e, now, rules, prompt_tokens) if require_room
+                  if (has_room(e, now, rules, prompt_tokens, lease_tokens) if require_room
                       else e.in_service(now))]
     candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
     return candidates
