@@ -378,6 +378,11 @@ class GateMachine(RuleBasedStateMachine):
         assert gate.passages == expected
         assert gate.scheduler.queued() == len(self.queued())
         assert gate.queued_total() == len(self.waiting())
+        # The per-lane index of waiting requests, in arrival order (what shedding reads).
+        by_lane: dict[str, list[Passage]] = {}
+        for passage in self.waiting():  # in the order admitted
+            by_lane.setdefault(passage.lane, []).append(passage)
+        assert {lane: list(w.values()) for lane, w in gate._waiting.items()} == by_lane
         for passage in self.queued():
             assert passage.request.state == "queued"
         for passage in self.parked():
