@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from picker.errors import ConfigError
-from picker.server import ServeSettings, serve
+from picker.server import RunnerFailed, ServeSettings, serve
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a malformed namespace/name
         print(f"picker: {exc}", file=sys.stderr)
         return 2
+    except RunnerFailed as exc:  # logged with its traceback as it happened
+        print(f"picker: stopped: {exc}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError) as exc:  # a port in use, an address not available
         print(f"picker: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -377,6 +378,9 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     if elector is not None:
         runners.append(elector)
     tasks = [asyncio.create_task(runner.run(stop)) for runner in runners]
+    failed: list[BaseException] = []
+    for runner, task in zip(runners, tasks, strict=True):
+        task.add_done_callback(functools.partial(_runner_ended, runner, stop, failed))
     if certificates is None:
         log.warning("ext_proc served in plaintext (--secure-serving=false): gateways that dial "
                     "TLS (Envoy AI Gateway, kgateway) cannot reach it")
@@ -410,11 +414,32 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
             await sync.flush()
         for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A failed one's error is in ``failed`` already.
+        await asyncio.gather(*tasks, return_exceptions=True)
         for service in ("", ADMIN_SERVICE):
             await admin_health.set(service, _NOT_SERVING)
         await admin_server.stop(0.5)
         http_server.shutdown()
         http_thread.join(timeout=2)
         log.info("picker stopped")
+    if failed:
+        raise RunnerFailed("a background task of the picker failed") from failed[0]
+
+
+class RunnerFailed(RuntimeError):
+    """A background task (scraper, config or pool watch, shared state sync, leader election)
+    ended with an error: the picker stops rather than serve on without it."""
+
+
+def _runner_ended(runner: _Runner, stop: asyncio.Event, failed: list[BaseException],
+                  task: asyncio.Task[None]) -> None:
+    # Runners end only on ``stop``; one that ends before would leave the picker serving on a
+    # view that no longer changes (a sync loop gone: charges never reach the store). Crash
+    # instead, loudly: the restart gets a fresh one.
+    if stop.is_set() or task.cancelled():
+        return
+    error = task.exception() or RuntimeError("it returned before the picker stopped")
+    log.critical("%s ended: %s: %s; the picker stops", type(runner).__name__,
+                 type(error).__name__, error, exc_info=error)
+    failed.append(error)
+    stop.set()
