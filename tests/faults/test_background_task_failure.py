@@ -32,9 +32,9 @@ async def test_a_failed_background_task_stops_the_picker_with_its_error(
     settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
                              admin_port=0, grace=0.5)
     ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-    with caplog.at_level(logging.CRITICAL, logger="picker.server"):
-        with pytest.raises(RunnerFailed) as failed:
-            await asyncio.wait_for(serve(settings, asyncio.Event(), ready), 20)
+    with caplog.at_level(logging.CRITICAL, logger="picker.server"), \
+            pytest.raises(RunnerFailed) as failed:
+        await asyncio.wait_for(serve(settings, asyncio.Event(), ready), 20)
     assert ready.done()  # it was serving when the task failed
     assert isinstance(failed.value.__cause__, KeyError)
     assert any("_BrokenScraper ended: KeyError" in r.getMessage() and r.exc_info
