@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-demo demo test lint unit bench bench-scale experiments clean proto docs soak
+.PHONY: setup setup-demo demo test lint unit bench bench-scale bench-profile bench-scrape experiments clean proto docs soak
 
 # What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
 # fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
@@ -65,6 +65,15 @@ bench: setup
 # 100 endpoints x 10 pickers (about 15 minutes): bench/results/scale.md.
 bench-scale: setup
 	$(PY) -m bench.scale --out bench/results
+
+# Issue 16: where the picker's CPU goes (py-spy flame graphs, bench/results/profile.md) and what
+# scraping costs (bench/results/scrape.md).
+bench-profile: setup
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
+	$(PY) -m bench.profile --out bench/results
+
+bench-scrape: setup
+	$(PY) -m bench.scrape_cost --out bench/results
 
 # A 10-minute saturation soak through the local stack (RSS, gauges, error log): bench/results/soak.md.
 # Not part of `make test`; `SOAK_MINUTES=2 make soak` for a shorter run.

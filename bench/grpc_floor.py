@@ -7,6 +7,11 @@ thread-pool server for comparison) receives meter-stream-like messages (an obser
 message, as chunks of a few streams arrive). The server's CPU per message is the floor under the
 picker's cost per streamed chunk: what no change inside the picker's own code can remove.
 
+And per request, in the shape Envoy gives each routed request at 200 requests/s (open loop): the
+request path's stream (headers, answered; body, answered; trailers) and the meter stream
+(request headers, response headers, response body, none answered), each one RPC; and an RPC with
+no message at all. The servicer answers what must be answered with an empty message.
+
 ``python -m bench.grpc_floor`` prints JSON; ``bench.profile`` runs it and reports it.
 """
 
@@ -29,6 +34,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 CHUNK = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"sim-model",'
          b'"choices":[{"index":0,"text":" tok","logprobs":null,"finish_reason":null}]}\n\n')
+REQUEST_RATE = 200.0
+REQUEST_SECONDS = 10.0
 RUNS = (("dense", 1, 20_000, 0.0), ("dense", 4, 20_000, 0.0), ("spaced 5 ms", 4, 4_000, 0.005))
 """(name, streams, messages in all, seconds between a stream's messages)."""
 
@@ -46,6 +53,79 @@ class _AioServicer(pb_grpc.ExternalProcessorServicer):
             seen += len(message.response_body.body)
         if seen < 0:
             yield pb.ProcessingResponse()
+
+
+class _RequestServicer(pb_grpc.ExternalProcessorServicer):
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        async for message in request_iterator:
+            if message.observability_mode:
+                continue
+            if message.HasField("request_headers"):
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif message.HasField("request_body"):
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+async def _request_client(port: int, shape: str) -> None:
+    """``shape``: ``both`` (request path and meter stream), ``request`` (the first alone) or
+    ``empty`` (an RPC without messages)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        body = b'{"model":"m","prompt":"hello there","max_tokens":1}'
+
+        async def drain(call: Any) -> None:
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+        async def one() -> None:
+            call = stub.Process()
+            if shape != "empty":
+                await call.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders()))
+                await call.read()
+                await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(
+                    body=body, end_of_stream=True)))
+                await call.read()
+                await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+            await drain(call)
+            if shape == "both":
+                meter = stub.Process()
+                for message in (pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+                                pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+                                pb.ProcessingRequest(response_body=pb.HttpBody(
+                                    body=CHUNK, end_of_stream=True))):
+                    message.observability_mode = True
+                    await meter.write(message)
+                await drain(meter)
+
+        start, tasks = time.perf_counter(), []
+        for i in range(int(REQUEST_RATE * REQUEST_SECONDS)):
+            delay = start + i / REQUEST_RATE - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+
+
+async def _requests() -> list[dict[str, Any]]:
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(_RequestServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    out = []
+    for shape, what in (("both", "request path + meter stream (2 RPCs, 6 messages in, 2 out)"),
+                        ("request", "request path alone (1 RPC, 3 in, 2 out)"),
+                        ("empty", "an RPC without messages")):
+        before = _cpu()
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.grpc_floor", "--request-client", str(port), shape)
+        await client.wait()
+        out.append({"server": "grpc.aio", "shape": what, "rate": REQUEST_RATE,
+                    "ms_per_request": (_cpu() - before) / (REQUEST_RATE * REQUEST_SECONDS)
+                    * 1000})
+    await server.stop(0)
+    return out
 
 
 class _ThreadServicer(pb_grpc.ExternalProcessorServicer):
@@ -114,6 +194,12 @@ def _threads() -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--request-client"]:
+        asyncio.run(_request_client(int(sys.argv[2]), sys.argv[3]))
+        return
+    if sys.argv[1:2] == ["--requests"]:
+        print(json.dumps(asyncio.run(_requests())))
+        return
     if sys.argv[1:2] == ["--client"]:
         port, streams, count = (int(a) for a in sys.argv[2:5])
         _client(port, streams, count, float(sys.argv[5]))
@@ -129,7 +215,9 @@ def main() -> None:
         results += _threads() if which == "threads" else json.loads(subprocess.run(
             [sys.executable, "-m", "bench.grpc_floor", "threads"], check=True,
             capture_output=True, text=True).stdout)
-    print(json.dumps(results))
+    requests = json.loads(subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--requests"],
+                                         check=True, capture_output=True, text=True).stdout)
+    print(json.dumps({"messages": results, "requests": requests}))
 
 
 if __name__ == "__main__":

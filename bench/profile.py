@@ -171,7 +171,9 @@ def _phase(stack: Stack, name: str, out: Path, seconds: float,
             "top": top_functions(samples)}
 
 
-def profile(out: Path, seconds: float, workdir: Path | None = None) -> dict[str, Any]:
+def profile(out: Path, seconds: float, workdir: Path | None = None, *,
+            response_path: str = "meter-stream", secure_serving: bool = True,
+            phases: tuple[str, ...] = ("requests", "stream")) -> dict[str, Any]:
     picker_config: dict[str, Any] = {"tenants": [{"id": "bench", **ADMISSION_RULES}],
                                      "queue": {"maxWait": "10s"}}
     results: dict[str, Any] = {}
@@ -182,6 +184,7 @@ def profile(out: Path, seconds: float, workdir: Path | None = None) -> dict[str,
                 Stack(Path(tmp) / "slow", with_picker=False, endpoints=1,
                       server_args=["--step-ms", f"{STREAM_STEP_MS:g}"]) as streamer, \
                 Stack(Path(tmp) / "picked", policy="vtc", endpoints=0,
+                      response_path=response_path, secure_serving=secure_serving,
                       picker_config={**picker_config, "endpoints": [
                           {"address": fast.endpoint_addresses[0]}]}) as picked:
             server = fast.endpoint_addresses[0]
@@ -195,9 +198,10 @@ def profile(out: Path, seconds: float, workdir: Path | None = None) -> dict[str,
                 target.close()
                 return sum(shot.ok for shot in shots)
 
-            print(f"  profile: requests at {RATE:g}/s", flush=True)
-            results["requests"] = _phase(picked, "requests", out, seconds, requests)
-            results["requests"]["unit"] = "request"
+            if "requests" in phases:
+                print(f"  profile: requests at {RATE:g}/s", flush=True)
+                results["requests"] = _phase(picked, "requests", out, seconds, requests)
+                results["requests"]["unit"] = "request"
 
             slow = streamer.endpoint_addresses[0]
             picked.write_picker_config({**picker_config, "endpoints": [{"address": slow}]})
@@ -223,9 +227,10 @@ def profile(out: Path, seconds: float, workdir: Path | None = None) -> dict[str,
                 target.close()
                 return chunks
 
-            print(f"  profile: {STREAMS} streams of {STREAM_TOKENS} tokens", flush=True)
-            results["stream"] = _phase(picked, "stream", out, seconds, streams)
-            results["stream"]["unit"] = "streamed chunk"
+            if "stream" in phases:
+                print(f"  profile: {STREAMS} streams of {STREAM_TOKENS} tokens", flush=True)
+                results["stream"] = _phase(picked, "stream", out, seconds, streams)
+                results["stream"]["unit"] = "streamed chunk"
     return results
 
 
@@ -265,7 +270,12 @@ def report(results: dict[str, Any], seconds: float) -> str:
               "| server | arrival | streams | messages | µs per message |",
               "|---|---|---:|---:|---:|"]
     lines += [f"| {r['server']} | {r['arrival']} | {r['streams']} | {r['messages']} | "
-              f"{r['us_per_message']:.0f} |" for r in results["grpc_floor"]]
+              f"{r['us_per_message']:.0f} |" for r in results["grpc_floor"]["messages"]]
+    lines += ["", f"Per request, at {results['grpc_floor']['requests'][0]['rate']:g} requests/s "
+              "(a servicer that answers what must be answered with an empty message):", "",
+              "| RPCs | server CPU ms per request |", "|---|---:|"]
+    lines += [f"| {r['shape']} | {r['ms_per_request']:.3f} |"
+              for r in results["grpc_floor"]["requests"]]
     lines.append("")
     return "\n".join(lines)
 
@@ -275,9 +285,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--workdir", type=Path, help="keep the stacks' logs here")
+    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+                        default="meter-stream")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="ext_proc without TLS (--secure-serving=false)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU per request and per chunk only: no report, no floor")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = profile(args.out, args.seconds, args.workdir)
+    results = profile(args.out, args.seconds, args.workdir, response_path=args.response_path,
+                      secure_serving=not args.plaintext)
+    if args.quick:
+        for phase in ("requests", "stream"):
+            got = results[phase]
+            print(f"{phase}: {got['cpu_ms_per_unit']:.3f} ms per {got['unit']}")
+        return
     print("  profile: the gRPC floor", flush=True)
     results["grpc_floor"] = json.loads(subprocess.run(
         [sys.executable, "-m", "bench.grpc_floor"], check=True, capture_output=True,

@@ -77,6 +77,37 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
     endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
 
 
+BINDING_MARGIN = 0.05
+"""Share of an endpoint's budget by which the scraped KV use must exceed the picker's own count
+before the scraped figure is said to decide the room (block rounding alone makes the engine's
+count a little higher)."""
+
+
+NEARLY_FULL = 0.8
+"""Share of its budget (its lease's part of it) from which the picker's own count says an
+endpoint is nearly full: its engine may start queueing at any moment (outputs longer than
+estimated, preemption), and a read that shows it late sends requests into that queue."""
+
+
+def figures_decide(endpoint: EndpointState, now: float, rules: CapacityRules) -> bool:
+    """Whether the endpoint's scraped figures may decide its room before the next slow read:
+    none fresh yet, its engine queues, it holds more than the picker sent it (other clients
+    share it, or the estimates fall short), or it is nearly full by the picker's own count. The
+    scraper reads such an endpoint at the fast cadence; reading the others more often would
+    change no decision."""
+    if not endpoint.fresh(now, rules.stale_after):
+        return True
+    if waiting(endpoint, now, rules) > 0:
+        return True
+    budget = endpoint.budget(rules.fallback_budget)
+    if endpoint.inflight_tokens >= NEARLY_FULL * budget * endpoint.share:
+        return True
+    if endpoint.kv_usage is None:
+        return False
+    scraped = endpoint.kv_usage * budget - endpoint.released_since_scrape
+    return scraped > endpoint.inflight_tokens + BINDING_MARGIN * budget
+
+
 @dataclass(frozen=True, slots=True)
 class CapacityRules:
     """When an endpoint has room (see ``picker.config.schema.Capacity``)."""

@@ -693,6 +693,10 @@ class _Exchange:
             self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
 
 
+UNCLAIMED_LOG_INTERVAL = 60.0
+"""Seconds between warnings about requests whose meter stream never came."""
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` backed by the fair dispatcher."""
 
@@ -709,6 +713,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.bodies = BodyBudget()
         dispatcher.metrics.buffered_body_bytes.set_function(lambda: self.bodies.used)
         self._faults_logged: set[str] = set()
+        self._unclaimed_since_log = 0
+        self._unclaimed_logged_at = -math.inf
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -772,8 +778,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _unclaimed(self, meter_id: str) -> None:
         exchange, _ = self._awaiting_meter.pop(meter_id, (None, None))
         if exchange is not None and not exchange.done:
-            log.warning("no meter stream for request %s within %gs: is the gateway's metering "
-                        "filter missing? settled as gone", meter_id, self.meter_claim_timeout)
+            self._unclaimed_since_log += 1
+            now = asyncio.get_running_loop().time()
+            # One line a minute at most: a gateway without its metering filter would otherwise
+            # log every request (each is counted in fairway_requests_total all the same).
+            if now - self._unclaimed_logged_at >= UNCLAIMED_LOG_INTERVAL:
+                log.warning("no meter stream within %gs for %d request(s) (the latest %s): is the "
+                            "gateway's metering filter missing? settled as gone",
+                            self.meter_claim_timeout, self._unclaimed_since_log, meter_id)
+                self._unclaimed_logged_at, self._unclaimed_since_log = now, 0
             exchange.abandon()
 
     async def _meter(self, first: pb.ProcessingRequest,

@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.core.health import EJECTED
-from picker.core.selection import observe
+from picker.core.selection import EndpointState, figures_decide, observe
 from picker.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -40,23 +39,68 @@ class EndpointFigures:
     kv_budget_tokens: int | None = None
 
 
-_WANTED_LINES = re.compile(
-    r"^(?:# (?:HELP|TYPE) )?(?:vllm:num_requests_waiting|vllm:num_requests_running"
-    r"|vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc|vllm:cache_config_info)[ {].*$",
-    re.MULTILINE)
-"""The lines of the families the gate reads. A real vLLM page has hundreds of lines (histograms
-per model) and the gate reads four figures: only these lines go to the parser."""
+_WANTED_FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                    "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                    "vllm:cache_config_info")
+"""The families the gate reads. A real vLLM page has hundreds of lines (histograms per model)
+and the gate reads four figures: only their sample lines go to the parser."""
+
+
+def wanted_lines(text: str) -> list[str]:
+    """The sample lines of ``_WANTED_FAMILIES`` in ``text``, found by substring search (a regex
+    over the whole page cost more than the rest of the scrape), in page order per family."""
+    page = "\n" + text  # every sample line starts after a newline; comments start with '#'
+    lines = []
+    for name in _WANTED_FAMILIES:
+        marker = "\n" + name
+        at = page.find(marker)
+        while at >= 0:
+            end = page.find("\n", at + 1)
+            line = page[at + 1:] if end < 0 else page[at + 1:end]
+            if line[len(name):len(name) + 1] in (" ", "{"):  # not a longer name's prefix
+                lines.append(line)
+            at = -1 if end < 0 else page.find(marker, end)
+    return lines
+
+
+_BUDGETS: dict[str, int | None] = {}
+"""``vllm:cache_config_info`` sample line → the KV budget it gives. The line is the same on every
+scrape of an engine and its many labels are most of the parser's work, so each distinct line is
+parsed once (bounded: a page whose line keeps changing does not grow this)."""
+_BUDGETS_KEPT = 256
+
+
+def _budget(line: str) -> int | None:
+    if line in _BUDGETS:
+        return _BUDGETS[line]
+    budget = None
+    for family in text_string_to_metric_families(line + "\n"):
+        for sample in family.samples:
+            try:
+                blocks = int(sample.labels.get("num_gpu_blocks", ""))
+                block_size = int(sample.labels.get("block_size", ""))
+            except ValueError:
+                continue
+            budget = blocks * block_size
+    if len(_BUDGETS) >= _BUDGETS_KEPT:
+        _BUDGETS.clear()
+    _BUDGETS[line] = budget
+    return budget
 
 
 def parse_vllm_metrics(text: str) -> EndpointFigures:
     """The capacity-relevant figures from a vLLM ``/metrics`` page."""
     waiting = running = kv_usage = None
     budget = None
-    wanted = "\n".join(_WANTED_LINES.findall(text))
+    lines = wanted_lines(text)
+    for line in lines:
+        if line.startswith("vllm:cache_config_info"):
+            budget = _budget(line) or budget
+    wanted = "\n".join(line for line in lines if not line.startswith("vllm:cache_config_info"))
     for family in text_string_to_metric_families(wanted + "\n" if wanted else ""):
         name = family.name
         for sample in family.samples:
-            if sample.name != name and name != "vllm:cache_config_info":
+            if sample.name != name:
                 continue
             if name == "vllm:num_requests_waiting":
                 waiting = (waiting or 0.0) + sample.value
@@ -64,24 +108,20 @@ def parse_vllm_metrics(text: str) -> EndpointFigures:
                 running = (running or 0.0) + sample.value
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 kv_usage = max(kv_usage or 0.0, sample.value)
-            elif name == "vllm:cache_config_info":
-                try:
-                    blocks = int(sample.labels.get("num_gpu_blocks", ""))
-                    block_size = int(sample.labels.get("block_size", ""))
-                except ValueError:
-                    continue
-                budget = blocks * block_size
     return EndpointFigures(waiting, running, kv_usage, budget)
 
 
 class Scraper:
-    """Polls every endpoint of the dispatcher, every ``capacity.scrapeInterval``."""
+    """Reads every endpoint's figures: at ``capacity.scrapeInterval`` while they decide its room
+    (``figures_decide``) or its reads fail, else at ``capacity.slowScrapeInterval``."""
 
     def __init__(self, dispatcher: Dispatcher,
                  session: aiohttp.ClientSession | None = None) -> None:
         self.dispatcher = dispatcher
         self._session = session
         self._no_metrics_until: dict[str, float] = {}
+        self._next_at: dict[str, float] = {}
+        """When each endpoint is next read (absent: at once)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         session = self._session or aiohttp.ClientSession()
@@ -95,13 +135,31 @@ class Scraper:
             if self._session is None:
                 await session.close()
 
-    async def scrape_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
+    async def scrape_all(self, session: aiohttp.ClientSession, timeout: float, *,
+                         every: bool = False) -> None:
+        """Read the endpoints that are due (``every``: all that may be read)."""
         now = self.dispatcher.clock()
         endpoints = [e for e in self.dispatcher.endpoints.values()
                      if self._no_metrics_until.get(e.address, 0.0) <= now
-                     and e.health.state(now) != EJECTED]
+                     and e.health.state(now) != EJECTED
+                     and (every or self._next_at.get(e.address, 0.0) <= now)]
+        if not endpoints:
+            return
         await asyncio.gather(*(self._scrape(session, e.address, timeout) for e in endpoints))
         self.dispatcher.pump()
+        self._schedule(endpoints)
+
+    def _schedule(self, scraped: list[EndpointState]) -> None:
+        capacity = self.dispatcher.config.capacity
+        rules = self.dispatcher.rules
+        now = self.dispatcher.clock()
+        for endpoint in scraped:
+            fast = endpoint.health.failures or figures_decide(endpoint, now, rules)
+            self._next_at[endpoint.address] = now + (
+                capacity.scrape_interval if fast else capacity.slow_scrape_cadence)
+        if len(self._next_at) > 2 * len(self.dispatcher.endpoints):
+            known = self.dispatcher.endpoints
+            self._next_at = {a: t for a, t in self._next_at.items() if a in known}
 
     async def _scrape(self, session: aiohttp.ClientSession, address: str, timeout: float) -> None:
         try:
@@ -115,7 +173,8 @@ class Scraper:
                 if response.status != 200:
                     self.dispatcher.endpoint_failed(address, f"scrape: HTTP {response.status}")
                     return
-                text = await response.text()
+                # The text format is UTF-8 (no charset sniffing, which ``text()`` may do).
+                text = (await response.read()).decode("utf-8", "replace")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             # The figures go stale (capacity falls back to own accounting) and the failure
             # counts towards ejecting the endpoint.

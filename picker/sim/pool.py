@@ -40,7 +40,7 @@ from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
-from picker.core.selection import observe
+from picker.core.selection import figures_decide, observe
 from picker.core.shared import Replica, StoreModel, StoreReply
 from picker.dispatch.from_config import (
     admission_rules,
@@ -74,6 +74,9 @@ class PoolSpec:
     step_s: float = 0.01
     """Seconds per engine step (the simulated server's ``--step-ms``)."""
     scrape_interval_s: float = 0.05
+    slow_scrape_interval_s: float | None = None
+    """As ``capacity.slowScrapeInterval``: an endpoint whose figures do not decide its room
+    (``figures_decide``) is read this often; None: every endpoint every ``scrape_interval_s``."""
     prefill_s_per_token: float = 0.0
     """A step's extra seconds per prompt token it computes, recompute included (the server's
     ``--prefill-ms-per-1k-tokens`` / 1e6); 0: every step takes ``step_s``."""
@@ -176,6 +179,8 @@ class PoolRun:
     gate: Gate = field(repr=False, compare=False)
     """The gate as the run left it (its ledger and the tenants' service totals)."""
     sharing: SharingStats | None = None
+    scrapes: int = 0
+    """Reads of an endpoint's figures by a picker (each endpoint by each picker)."""
 
     def tokens_per_s(self) -> float:
         return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
@@ -193,6 +198,9 @@ class _Pool:
                                           for a in addresses})
                       for _ in range(1 if sharing is None else sharing.pickers)]
         self.gate = self.gates[0]
+        self.scrapes = 0
+        self.next_scrape: dict[tuple[int, str], float] = {}
+        """(picker, address) → when it is next read (``PoolSpec.slow_scrape_interval_s``)."""
         self.sharing = sharing
         if sharing is not None:
             self.store = StoreModel(lease_expiry=sharing.lease_expiry_s)
@@ -392,12 +400,22 @@ class _Pool:
     # -- the engines --
 
     def scrape(self) -> None:
+        slow = self.spec.slow_scrape_interval_s
         for address, engine in self.engines.items():
-            for gate in self.gates:
+            for picker, gate in enumerate(self.gates):
                 endpoint = gate.endpoints.get(address)
-                if endpoint is not None:
-                    observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
-                            None, self.now)
+                if endpoint is None:
+                    continue
+                due = self.next_scrape.get((picker, address), 0.0)
+                if slow is not None and due > self.now + 1e-9:
+                    continue
+                observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
+                        None, self.now)
+                self.scrapes += 1
+                if slow is not None:
+                    fast = figures_decide(endpoint, self.now, gate.rules.capacity)
+                    self.next_scrape[(picker, address)] = self.now + (
+                        self.spec.scrape_interval_s if fast else slow)
 
     def step_engines(self, counting: bool) -> tuple[int, int]:
         """Step every free engine and report every step that ends at the next tick; returns
@@ -488,4 +506,4 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                    preemptions=sum(e.preemptions_total for e in engines),
                    recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
                    computed_tokens=computed, steps=step, gate=pool.gate,
-                   sharing=pool.stats if sharing is not None else None)
+                   sharing=pool.stats if sharing is not None else None, scrapes=pool.scrapes)

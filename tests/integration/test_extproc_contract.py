@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -811,6 +812,20 @@ async def test_request_whose_meter_stream_never_comes_is_released(tmp_path: Path
         await routed_for_meter(picker, chat_body(max_tokens=3), "a")
         await picker.eventually("fairway_requests_total", 1, tenant="a", outcome="cancelled")
         assert await picker.metric("fairway_endpoint_inflight_tokens") == 0
+
+
+async def test_requests_without_meter_streams_are_logged_once_a_minute_not_each(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with running_picker(tmp_path, meter_claim_timeout=0.3,
+                              tenants=[{"id": "a"}]) as picker:
+        with caplog.at_level(logging.WARNING, logger="picker.extproc.service"):
+            for _ in range(3):
+                await routed_for_meter(picker, chat_body(max_tokens=3), "a")
+            await picker.eventually("fairway_requests_total", 3, tenant="a",
+                                    outcome="cancelled")
+    warnings = [r.getMessage() for r in caplog.records if "no meter stream" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "for 1 request(s)" in warnings[0]
 
 
 # -- health --

@@ -118,3 +118,12 @@ def test_check_without_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as caught:
         main(["check"])
     assert caught.value.code == 2
+
+
+def test_the_slow_scrape_cadence_stays_between_the_fast_one_and_half_the_staleness() -> None:
+    def cadence(**capacity: str) -> float:
+        return load_config({"capacity": capacity}).capacity.slow_scrape_cadence
+    assert cadence() == 0.5
+    assert cadence(scrapeInterval="1s", metricsStaleAfter="5s") == 1.0  # never below the fast
+    assert cadence(metricsStaleAfter="600ms") == 0.3  # read before the figures go stale
+    assert cadence(slowScrapeInterval="2s", metricsStaleAfter="10s") == 2.0

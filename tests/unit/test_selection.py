@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from picker.core.selection import CapacityRules, EndpointState, LeastLoaded, has_room, rank
+from picker.core.selection import (
+    CapacityRules,
+    EndpointState,
+    LeastLoaded,
+    figures_decide,
+    has_room,
+    rank,
+)
 
 RULES = CapacityRules(fallback_budget=1000, max_waiting=2, stale_after=1.0)
 NOW = 100.0
@@ -158,3 +165,42 @@ def test_tokens_released_since_the_scrape_discount_its_kv_use() -> None:
     full.released_since_scrape = 400
     assert has_room(full, NOW, RULES, prompt_tokens=400)
     assert not has_room(full, NOW, RULES, prompt_tokens=401)
+
+
+# -- when scraped figures decide the room (the scraper's cadence) --
+
+def test_figures_decide_until_a_fresh_read_exists() -> None:
+    assert figures_decide(_endpoint(), NOW, RULES)  # never read
+    assert figures_decide(_endpoint(kv_usage=0.0, waiting=0, scraped_at=NOW - 1.5), NOW, RULES)
+
+
+def test_own_accounting_decides_while_the_engine_holds_what_the_picker_sent() -> None:
+    # 300 tokens sent; the engine reports 32 % of 1000 (block rounding): within the margin.
+    endpoint = _endpoint(inflight_tokens=300, kv_usage=0.32, waiting=0, scraped_at=NOW)
+    assert not figures_decide(endpoint, NOW, RULES)
+    assert not figures_decide(_endpoint(waiting=0, scraped_at=NOW), NOW, RULES)  # no KV figure
+
+
+def test_figures_decide_when_the_engine_holds_more_than_the_picker_sent() -> None:
+    # Another client's 100 tokens: more than the 5 % margin above the picker's 300.
+    endpoint = _endpoint(inflight_tokens=300, kv_usage=0.40, waiting=0, scraped_at=NOW)
+    assert figures_decide(endpoint, NOW, RULES)
+    endpoint.released_since_scrape = 100  # finished since the read: the excess is gone
+    assert not figures_decide(endpoint, NOW, RULES)
+
+
+def test_figures_decide_while_the_engine_queues() -> None:
+    endpoint = _endpoint(inflight_tokens=300, kv_usage=0.30, waiting=1, scraped_at=NOW)
+    assert figures_decide(endpoint, NOW, RULES)
+    endpoint.completed_since_scrape = 1  # the one waiting was admitted since
+    assert not figures_decide(endpoint, NOW, RULES)
+
+
+def test_figures_decide_once_the_endpoint_is_nearly_full_by_own_count() -> None:
+    endpoint = _endpoint(inflight_tokens=790, kv_usage=0.79, waiting=0, scraped_at=NOW)
+    assert not figures_decide(endpoint, NOW, RULES)
+    endpoint.inflight_tokens = 800  # 80 % of 1000: its engine may queue at any moment
+    assert figures_decide(endpoint, NOW, RULES)
+    endpoint.share = 0.5  # beside other replicas, nearly full is judged on this one's part
+    endpoint.inflight_tokens = 400
+    assert figures_decide(endpoint, NOW, RULES)
