@@ -204,20 +204,20 @@ def main() -> None:
         port, streams, count = (int(a) for a in sys.argv[2:5])
         _client(port, streams, count, float(sys.argv[5]))
         return
-    which = sys.argv[1] if len(sys.argv) > 1 else "both"
-    results: list[dict[str, Any]] = []
-    if which in ("aio", "both"):
-        # Each server in its own process: one server's threads must not bill the other.
-        results += asyncio.run(_aio()) if which == "aio" else json.loads(subprocess.run(
-            [sys.executable, "-m", "bench.grpc_floor", "aio"], check=True,
-            capture_output=True, text=True).stdout)
-    if which in ("threads", "both"):
-        results += _threads() if which == "threads" else json.loads(subprocess.run(
-            [sys.executable, "-m", "bench.grpc_floor", "threads"], check=True,
-            capture_output=True, text=True).stdout)
-    requests = json.loads(subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--requests"],
+    if sys.argv[1:2] == ["aio"]:
+        print(json.dumps(asyncio.run(_aio())))
+        return
+    if sys.argv[1:2] == ["threads"]:
+        print(json.dumps(_threads()))
+        return
+
+    def in_own_process(mode: str) -> Any:
+        # Each server in its own process: one server's threads must not bill another's.
+        return json.loads(subprocess.run([sys.executable, "-m", "bench.grpc_floor", mode],
                                          check=True, capture_output=True, text=True).stdout)
-    print(json.dumps({"messages": results, "requests": requests}))
+
+    print(json.dumps({"messages": in_own_process("aio") + in_own_process("threads"),
+                      "requests": in_own_process("--requests")}))
 
 
 if __name__ == "__main__":

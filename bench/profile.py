@@ -234,9 +234,12 @@ def profile(out: Path, seconds: float, workdir: Path | None = None, *,
     return results
 
 
-def _table(counts: dict[str, int], total: int) -> list[str]:
-    lines = ["| | samples | share |", "|---|---:|---:|"]
-    lines += [f"| {label} | {count} | {count / total:.0%} |" for label, count in counts.items()]
+def _table(counts: dict[str, int], total: int, per_unit_ms: float, unit: str) -> list[str]:
+    """Samples, their share, and that share of the CPU per unit: where each millisecond goes
+    (samples are wall-clock of running threads, so the split is proportional, not exact)."""
+    lines = [f"| | samples | share | ms per {unit} |", "|---|---:|---:|---:|"]
+    lines += [f"| {label} | {count} | {count / total:.0%} | {count / total * per_unit_ms:.3f} |"
+              for label, count in counts.items()]
     return lines
 
 
@@ -257,9 +260,9 @@ def report(results: dict[str, Any], seconds: float) -> str:
                   f"({got['core_fraction']:.0%} of a core): **{got['cpu_ms_per_unit']:.3f} ms per "
                   f"{got['unit']}** ({got['units']} {got['unit']}s). {got['samples']} samples.",
                   "", "By activity (outermost frame):", ""]
-        lines += _table(got["activities"], got["samples"])
+        lines += _table(got["activities"], got["samples"], got["cpu_ms_per_unit"], got["unit"])
         lines += ["", "By kind of work (innermost frame of a known kind):", ""]
-        lines += _table(got["kinds"], got["samples"])
+        lines += _table(got["kinds"], got["samples"], got["cpu_ms_per_unit"], got["unit"])
         lines += ["", "Top functions by self samples:", "", "| function | samples |", "|---|---:|"]
         lines += [f"| `{name}` | {count} |" for name, count in got["top"]]
         lines.append("")
