@@ -347,6 +347,14 @@ def test_every_container_is_non_root_with_a_read_only_root_filesystem(case_id: s
             assert container["resources"]["requests"] and container["resources"]["limits"]
 
 
+def _elects(case_id: str) -> bool:
+    """Whether the case's pickers elect a leader: they are started with --lease."""
+    (deployment,) = [d for d in _kind(case_id, "Deployment")
+                     if d["metadata"]["labels"]["app.kubernetes.io/component"] == "picker"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return any(arg.startswith("--lease=") for arg in args)
+
+
 @pytest.mark.parametrize("case_id", IDS)
 def test_rbac_is_namespaced_and_least_privilege(case_id: str) -> None:
     kinds = {o["kind"] for o in _objects(case_id)}
@@ -364,9 +372,9 @@ def test_rbac_is_namespaced_and_least_privilege(case_id: str) -> None:
         ("", "pods", "list"), ("", "pods", "watch"),
         ("inference.networking.k8s.io", "inferencepools", "get"),
         ("inference.networking.k8s.io", "inferencepools", "list"),
-        ("inference.networking.k8s.io", "inferencepools", "watch"),
-        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
-        ("coordination.k8s.io", "leases", "patch")}
+        ("inference.networking.k8s.io", "inferencepools", "watch")} | ({
+            ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+            ("coordination.k8s.io", "leases", "patch")} if _elects(case_id) else set())
     roles = {role["metadata"]["name"] for role in _kind(case_id, "Role")}
     assert len(roles) == (2 if operator else 1)
     if operator:

@@ -142,6 +142,12 @@ serves, and none elects a leader. */}}
 {{- if eq .Values.state.backend "redis" }}true{{ end }}
 {{- end }}
 
+{{/* Whether the pickers elect a leader on a Lease (--lease): several replicas without shared
+state (with redis every replica serves). Non-empty when they do. */}}
+{{- define "fairway.leaderElection" -}}
+{{- if and (gt (int .Values.picker.replicas) 1) (not (include "fairway.sharedState" .)) }}true{{ end }}
+{{- end }}
+
 {{/* Where the picker finds the Redis password (file password) and CA bundle (file ca.crt). */}}
 {{- define "fairway.redisMountPath" -}}/etc/fairway/redis{{- end }}
 
