@@ -442,6 +442,10 @@ class RedisStore:
         if "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
             raise ConfigError("url", "must not carry credentials: put the password in a file "
                                      "named by passwordFile")
+        if self.ca_file is not None and scheme != "rediss":
+            # Silently unused otherwise: the operator believes the link is verified TLS.
+            raise ConfigError("caFile", "is used only with TLS: the url must start with "
+                                        "rediss://")
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,7 @@ TEMPLATE_REFUSALS = {
     "redis_url_not_redis": "state.redis.url must start with redis:// or rediss://",
     "redis_url_with_credentials": "state.redis.url must not carry credentials",
     "state_in_config": "config.state is not read: set the top-level `state` values",
+    "redis_ca_without_tls": "state.redis.caSecret is used only with TLS",
 }
 
 

@@ -133,6 +133,9 @@ same as upstream's picker: ext_proc 9002, gRPC health 9003, metrics 9090; the ad
 {{- if contains "@" $url }}
 {{- fail "state.redis.url must not carry credentials (it is written to a ConfigMap): put the password in a Secret named by state.redis.passwordSecret" }}
 {{- end }}
+{{- if and .Values.state.redis.caSecret.name (not (hasPrefix "rediss://" $url)) }}
+{{- fail "state.redis.caSecret is used only with TLS: state.redis.url must start with rediss://" }}
+{{- end }}
 {{- end }}
 {{- end }}
 
