@@ -167,7 +167,7 @@ class Capacity:
     slow_scrape_interval: float = field(default=0.5, metadata=_camel("slow_scrape_interval",
                                                                      gt=0, duration=True))
     """How often otherwise: while the picker's own accounting of what it sent decides the room,
-    a fresher read would change no decision (reading a real vLLM page costs about 0.4 ms of
+    a fresher read would change no decision (reading a real vLLM page costs about 0.33 ms of
     CPU). Never shorter than ``scrapeInterval``, nor longer than half of ``metricsStaleAfter``
     (figures must not go stale between reads): ``slow_scrape_cadence``."""
     metrics_stale_after: float = field(default=1.0, metadata=_camel("metrics_stale_after", gt=0,
