@@ -143,11 +143,12 @@ class Scraper:
                      if self._no_metrics_until.get(e.address, 0.0) <= now
                      and e.health.state(now) != EJECTED
                      and (every or self._next_at.get(e.address, 0.0) <= now)]
-        if not endpoints:
-            return
-        await asyncio.gather(*(self._scrape(session, e.address, timeout) for e in endpoints))
+        if endpoints:
+            await asyncio.gather(*(self._scrape(session, e.address, timeout) for e in endpoints))
+            self._schedule(endpoints)
+        # Every tick, read or not: time alone can give room (an ejection ending, figures going
+        # stale, an idle tenant's reserve lapsing), and nothing else would dispatch then.
         self.dispatcher.pump()
-        self._schedule(endpoints)
 
     def _schedule(self, scraped: list[EndpointState]) -> None:
         capacity = self.dispatcher.config.capacity
