@@ -778,13 +778,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _unclaimed(self, meter_id: str) -> None:
         exchange, _ = self._awaiting_meter.pop(meter_id, (None, None))
         if exchange is not None and not exchange.done:
+            self.dispatcher.metrics.meter_unclaimed.inc()
             self._unclaimed_since_log += 1
             now = asyncio.get_running_loop().time()
             # One line a minute at most: a gateway without its metering filter would otherwise
             # log every request (each is counted in fairway_requests_total all the same).
             if now - self._unclaimed_logged_at >= UNCLAIMED_LOG_INTERVAL:
                 log.warning("no meter stream within %gs for %d request(s) (the latest %s): is the "
-                            "gateway's metering filter missing? settled as gone",
+                            "gateway's metering filter missing? settled as gone (counted in "
+                            "fairway_meter_unclaimed_total)",
                             self.meter_claim_timeout, self._unclaimed_since_log, meter_id)
                 self._unclaimed_logged_at, self._unclaimed_since_log = now, 0
             exchange.abandon()

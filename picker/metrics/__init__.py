@@ -116,6 +116,10 @@ class PickerMetrics:
         self.faults = Counter("fairway_faults", "Faults of the picker's own (bugs) met while "
                               "serving a request, by exception type; each got a clear 500.",
                               ["kind"], registry=r)
+        self.meter_unclaimed = Counter(
+            "fairway_meter_unclaimed", "Routed requests whose meter stream never came within "
+            "the claim timeout (the gateway's metering filter missing, or the picker far behind): "
+            "settled on their estimate, not on usage.", registry=r)
         self.buffered_body_bytes = Gauge(
             "fairway_buffered_body_bytes", "Request body bytes held at once, all streams "
             "(limits.maxBufferedBytes bounds it).", registry=r)

@@ -823,6 +823,7 @@ async def test_requests_without_meter_streams_are_logged_once_a_minute_not_each(
                 await routed_for_meter(picker, chat_body(max_tokens=3), "a")
             await picker.eventually("fairway_requests_total", 3, tenant="a",
                                     outcome="cancelled")
+            assert await picker.metric("fairway_meter_unclaimed_total") == 3
     warnings = [r.getMessage() for r in caplog.records if "no meter stream" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "for 1 request(s)" in warnings[0]
