@@ -108,11 +108,16 @@ async def _request_client(port: int, shape: str) -> None:
         await asyncio.gather(*tasks)
 
 
-async def _requests() -> list[dict[str, Any]]:
+async def _serve_aio(servicer: pb_grpc.ExternalProcessorServicer) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(_RequestServicer(), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+async def _requests() -> list[dict[str, Any]]:
+    server, port = await _serve_aio(_RequestServicer())
     out = []
     for shape, what in (("both", "request path + meter stream (2 RPCs, 6 messages in, 2 out)"),
                         ("request", "request path alone (1 RPC, 3 in, 2 out)"),
@@ -163,10 +168,7 @@ def _drive(port: int, streams: int, count: int, spacing: float) -> list[str]:
 
 
 async def _aio() -> list[dict[str, Any]]:
-    server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(_AioServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _serve_aio(_AioServicer())
     out = []
     for name, streams, count, spacing in RUNS:
         before = _cpu()

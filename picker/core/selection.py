@@ -91,11 +91,11 @@ estimated, preemption), and a read that shows it late sends requests into that q
 
 def figures_decide(endpoint: EndpointState, now: float, rules: CapacityRules) -> bool:
     """Whether the endpoint's scraped figures may decide its room before the next slow read:
-    none fresh yet, its engine queues, it holds more than the picker sent it (other clients
-    share it, or the estimates fall short), or it is nearly full by the picker's own count. The
-    scraper reads such an endpoint at the fast cadence; reading the others more often would
-    change no decision."""
-    if not endpoint.fresh(now, rules.stale_after):
+    none fresh yet, it is failing (a fresh read is its probe), its engine queues, it holds more
+    than the picker sent it (other clients share it, or the estimates fall short), or it is
+    nearly full by the picker's own count. The scraper reads such an endpoint at the fast
+    cadence; reading the others more often would change no decision."""
+    if not endpoint.fresh(now, rules.stale_after) or endpoint.health.failures:
         return True
     if waiting(endpoint, now, rules) > 0:
         return True

@@ -135,14 +135,13 @@ class Scraper:
             if self._session is None:
                 await session.close()
 
-    async def scrape_all(self, session: aiohttp.ClientSession, timeout: float, *,
-                         every: bool = False) -> None:
-        """Read the endpoints that are due (``every``: all that may be read)."""
+    async def scrape_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        """Read the endpoints that are due."""
         now = self.dispatcher.clock()
         endpoints = [e for e in self.dispatcher.endpoints.values()
                      if self._no_metrics_until.get(e.address, 0.0) <= now
                      and e.health.state(now) != EJECTED
-                     and (every or self._next_at.get(e.address, 0.0) <= now)]
+                     and self._next_at.get(e.address, 0.0) <= now]
         if endpoints:
             await asyncio.gather(*(self._scrape(session, e.address, timeout) for e in endpoints))
             self._schedule(endpoints)
@@ -155,9 +154,9 @@ class Scraper:
         rules = self.dispatcher.rules
         now = self.dispatcher.clock()
         for endpoint in scraped:
-            fast = endpoint.health.failures or figures_decide(endpoint, now, rules)
             self._next_at[endpoint.address] = now + (
-                capacity.scrape_interval if fast else capacity.slow_scrape_cadence)
+                capacity.scrape_interval if figures_decide(endpoint, now, rules)
+                else capacity.slow_scrape_cadence)
         if len(self._next_at) > 2 * len(self.dispatcher.endpoints):
             known = self.dispatcher.endpoints
             self._next_at = {a: t for a, t in self._next_at.items() if a in known}
