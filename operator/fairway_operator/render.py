@@ -10,11 +10,23 @@ How a policy becomes config:
   ``lane``, ``allowedLanes``, ``budgets``, ``overBudget`` and ``limits`` (same camelCase keys);
 - with ``spec.apiKeySecretRef``, every data value of that Secret (base64, as Kubernetes stores
   it; surrounding whitespace such as a trailing newline is dropped) is an API key. The config
-  gets only its SHA-256 (``tenancy.apiKeys: [{sha256, tenant}]``) and ``tenancy.mode: apiKey``.
+  gets only its SHA-256, added to the base config's keys (``tenancy.apiKeys: [{sha256, tenant}]``).
   A key names one tenant, so **with several tenants in one policy, each key maps to the policy's
-  first tenant** (give each tenant its own policy and Secret to tell them apart). Note that
-  API-key mode applies to the whole picker: once any policy brings keys, requests without a
-  known key get 401.
+  first tenant** (give each tenant its own policy and Secret to tell them apart).
+
+How requests name their tenant is the platform admin's choice, made in the base config
+(``tenancy.mode``), never a policy's: in API-key mode every request without a known key gets
+401, so one namespace's policy must not be able to switch the pool and lock out every tenant
+the gateway's header names.
+
+- ``tenancy.mode: header`` (the default): a policy with ``apiKeySecretRef`` is refused
+  (``ApiKeysNotEnabled``); the other policies apply.
+- ``tenancy.mode: apiKey``: the policies' keys are added. A policy without ``apiKeySecretRef``
+  none of whose tenants has a key (in the base config or an applied policy) is refused
+  (``TenantsUnidentifiable``: all its tenants' requests would get 401); one for tenants the base
+  config's keys name applies (it sets their weight, lanes, budgets). The base config may hold no
+  key of its own, leaving the keys to policies; with no key at all nothing is written and every
+  policy is refused with ``InvalidBaseConfig``.
 
 Policies are taken oldest first (``creationTimestamp``, then name). A tenant id or API key
 claimed by an older applied policy stays with it; the younger policy is refused whole.
@@ -48,6 +60,8 @@ DUPLICATE_TENANT = "DuplicateTenant"
 DUPLICATE_API_KEY = "DuplicateApiKey"
 SECRET_NOT_FOUND = "SecretNotFound"
 INVALID_SECRET = "InvalidSecret"
+API_KEYS_NOT_ENABLED = "ApiKeysNotEnabled"
+TENANTS_UNIDENTIFIABLE = "TenantsUnidentifiable"
 
 _TENANT_PATH = re.compile(r"^tenants\[(\d+)\](.*)$")
 
@@ -159,12 +173,16 @@ def render(base: Any, policies: Iterable[Mapping[str, Any]],
     accepted: list[_Contribution] = []
     tenant_owner: dict[str, str] = {}
     key_owner: dict[str, str] = {k["sha256"]: "the base config" for k in _base_keys(base)}
+    keyed = {k["tenant"] for k in _base_keys(base)}
+    api_key_mode = _api_key_mode(base)
     for policy in policies:
         name = _name(policy)
         try:
-            contribution = _contribution(policy, secrets)
+            contribution = _contribution(policy, secrets, api_key_mode)
             _check_alone(base, contribution, keys_required_later)
             _check_claims(contribution, tenant_owner, key_owner)
+            if api_key_mode:
+                _check_identifiable(contribution, keyed)
         except _Refused as refused:
             verdicts[name] = Verdict(name, False, refused.reason, refused.message,
                                      _generation(policy))
@@ -174,6 +192,7 @@ def render(base: Any, policies: Iterable[Mapping[str, Any]],
             tenant_owner[entry["id"]] = name
         for key in contribution.keys:
             key_owner[key["sha256"]] = name
+            keyed.add(key["tenant"])
 
     config = _assemble(base, accepted)
     try:
@@ -235,6 +254,12 @@ def _check_base(base: Any) -> bool:
     return False
 
 
+def _api_key_mode(base: dict) -> bool:
+    """Whether the base config identifies tenants by API key (only it decides)."""
+    tenancy = base.get("tenancy")
+    return isinstance(tenancy, dict) and tenancy.get("mode") == "apiKey"
+
+
 def _header_mode(config: dict) -> dict:
     probe = copy.deepcopy(config)
     tenancy = probe.get("tenancy")
@@ -249,8 +274,8 @@ def _base_keys(base: dict) -> list[dict]:
     return [k for k in keys or () if isinstance(k, dict) and isinstance(k.get("sha256"), str)]
 
 
-def _contribution(policy: Mapping[str, Any],
-                  secrets: Mapping[str, Mapping[str, str] | None]) -> _Contribution:
+def _contribution(policy: Mapping[str, Any], secrets: Mapping[str, Mapping[str, str] | None],
+                  api_key_mode: bool) -> _Contribution:
     spec = policy.get("spec")
     if not isinstance(spec, Mapping):
         raise _Refused(INVALID_POLICY, "spec: must be a mapping")
@@ -267,6 +292,12 @@ def _contribution(policy: Mapping[str, Any],
     secret = _secret_ref(spec)
     if "apiKeySecretRef" in spec and not secret:
         raise _Refused(INVALID_POLICY, "spec.apiKeySecretRef.name: must name a Secret")
+    if secret and not api_key_mode:
+        raise _Refused(API_KEYS_NOT_ENABLED,
+                       "spec.apiKeySecretRef: this pool does not use API keys: its base config "
+                       "identifies tenants by the gateway's header (tenancy.mode: header). To "
+                       "use API keys, the platform admin sets tenancy.mode: apiKey in the base "
+                       "config (then every tenant needs a key); or remove apiKeySecretRef")
     if secret:
         hashes = _key_hashes(secret, secrets.get(secret))
         keys = [{"sha256": digest, "tenant": tenants[0]} for digest in hashes]
@@ -316,6 +347,21 @@ def _check_alone(base: dict, contribution: _Contribution, keys_required_later: b
         raise _Refused(reason, f"{spec_path}: {exc.message}{where}") from None
 
 
+def _check_identifiable(contribution: _Contribution, keyed: set[str]) -> None:
+    """In API-key mode a request without a known key gets 401: refuse a policy that brings no
+    key and none of whose tenants has one. ``keyed``: the tenants named by the base config's
+    keys and older applied policies' (a younger policy's keys name its own tenant, which this
+    policy cannot share)."""
+    tenants = [entry["id"] for entry in contribution.entries]
+    if contribution.keys or any(tenant in keyed for tenant in tenants):
+        return
+    raise _Refused(TENANTS_UNIDENTIFIABLE,
+                   "spec.apiKeySecretRef: not set, and the pool identifies tenants by API key "
+                   "(tenancy.mode: apiKey in the base config): no key names its tenant(s) "
+                   f"{', '.join(tenants)}, so their requests would get 401. Add "
+                   "spec.apiKeySecretRef, or keys for them in the base config's tenancy.apiKeys")
+
+
 def _check_claims(contribution: _Contribution, tenant_owner: Mapping[str, str],
                   key_owner: Mapping[str, str]) -> None:
     for entry in contribution.entries:
@@ -337,10 +383,8 @@ def _assemble(base: dict, accepted: list[_Contribution]) -> dict:
     config = copy.deepcopy(base)
     config["tenants"] = [entry for c in accepted for entry in copy.deepcopy(c.entries)]
     keys = [k for c in accepted for k in c.keys]
-    if keys:
-        tenancy = config.get("tenancy")
-        tenancy = dict(tenancy) if isinstance(tenancy, dict) else {}
-        tenancy["mode"] = "apiKey"
+    if keys:  # the base config is in API-key mode: policies' keys are refused otherwise
+        tenancy = dict(config["tenancy"])
         tenancy["apiKeys"] = [*_base_keys(base), *copy.deepcopy(keys)]
         config["tenancy"] = tenancy
     return config

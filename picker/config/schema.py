@@ -59,7 +59,8 @@ class Tenancy:
     default_tenant: str = field(default="anonymous", metadata=_camel("default_tenant"))
     """Tenant of requests that carry none of the headers (header mode)."""
     api_keys: tuple[ApiKey, ...] = field(default=(), metadata=_camel("api_keys"))
-    """The keys of API-key mode."""
+    """The keys of API-key mode. With the operator, the keys of TenantPolicies
+    (``apiKeySecretRef``) are added to the base config's; only the base config sets ``mode``."""
     lane_header: str = field(default="x-fairway-lane", metadata=_camel("lane_header"))
     """Application header choosing a lane among the tenant's ``allowedLanes``."""
 
@@ -267,7 +268,9 @@ class OverBudget:
     action: Literal["reject", "demote"] = "reject"
     """``reject``: 429 with ``Retry-After`` from the bucket. ``demote``: admitted into ``lane``."""
     lane: str | None = None
-    """The lower lane demoted requests go to (required for ``demote``)."""
+    """The lane demoted requests go to (required for ``demote``): below the tenant's own lane
+    (later in ``lanes``). In ``tenantDefaults``: below the first lane, and not above the lane
+    of a tenant without an ``overBudget`` of its own."""
 
     def __post_init__(self) -> None:
         if self.action == "demote" and not self.lane:
@@ -523,6 +526,33 @@ class PickerConfig:
                               f"tenants[{i}].overBudget.lane", "lane")
         require_known(self.tenant_defaults.over_budget.lane, lane_names,
                       "tenantDefaults.overBudget.lane", "lane")
+        self._check_demotions(lane_names)
+
+    def _check_demotions(self, lane_names: list[str]) -> None:
+        """Demotion moves a request past its budget to a lower lane (later in ``lanes``): into a
+        higher lane it would reward going over budget, into the tenant's own lane it would
+        change nothing (a rule that does so is a mistake)."""
+        first = lane_names[0]
+        defaults = self.tenant_defaults.over_budget
+        if _demotion_step(defaults, first, lane_names) == 0:  # nothing is above the first lane
+            raise ConfigError("tenantDefaults.overBudget.lane", _not_lower(
+                defaults, "the first lane (that of tenants naming none)", first, lane_names))
+        for i, tenant in enumerate(self.tenants):
+            lane = tenant.lane or first
+            if tenant.over_budget is not None:
+                step = _demotion_step(tenant.over_budget, lane, lane_names)
+                if step is not None and step <= 0:
+                    whose = "the tenant's lane" if tenant.lane else \
+                        "the tenant's lane (the first lane, as it names none)"
+                    raise ConfigError(f"tenants[{i}].overBudget.lane",
+                                      _not_lower(tenant.over_budget, whose, lane, lane_names))
+            elif (_demotion_step(defaults, lane, lane_names) or 0) < 0:
+                # Into its own lane an inherited rule is harmless (the defaults serve tenants of
+                # every lane); above it, it would lift the tenant when over budget.
+                raise ConfigError(f"tenants[{i}].lane", (
+                    f"{lane!r} is below {defaults.lane!r}, the lane tenantDefaults.overBudget "
+                    f"demotes to, which this tenant follows (it has no overBudget of its own): "
+                    f"give it its own overBudget; {_LOWER} ({_lane_order(lane_names)})"))
 
     def _check_engine_priorities(self) -> None:
         """With engines in priority mode a lane's requests take two engine priorities (light,
@@ -546,6 +576,28 @@ class PickerConfig:
             if tenant.id == tenant_id:
                 return tenant
         return None
+
+
+_LOWER = "demotion moves a request past its budget to a lower lane"
+
+
+def _lane_order(lane_names: list[str]) -> str:
+    return f"lanes, highest priority first: {', '.join(lane_names)}"
+
+
+def _demotion_step(rule: OverBudget, lane: str, lane_names: list[str]) -> int | None:
+    """How many lanes down ``rule`` moves a request of ``lane`` (negative: up); None when it
+    does not demote."""
+    if rule.action != "demote" or rule.lane is None:
+        return None
+    return lane_names.index(rule.lane) - lane_names.index(lane)
+
+
+def _not_lower(rule: OverBudget, whose: str, lane: str, lane_names: list[str]) -> str:
+    """Why ``rule`` may not demote a request of ``lane`` (``whose`` lane it is)."""
+    where = (f"{rule.lane!r} is {whose}: demoting into it changes nothing" if rule.lane == lane
+             else f"{rule.lane!r} is above {whose} {lane!r}")
+    return f"{where}; {_LOWER} ({_lane_order(lane_names)})"
 
 
 def load_config(source: str | Path | dict) -> PickerConfig:

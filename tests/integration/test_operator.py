@@ -52,6 +52,8 @@ queue: {maxQueued: 1000, maxWait: 60s}
 tenantDefaults:
   budgets: {burst: {tokens: 200000, per: 60s}}
 """
+KEY_BASE_YAML = BASE_YAML + "tenancy: {mode: apiKey}\n"
+"""The base config of a pool whose tenants are identified by API key (the admin's choice)."""
 API_KEY = "sk-partner-acme-5d7f9a1c3e5b7d9f1a3c5e7b9d1f3a5c"
 CRD = Path(__file__).resolve().parents[2] / "manifests/crd/fairway.dev_tenantpolicies.yaml"
 
@@ -400,6 +402,7 @@ async def test_api_server_errors_are_retried(cluster: Cluster) -> None:
 
 
 async def test_base_config_and_secrets_are_watched(cluster: Cluster) -> None:
+    await cluster.put_configmap("fairway-base", {"base.yaml": KEY_BASE_YAML})
     await cluster.put_secret("acme-keys", {"primary": API_KEY})
     async with running_operator(cluster):
         await cluster.create_policy("acme", ["partner-acme"], apiKeySecretRef={"name": "acme-keys"})
@@ -431,9 +434,37 @@ async def test_base_config_and_secrets_are_watched(cluster: Cluster) -> None:
 
         # A good base again, with a new lane: re-rendered, Ready again.
         await cluster.put_configmap("fairway-base", {
-            "base.yaml": BASE_YAML + "scheduling: {policy: vtc}\n"})
+            "base.yaml": KEY_BASE_YAML + "scheduling: {policy: vtc}\n"})
         await eventually(lambda: cluster.picker_config()["scheduling"] == {"policy": "vtc"})
         await eventually(lambda: cluster.ready("acme")["status"] == "True")
+
+
+async def test_the_base_config_not_a_policy_chooses_api_keys(cluster: Cluster) -> None:
+    await cluster.put_secret("acme-keys", {"primary": API_KEY})
+    async with running_operator(cluster):
+        await cluster.create_policy("team-a", ["alice"])
+        await cluster.create_policy("acme", ["partner-acme"], apiKeySecretRef={"name": "acme-keys"})
+        # Header mode (the default): the key policy is refused, the others keep working.
+        refused = await eventually(lambda: cluster.ready("acme"))
+        assert refused["status"] == "False" and refused["reason"] == "ApiKeysNotEnabled"
+        assert refused["message"].startswith("spec.apiKeySecretRef:")
+        assert "tenancy.mode: apiKey" in refused["message"]
+        await eventually(lambda: cluster.tenant_ids() == ["alice"])
+        assert "tenancy" not in cluster.picker_config()
+        assert_valid_policy(cluster.policy("acme"))
+
+        # The admin switches the pool to API keys: the key policy applies, and the tenant that
+        # no key names is refused rather than left to 401s.
+        await cluster.put_configmap("fairway-base", {"base.yaml": KEY_BASE_YAML})
+        await eventually(lambda: cluster.tenant_ids() == ["partner-acme"])
+        config = load_config(cluster.picker_config())
+        assert config.tenancy.mode == "apiKey"
+        assert [k.tenant for k in config.tenancy.api_keys] == ["partner-acme"]
+        await eventually(lambda: cluster.ready("acme")["status"] == "True")
+        unkeyed = await eventually(lambda: cluster.ready("team-a")["status"] == "False"
+                                   and cluster.ready("team-a"))
+        assert unkeyed["reason"] == "TenantsUnidentifiable"
+        assert "alice" in unkeyed["message"] and "401" in unkeyed["message"]
 
 
 async def test_live_figures_reach_the_status(cluster: Cluster) -> None:

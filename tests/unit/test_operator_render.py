@@ -28,6 +28,8 @@ BASE = {
     "tenantDefaults": {"budgets": {"burst": {"tokens": 200000, "per": "60s"}},
                        "overBudget": {"action": "reject"}},
 }
+KEY_BASE = {**BASE, "tenancy": {"mode": "apiKey"}}
+"""A base config in API-key mode with no key of its own: the policies bring them."""
 KEY_A = "sk-acme-3c9a1e2b4d6f8a0c1e3b5d7f9a1c3e5b"
 KEY_B = "sk-acme-second-0a2c4e6f8b1d3f5a7c9e1b3d"
 
@@ -98,6 +100,31 @@ def test_unknown_lane_excludes_that_policy_and_keeps_the_others() -> None:
     assert verdicts["good"].ready and verdicts["also-good"].ready
 
 
+def test_a_policy_demoting_into_a_higher_lane_is_refused() -> None:
+    policies = [policy("upward", ["bob"], lane="batch",
+                       overBudget={"action": "demote", "lane": "online"}),
+                policy("nowhere", ["carol"], overBudget={"action": "demote", "lane": "online"}),
+                policy("downward", ["alice"], created="2025-01-02T00:00:00Z", lane="online",
+                       overBudget={"action": "demote", "lane": "batch"})]
+    config, verdicts = render.render(BASE, policies)
+
+    upward = verdicts["upward"]
+    assert not upward.ready and upward.reason == "InvalidPolicy"
+    assert upward.message == (
+        "spec.overBudget.lane: 'online' is above the tenant's lane 'batch'; demotion moves a "
+        "request past its budget to a lower lane (lanes, highest priority first: online, batch) "
+        "(picker config path tenants[0].overBudget.lane)")
+    # Without a lane of its own a tenant is in the first lane: demoting into it does nothing
+    # (the CRD's CEL rule cannot see this: it does not know the pool's lanes).
+    nowhere = verdicts["nowhere"]
+    assert nowhere.reason == "InvalidPolicy"
+    assert nowhere.message.startswith(
+        "spec.overBudget.lane: 'online' is the tenant's lane (the first lane, as it names none): "
+        "demoting into it changes nothing")
+    assert verdicts["downward"].ready
+    assert [t["id"] for t in config["tenants"]] == ["alice"]
+
+
 @pytest.mark.parametrize(("spec", "path"), [
     ({"budgets": {"burst": {"tokens": 0, "per": "60s"}}}, "spec.budgets.burst.tokens"),
     ({"budgets": {"burst": {"tokens": 10, "per": "soon"}}}, "spec.budgets.burst.per"),
@@ -150,10 +177,9 @@ def test_a_refused_policy_claims_no_tenant() -> None:
 
 
 def test_api_keys_are_hashed_and_never_in_clear() -> None:
-    policies = [policy("acme", ["partner-acme", "acme-staff"], apiKeySecretRef={"name": "keys"}),
-                policy("plain", ["alice"], created="2025-01-02T00:00:00Z")]
+    policies = [policy("acme", ["partner-acme", "acme-staff"], apiKeySecretRef={"name": "keys"})]
     secrets = {"keys": {"primary": b64(KEY_A + "\n"), "secondary": b64(KEY_B)}}
-    config, verdicts = render.render(BASE, policies, secrets)
+    config, verdicts = render.render(KEY_BASE, policies, secrets)
 
     loaded = load_config(config)
     assert loaded.tenancy.mode == "apiKey"
@@ -166,23 +192,24 @@ def test_api_keys_are_hashed_and_never_in_clear() -> None:
         assert key not in text and b64(key) not in text
         assert all(key not in v.message for v in verdicts.values())
     assert verdicts["acme"].ready and "2 API key(s)" in verdicts["acme"].message
-    assert verdicts["plain"].ready
 
 
 def test_secret_problems_refuse_only_that_policy() -> None:
+    static = {"sha256": hash_api_key("sk-d-key"), "tenant": "d"}
+    base = {**BASE, "tenancy": {"mode": "apiKey", "apiKeys": [static]}}
     policies = [policy("missing", ["a"], apiKeySecretRef={"name": "nope"}),
                 policy("empty", ["b"], apiKeySecretRef={"name": "empty"}),
                 policy("garbled", ["c"], apiKeySecretRef={"name": "garbled"}),
                 policy("plain", ["d"], created="2025-01-02T00:00:00Z")]
     secrets = {"nope": None, "empty": {}, "garbled": {"k": "***not base64***"}}
-    config, verdicts = render.render(BASE, policies, secrets)
+    config, verdicts = render.render(base, policies, secrets)
 
     assert verdicts["missing"].reason == "SecretNotFound" and "nope" in verdicts["missing"].message
     assert verdicts["empty"].reason == "InvalidSecret"
     assert verdicts["garbled"].reason == "InvalidSecret" and "'k'" in verdicts["garbled"].message
     assert verdicts["plain"].ready
     assert [t["id"] for t in config["tenants"]] == ["d"]
-    assert load_config(config).tenancy.mode == "header"  # no key came through
+    assert config["tenancy"]["apiKeys"] == [static]  # no key of the policies came through
 
 
 def test_a_key_shared_by_two_policies_stays_with_the_older() -> None:
@@ -190,7 +217,7 @@ def test_a_key_shared_by_two_policies_stays_with_the_older() -> None:
                 policy("second", ["b"], apiKeySecretRef={"name": "s2"},
                        created="2025-01-02T00:00:00Z")]
     secrets = {"s1": {"k": b64(KEY_A)}, "s2": {"k": b64(KEY_A), "other": b64(KEY_B)}}
-    config, verdicts = render.render(BASE, policies, secrets)
+    config, verdicts = render.render(KEY_BASE, policies, secrets)
     assert verdicts["first"].ready
     assert verdicts["second"].reason == "DuplicateApiKey"
     assert "first" in verdicts["second"].message
@@ -199,13 +226,14 @@ def test_a_key_shared_by_two_policies_stays_with_the_older() -> None:
 
 
 def test_base_keys_are_kept_and_api_key_mode_may_wait_for_policy_keys() -> None:
-    base = {**BASE, "tenancy": {"mode": "apiKey"}}  # no keys of its own
-    config, verdicts = render.render(base, [policy("acme", ["acme"],
-                                                   apiKeySecretRef={"name": "s"})],
+    config, verdicts = render.render(KEY_BASE, [policy("acme", ["acme"],
+                                                       apiKeySecretRef={"name": "s"})],
                                      {"s": {"k": b64(KEY_A)}})
     assert verdicts["acme"].ready and load_config(config).tenancy.mode == "apiKey"
 
-    _, verdicts = render.render(base, [policy("plain", ["a"])])
+    # No key anywhere: the picker would refuse the config, so nothing is written.
+    config, verdicts = render.render(KEY_BASE, [policy("plain", ["a"])])
+    assert config is None
     assert verdicts["plain"].reason == "InvalidBaseConfig"
     assert "apiKeys" in verdicts["plain"].message
 
@@ -217,11 +245,75 @@ def test_base_keys_are_kept_and_api_key_mode_may_wait_for_policy_keys() -> None:
     assert [k.tenant for k in load_config(config).tenancy.api_keys] == ["ops", "acme"]
 
 
+def test_a_header_base_refuses_a_policy_with_api_keys_and_applies_the_others() -> None:
+    policies = [policy("acme", ["partner-acme"], apiKeySecretRef={"name": "keys"}),
+                policy("team-a", ["alice"], created="2025-01-02T00:00:00Z"),
+                policy("team-b", ["bob"], created="2025-01-03T00:00:00Z")]
+    config, verdicts = render.render(BASE, policies, {"keys": {"k": b64(KEY_A)}})
+
+    acme = verdicts["acme"]
+    assert not acme.ready and acme.reason == "ApiKeysNotEnabled"
+    assert acme.message == (
+        "spec.apiKeySecretRef: this pool does not use API keys: its base config identifies "
+        "tenants by the gateway's header (tenancy.mode: header). To use API keys, the platform "
+        "admin sets tenancy.mode: apiKey in the base config (then every tenant needs a key); or "
+        "remove apiKeySecretRef")
+    assert verdicts["team-a"].ready and verdicts["team-b"].ready
+    loaded = load_config(config)
+    assert loaded.tenancy.mode == "header" and loaded.tenancy.api_keys == ()  # nobody locked out
+    assert [t.id for t in loaded.tenants] == ["alice", "bob"]
+
+
+def test_an_api_key_base_refuses_a_keyless_policy_whose_tenants_have_no_key() -> None:
+    policies = [policy("acme", ["partner-acme"], apiKeySecretRef={"name": "keys"}),
+                policy("walk-ins", ["alice", "ann"], created="2025-01-02T00:00:00Z")]
+    config, verdicts = render.render(KEY_BASE, policies, {"keys": {"k": b64(KEY_A)}})
+
+    refused = verdicts["walk-ins"]
+    assert not refused.ready and refused.reason == "TenantsUnidentifiable"
+    assert refused.message == (
+        "spec.apiKeySecretRef: not set, and the pool identifies tenants by API key "
+        "(tenancy.mode: apiKey in the base config): no key names its tenant(s) alice, ann, so "
+        "their requests would get 401. Add spec.apiKeySecretRef, or keys for them in the base "
+        "config's tenancy.apiKeys")
+    assert verdicts["acme"].ready
+    assert [t["id"] for t in config["tenants"]] == ["partner-acme"]
+
+
+def test_an_api_key_base_applies_a_keyless_policy_for_a_tenant_its_keys_name() -> None:
+    static = {"sha256": hash_api_key("sk-ops-key"), "tenant": "ops"}
+    base = {**BASE, "tenancy": {"mode": "apiKey", "apiKeys": [static]}}
+    config, verdicts = render.render(base, [
+        policy("ops", ["ops"], weight=4, lane="online"),
+        policy("stranger", ["nobody"], created="2025-01-02T00:00:00Z")])
+
+    assert verdicts["ops"].ready and verdicts["ops"].reason == "Applied"
+    assert verdicts["stranger"].reason == "TenantsUnidentifiable"  # the key makes the difference
+    loaded = load_config(config)
+    assert loaded.tenant("ops").weight == 4  # the policy sets the weight of the base's tenant
+    assert [(k.sha256, k.tenant) for k in loaded.tenancy.api_keys] == [(static["sha256"], "ops")]
+
+
+def test_an_api_key_base_applies_a_policy_with_keys() -> None:
+    static = {"sha256": hash_api_key("sk-ops-key"), "tenant": "ops"}
+    base = {**BASE, "tenancy": {"mode": "apiKey", "apiKeys": [static]}}
+    config, verdicts = render.render(base, [
+        policy("acme", ["partner-acme"], apiKeySecretRef={"name": "keys"}),
+        policy("ops", ["ops"], created="2025-01-02T00:00:00Z")], {"keys": {"k": b64(KEY_A)}})
+
+    assert verdicts["acme"].ready and "1 API key(s)" in verdicts["acme"].message
+    assert verdicts["ops"].ready
+    loaded = load_config(config)
+    assert loaded.tenancy.mode == "apiKey"
+    assert [k.tenant for k in loaded.tenancy.api_keys] == ["ops", "partner-acme"]
+
+
 @pytest.mark.parametrize("base", [
     {"lanes": []},
     {"lanes": [{"name": "online"}], "queue": {"maxQueued": 0}},
     {"lanez": [{"name": "online"}]},
     {**BASE, "tenants": [{"id": "sneaky"}]},
+    {**BASE, "tenantDefaults": {"overBudget": {"action": "demote", "lane": "online"}}},
     ["not", "a", "mapping"],
 ])
 def test_bad_base_refuses_every_policy_and_renders_nothing(base: object) -> None:
