@@ -67,6 +67,9 @@ READINESS = "readiness"
 HEALTH_SERVICES = ("", LIVENESS, READINESS, EXT_PROC_SERVICE)
 """The gRPC health service names answered (upstream's; ``""`` is the server as a whole, which a
 load balancer asks: it follows readiness)."""
+RUNNERS_GRACE = 5.0
+"""Seconds the background runners get to end by themselves at shutdown (a Lease release is
+two API calls) before they are cancelled."""
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -361,10 +364,15 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
             dispatcher.standby = not leading
             health.change(leading=leading)
 
-        elector = LeaderElector(client, *_split(settings.lease, "--lease"), on_leading,
+        lease_namespace, lease_name = _split(settings.lease, "--lease")
+        config_namespace, config_name = (_split(settings.config_map, "--config-map")
+                                         if settings.config_map else ("", ""))
+        elector = LeaderElector(client, lease_namespace, lease_name, on_leading,
                                 identity=settings.identity,
                                 lease_duration=settings.lease_duration,
-                                retry_period=settings.lease_duration / 3)
+                                retry_period=settings.lease_duration / 3,
+                                owner_config_map=config_name
+                                if config_namespace == lease_namespace else None)
     dispatcher.standby = elector is not None
     # Static endpoints are known now; an InferencePool's once PoolDiscovery has listed it.
     await health.update(synced=not settings.pool)
@@ -412,6 +420,10 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         await server.stop(max(0.1, min(1.0, deadline - asyncio.get_running_loop().time())))
         if sync is not None:
             await sync.flush()
+        # Each runner ends by itself on ``stop``, some with a last word to say (the elector
+        # releases its Lease, so a standby takes over at its next retry instead of after a whole
+        # lease duration): give them that, then cancel whatever still hangs.
+        await asyncio.wait(tasks, timeout=RUNNERS_GRACE)
         for task in tasks:
             task.cancel()
         # A failed one's error is in ``failed`` already.

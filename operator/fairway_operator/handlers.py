@@ -1,13 +1,22 @@
-"""The kopf handlers: thin triggers of the whole-pool reconcile, and the live-figures timer.
+"""The kopf handlers: thin triggers of the whole-pool reconcile, and the live-figures loop.
 
-- TenantPolicy of the pool created, changed, resumed or deleted (also: moved to another pool):
-  reconcile now; Kubernetes API trouble → ``kopf.TemporaryError`` with backoff, a request the
-  API refuses as such → ``kopf.PermanentError``. A policy that cannot apply is not an error of
-  the handler: it gets ``Ready=False`` and is not retried.
-- The base or the output ConfigMap changed, or a Secret a policy of the pool references:
-  reconcile in the background, retried with backoff (kopf does not retry event handlers).
-- Every ``status_interval`` (with an admin address): each applied policy's status gets the
-  picker's live figures; an unreachable picker → ``kopf.TemporaryError`` (old figures kept).
+- TenantPolicy of the pool created, changed or resumed (also: moved to another pool): reconcile
+  now; Kubernetes API trouble → ``kopf.TemporaryError`` with backoff, a request the API refuses
+  as such → ``kopf.PermanentError``. A policy that cannot apply is not an error of the handler:
+  it gets ``Ready=False`` (and an Event) and is not retried.
+- TenantPolicy of the pool deleted, the base or the output ConfigMap changed, or a Secret a
+  policy of the pool references: reconcile in the background, retried with backoff (kopf does
+  not retry event handlers).
+- Every ``status_interval`` (with an admin address), one loop for the whole operator: each
+  applied policy's status gets the picker's live figures. An unreachable picker is logged once
+  (and once more when it answers again); the old figures stay.
+
+No handler needs a finalizer: the output is rendered from what exists, so a deletion is seen as
+it happens (a watch event), and one missed while the operator was down is made good by the
+reconcile at its next start. So a policy never waits for the operator to be deleted, and
+uninstalling the operator before the policies leaves nothing stuck terminating. Policies that
+carry the finalizer of an older operator (``pool.fairway.dev/<pool>``) lose it at the next
+start.
 
 Everything is registered on a fresh ``kopf.OperatorRegistry``, so an operator can be built
 more than once in a process (tests).
@@ -15,6 +24,7 @@ more than once in a process (tests).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,9 +33,11 @@ import kopf
 
 from fairway_operator.figures import AdminClient, PickerUnreachable, figures
 from fairway_operator.kube import GROUP, PLURAL, VERSION, ApiError, Kube, PermanentApiError
-from fairway_operator.reconcile import READY, Reconciler
+from fairway_operator.reconcile import Reconciler
 from fairway_operator.render import pool_of
 from fairway_operator.settings import Settings
+
+log = logging.getLogger("fairway_operator")
 
 MAX_BACKOFF = 60.0
 
@@ -45,7 +57,9 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
     ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=prefix, key="last-handled-configuration")
-    ks.posting.level = logging.WARNING  # refusals become Kubernetes Events on the policy
+    # Watching given namespaces needs no cluster-wide list of CRDs or namespaces, which the
+    # chart's namespaced Role does not grant (kopf would log 403s and start late).
+    ks.scanning.disabled = bool(settings.namespaces)
     ks.networking.request_timeout = max(settings.kube_timeout * 3, 30.0)
     return ks
 
@@ -72,15 +86,26 @@ def build_registry(settings: Settings, kube: Kube, *,
 
     kopf.on.login(registry=registry)(login or kopf.login_via_client)
 
+    loops: list[asyncio.Task[None]] = []
+    if admin is not None:
+        @kopf.on.startup(registry=registry)
+        async def start_live_figures(**_: Any) -> None:
+            loops.append(asyncio.create_task(
+                copy_live_figures(reconciler, admin, kube, settings.status_interval),
+                name="live-figures"))
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         await reconciler.close()
         if admin is not None:
             await admin.close()
         kube.close()
 
     async def reconcile_pool(namespace: str, name: str, retry: int,
-                             logger: logging.Logger, deleting: bool = False) -> None:
+                             logger: logging.Logger) -> None:
         try:
             verdicts = await reconciler.reconcile(namespace)
         except PermanentApiError as exc:
@@ -88,7 +113,7 @@ def build_registry(settings: Settings, kube: Kube, *,
         except ApiError as exc:
             raise kopf.TemporaryError(str(exc), delay=backoff(retry)) from None
         verdict = verdicts.get(name)
-        if deleting or verdict is None:
+        if verdict is None:
             logger.info(f"Not in pool {settings.pool}'s picker config (any more).")
         elif verdict.ready:
             logger.info(f"Applied: {verdict.message}.")
@@ -102,10 +127,14 @@ def build_registry(settings: Settings, kube: Kube, *,
                              **_: Any) -> None:
         await reconcile_pool(namespace, name, retry, logger)
 
-    @kopf.on.delete(*policy, id="policy-deleted", when=ours_now, registry=registry)
-    async def policy_deleted(namespace: str, name: str, retry: int, logger: logging.Logger,
+    def deleted(type: str | None, **kwargs: Any) -> bool:
+        return type == "DELETED" and ours_now(**kwargs)
+
+    @kopf.on.event(*policy, id="policy-deleted", when=deleted, registry=registry)
+    async def policy_deleted(namespace: str, name: str, logger: logging.Logger,
                              **_: Any) -> None:
-        await reconcile_pool(namespace, name, retry, logger, deleting=True)
+        logger.info(f"Deleted: leaves pool {settings.pool}'s picker config.")
+        reconciler.request(namespace)
 
     @kopf.index(*policy, id="secret_refs", when=ours_now, registry=registry)
     def secret_refs(namespace: str, spec: Mapping[str, Any], **_: Any) -> dict | None:
@@ -127,27 +156,37 @@ def build_registry(settings: Settings, kube: Kube, *,
     async def secret_changed(namespace: str, **_: Any) -> None:
         reconciler.request(namespace)
 
-    if admin is not None:
-        @kopf.timer(*policy, id="live-figures", interval=settings.status_interval,
-                    when=ours_now, registry=registry)
-        async def live_figures(spec: Mapping[str, Any], status: Mapping[str, Any],
-                               patch: kopf.Patch, retry: int, **_: Any) -> None:
-            if not _ready(status):
-                return
-            tenants = [t for t in spec.get("tenants") or () if isinstance(t, str)]
-            try:
-                snapshot = await admin.snapshot()
-            except PickerUnreachable as exc:
-                delay = backoff(retry, settings.status_interval,
-                                max(MAX_BACKOFF, settings.status_interval))
-                raise kopf.TemporaryError(f"picker admin API unreachable, status figures "
-                                          f"kept: {exc}", delay=delay) from None
-            for key, value in figures(snapshot, tenants).items():
-                patch.status[key] = value
-
     return registry
 
 
-def _ready(status: Mapping[str, Any]) -> bool:
-    return any(isinstance(c, Mapping) and c.get("type") == READY and c.get("status") == "True"
-               for c in status.get("conditions") or ())
+async def copy_live_figures(reconciler: Reconciler, admin: AdminClient, kube: Kube,
+                            interval: float) -> None:
+    """Every ``interval`` seconds, one admin API snapshot into the status of every applied
+    policy. Trouble (the picker or the API unreachable) is logged when it starts and when it
+    ends, not at every round: the figures already written stay, with their ``lastUpdated``."""
+    trouble: dict[str, str | None] = {"picker": None, "api": None}
+
+    def report(kind: str, problem: str | None) -> None:
+        if problem is not None and trouble[kind] is None:
+            log.warning("%s; policies keep the figures they have (said once until it ends)",
+                        problem)
+        elif problem is None and trouble[kind] is not None:
+            log.info("live figures flow again (%s)", kind)
+        trouble[kind] = problem
+
+    while True:
+        try:
+            snapshot = await admin.snapshot()
+        except PickerUnreachable as exc:
+            report("picker", f"picker admin API unreachable: {exc}")
+        else:
+            report("picker", None)
+            problem = None
+            for namespace, verdict in reconciler.applied():
+                try:
+                    await kube.patch_policy_status(namespace, verdict.name,
+                                                   figures(snapshot, verdict.tenants))
+                except ApiError as exc:
+                    problem = f"live figures not written: {exc}"
+            report("api", problem)
+        await asyncio.sleep(interval)

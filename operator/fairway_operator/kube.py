@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes.client
@@ -20,6 +22,9 @@ from kubernetes.client.exceptions import ApiException
 GROUP = "fairway.dev"
 VERSION = "v1alpha1"
 PLURAL = "tenantpolicies"
+KIND = "TenantPolicy"
+COMPONENT = "fairway-operator"
+MAX_EVENT_MESSAGE = 1024
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -82,6 +87,26 @@ class Kube:
                          self._custom.patch_namespaced_custom_object_status,
                          GROUP, VERSION, namespace, PLURAL, name, {"status": status},
                          _content_type=MERGE_PATCH, missing_ok=True)
+
+    async def post_event(self, namespace: str, obj: Mapping[str, Any], kind: str, reason: str,
+                         message: str) -> None:
+        """A core/v1 Event of ``kind`` (Normal, Warning) about the TenantPolicy ``obj``."""
+        meta = obj.get("metadata") or {}
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                               "name": meta.get("name"), "namespace": namespace,
+                               "uid": meta.get("uid"),
+                               "resourceVersion": meta.get("resourceVersion")},
+            "type": kind, "reason": reason, "message": message[:MAX_EVENT_MESSAGE],
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "reportingInstance": socket.gethostname(),
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        await self._call(f"post an Event about TenantPolicy {namespace}/{meta.get('name')}",
+                         self._core.create_namespaced_event, namespace, body)
 
     async def _call(self, what: str, fn: Callable[..., Any], *args: Any,
                     missing_ok: bool = False, **kwargs: Any) -> Any:

@@ -56,6 +56,12 @@ class Reconciler:
                 self._done[namespace] = max(self._done[namespace], covered)
             return self._verdicts[namespace]
 
+    def applied(self) -> list[tuple[str, render.Verdict]]:
+        """``(namespace, verdict)`` of every policy that the latest reconcile of its namespace
+        put in the picker config."""
+        return [(namespace, verdict) for namespace, verdicts in self._verdicts.items()
+                for verdict in verdicts.values() if verdict.ready]
+
     def request(self, namespace: str) -> None:
         """Reconcile ``namespace`` in the background, retrying with backoff until it succeeds
         (for triggers whose handlers kopf does not retry: ConfigMap and Secret events)."""
@@ -110,29 +116,59 @@ class Reconciler:
                 problem = next(iter(verdicts.values())).message if verdicts else problem
                 log.warning("%s: the picker config is left as it is: %s", namespace, problem)
         else:
-            await self._write_output(namespace, render.dump(config, s.pool))
+            await self._write_output(namespace, render.dump(config, s.pool), base_cm)
         for policy in policies:
             verdict = verdicts[policy["metadata"]["name"]]
-            change = status_patch(policy.get("status") or {}, verdict)
+            status = policy.get("status") or {}
+            change = status_patch(status, verdict)
             if change is not None:
                 await self.kube.patch_policy_status(namespace, verdict.name, change)
+            if verdict_changed(status, verdict):
+                await self._post_event(namespace, policy, verdict)
         return verdicts
 
-    async def _write_output(self, namespace: str, text: str) -> None:
+    async def _post_event(self, namespace: str, policy: Mapping[str, Any],
+                          verdict: render.Verdict) -> None:
+        # An Event is what `kubectl describe` and dashboards show; losing one loses nothing the
+        # status does not also say, so a refused Event is logged, never retried.
+        kind = "Normal" if verdict.ready else "Warning"
+        try:
+            await self.kube.post_event(namespace, policy, kind, verdict.reason, verdict.message)
+        except ApiError as exc:
+            log.warning("%s/%s: Event not posted: %s", namespace, verdict.name, exc)
+
+    async def _write_output(self, namespace: str, text: str,
+                            base_cm: Mapping[str, Any] | None) -> None:
         s = self.settings
         current = await self.kube.get_configmap(namespace, s.output_configmap)
+        # Owned by the base ConfigMap (the chart's): uninstalling the release deletes the base,
+        # and the garbage collector the rendered config with it.
+        owners = _owner_of(base_cm)
         if current is None:
+            metadata: dict[str, Any] = {"name": s.output_configmap, "namespace": namespace,
+                                        "labels": {**MANAGED_BY, "fairway.dev/pool": s.pool}}
+            if owners:
+                metadata["ownerReferences"] = owners
             await self.kube.create_configmap(namespace, {
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": s.output_configmap, "namespace": namespace,
-                             "labels": {**MANAGED_BY, "fairway.dev/pool": s.pool}},
-                "data": {s.output_key: text},
-            })
+                "apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+                "data": {s.output_key: text}})
             log.info("%s/%s: created with the picker config", namespace, s.output_configmap)
-        elif (current.get("data") or {}).get(s.output_key) != text:
-            await self.kube.patch_configmap(namespace, s.output_configmap,
-                                            {"data": {s.output_key: text}})
+            return
+        patch: dict[str, Any] = {}
+        if (current.get("data") or {}).get(s.output_key) != text:
+            patch["data"] = {s.output_key: text}
+        if owners and not (current.get("metadata") or {}).get("ownerReferences"):
+            patch["metadata"] = {"ownerReferences": owners}
+        if patch:
+            await self.kube.patch_configmap(namespace, s.output_configmap, patch)
             log.info("%s/%s: picker config updated", namespace, s.output_configmap)
+
+
+def _owner_of(configmap: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    meta = (configmap or {}).get("metadata") or {}
+    if not meta.get("uid") or not meta.get("name"):
+        return []
+    return [{"apiVersion": "v1", "kind": "ConfigMap", "name": meta["name"], "uid": meta["uid"]}]
 
 
 def _secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
@@ -143,6 +179,19 @@ def _secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
     return data
 
 
+def verdict_changed(status: Mapping[str, Any], verdict: render.Verdict) -> bool:
+    """True when ``verdict`` says something the policy's Ready condition does not say yet
+    (status, reason or message): an Event is posted then, not at every reconcile."""
+    old = _ready_condition(status)
+    return old is None or (old.get("status"), old.get("reason"), old.get("message")) != (
+        "True" if verdict.ready else "False", verdict.reason, verdict.message[:MAX_MESSAGE])
+
+
+def _ready_condition(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((c for c in status.get("conditions") or ()
+                 if isinstance(c, Mapping) and c.get("type") == READY), None)
+
+
 def status_patch(status: Mapping[str, Any], verdict: render.Verdict,
                  now: datetime | None = None) -> dict | None:
     """The status change that records ``verdict`` (its Ready condition and
@@ -150,7 +199,7 @@ def status_patch(status: Mapping[str, Any], verdict: render.Verdict,
 
     ``lastTransitionTime`` moves only when the condition's status flips."""
     conditions = [c for c in status.get("conditions") or () if isinstance(c, Mapping)]
-    old = next((c for c in conditions if c.get("type") == READY), None)
+    old = _ready_condition(status)
     flag = "True" if verdict.ready else "False"
     wanted = {"type": READY, "status": flag, "reason": verdict.reason,
               "message": verdict.message[:MAX_MESSAGE]}

@@ -67,7 +67,7 @@ class LeaderElector:
                  on_leading: Callable[[bool], None] = lambda leading: None, *,
                  identity: str | None = None, lease_duration: float = 15.0,
                  renew_deadline: float | None = None, retry_period: float = 5.0,
-                 release_on_stop: bool = True,
+                 release_on_stop: bool = True, owner_config_map: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], datetime.datetime] =
                  lambda: datetime.datetime.now(datetime.UTC)) -> None:
@@ -85,6 +85,10 @@ class LeaderElector:
             raise ValueError("renew_deadline must be between 0 and lease_duration")
         self.retry_period = retry_period
         self.release_on_stop = release_on_stop
+        self.owner_config_map = owner_config_map
+        """A ConfigMap of the Lease's namespace that owns the Lease it creates (the picker's
+        config): deleting the release deletes the ConfigMap, and the garbage collector the
+        Lease with it. None: the Lease has no owner."""
         self.clock = clock
         self.wall_clock = wall_clock
         self.leading = False
@@ -163,8 +167,12 @@ class LeaderElector:
 
     async def _create(self) -> str:
         spec = self._spec(None)
+        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        owner = await self._owner()
+        if owner is not None:
+            metadata["ownerReferences"] = [owner]
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
+                "metadata": metadata, "spec": spec}
         try:
             await self.client.create(self.path, body)
         except ApiError as exc:
@@ -173,6 +181,20 @@ class LeaderElector:
             raise
         self._observe(spec)
         return LEADING
+
+    async def _owner(self) -> dict[str, Any] | None:
+        if not self.owner_config_map:
+            return None
+        try:
+            owner = await self.client.get(
+                f"/api/v1/namespaces/{self.namespace}/configmaps/{self.owner_config_map}")
+        except ApiError as exc:
+            if exc.code == 404:
+                return None
+            raise
+        uid = (owner.get("metadata") or {}).get("uid")
+        return None if not uid else {"apiVersion": "v1", "kind": "ConfigMap",
+                                     "name": self.owner_config_map, "uid": uid}
 
     async def release(self) -> None:
         """Give the Lease up if this replica holds it (empty holder, 1 s duration)."""
