@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +99,55 @@ class Kube:
         done = self.kubectl("auth", "can-i", verb, resource, *scope, kubeconfig=kubeconfig,
                             check=False, namespaced=not all_namespaces)
         return done.stdout.strip() == "yes"
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, fragment: str, timeout: float = 30.0) -> None:
+        until(lambda: fragment in self.text() or self.popen.poll() is not None, timeout,
+              what=f"{self.name}: {fragment!r}")
+        assert self.popen.poll() is None, f"{self.name} exited: {self.text()[-3000:]}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+
+def start(name: str, argv: list[str], kubeconfig: Path, workdir: Path,
+          **env: str) -> Process:
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, cwd=ROOT,
+                                 env={**environment(kubeconfig), **env})
+    return Process(name, popen, log)
+
+
+def chart_args(manifest: list[dict[str, Any]], deployment: str) -> list[str]:
+    """The arguments of the first container of Deployment ``deployment`` in a release's
+    manifest: a local process started with them runs what the chart's pod would."""
+    (found,) = [o for o in manifest if o["kind"] == "Deployment"
+                and o["metadata"]["name"] == deployment]
+    return list(found["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def replace_flags(args: list[str], **flags: str) -> list[str]:
+    """``args`` with ``--flag=value`` replaced (underscores in ``flags`` are dashes)."""
+    wanted = {f"--{k.replace('_', '-')}": v for k, v in flags.items()}
+    out = [a for a in args if a.split("=", 1)[0] not in wanted]
+    return out + [f"{k}={v}" for k, v in wanted.items()]
 
 
 def environment(kubeconfig: Path) -> dict[str, str]:

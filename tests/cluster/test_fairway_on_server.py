@@ -10,10 +10,9 @@ to expire); uninstall with policies present leaves nothing stuck terminating.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,62 +25,17 @@ import pytest
 import yaml
 
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
+from picker.k8s import KubeClient, LeaderElector
+from picker.k8s.leader import LEADING
 from picker.server import ServeSettings
 from scripts.cluster import free_port
-from tests.cluster.kube import ROOT, Kube, environment, until
+from tests.cluster.kube import ROOT, Kube, Process, chart_args, replace_flags, start, until
 
 CHART = ROOT / "charts" / "fairway"
 RELEASE = "fairway"
 POOL = "llm-pool"
 FINALIZER = f"pool.fairway.dev/{POOL}"
 LEASE_DURATION = ServeSettings().lease_duration
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, fragment: str, timeout: float = 30.0) -> None:
-        until(lambda: fragment in self.text() or self.popen.poll() is not None, timeout,
-              what=f"{self.name}: {fragment!r}")
-        assert self.popen.poll() is None, f"{self.name} exited: {self.text()[-3000:]}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait()
-
-
-def start(name: str, argv: list[str], kubeconfig: Path, workdir: Path,
-          **env: str) -> Process:
-    log = workdir / f"{name}.log"
-    with open(log, "wb") as out:
-        popen = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, cwd=ROOT,
-                                 env={**environment(kubeconfig), **env})
-    return Process(name, popen, log)
-
-
-def _args(manifest: list[dict[str, Any]], deployment: str) -> list[str]:
-    (found,) = [o for o in manifest if o["kind"] == "Deployment"
-                and o["metadata"]["name"] == deployment]
-    return list(found["spec"]["template"]["spec"]["containers"][0]["args"])
-
-
-def _replace(args: list[str], **flags: str) -> list[str]:
-    """``args`` with ``--flag=value`` replaced (underscores in ``flags`` are dashes)."""
-    wanted = {f"--{k.replace('_', '-')}": v for k, v in flags.items()}
-    out = [a for a in args if a.split("=", 1)[0] not in wanted]
-    return out + [f"{k}={v}" for k, v in wanted.items()]
 
 
 @dataclass
@@ -113,7 +67,7 @@ class Installed:
     def picker(self, identity: str, kubeconfig: Path, admin: int = 0) -> Picker:
         """A picker replica; it is listening once its config exists (the operator writes it)."""
         admin = admin or free_port()
-        args = _replace(_args(self.manifest, "fairway-picker"), host="127.0.0.1",
+        args = replace_flags(chart_args(self.manifest, "fairway-picker"), host="127.0.0.1",
                         grpc_port=str(free_port()), grpc_health_port=str(free_port()),
                         metrics_port=str(free_port()), admin_port=str(admin), grace="2")
         process = start(f"picker-{identity}", ["-m", "picker", *args], kubeconfig,
@@ -123,7 +77,7 @@ class Installed:
         return Picker(process, identity, admin)
 
     def operator(self, kubeconfig: Path, admin_port: int) -> Process:
-        args = _replace(_args(self.manifest, "fairway-operator"),
+        args = replace_flags(chart_args(self.manifest, "fairway-operator"),
                         admin_address=f"127.0.0.1:{admin_port}",
                         liveness=f"http://127.0.0.1:{free_port()}/healthz")
         process = start("operator", ["-m", "fairway_operator", *args], kubeconfig,
@@ -272,7 +226,9 @@ def test_policies_reach_the_leader_through_the_operator_with_the_charts_rbac(
 def test_leader_election_on_a_real_lease(installed: Installed) -> None:
     kube = installed.kube
     kube.apply(_policies().replace("namespace: inference", f"namespace: {kube.namespace}"))
-    installed.operator(kube.service_account_kubeconfig("fairway-operator"), free_port())
+    # Its admin address leads nowhere: it says so once, not once per policy and interval.
+    operator = installed.operator(kube.service_account_kubeconfig("fairway-operator"),
+                                  free_port())
     config = kube.service_account_kubeconfig("fairway-picker")
     a = installed.picker("picker-a", config)
     until(lambda: installed.lease_holder() == "picker-a", what="picker-a leads")
@@ -299,6 +255,9 @@ def test_leader_election_on_a_real_lease(installed: Installed) -> None:
           what="picker-c takes the expired Lease")
     assert kube.get("lease", "fairway-picker")["spec"]["leaseTransitions"] == transitions + 1
     _no_access_errors(c.process)
+    log = operator.text()
+    assert log.count("picker admin API unreachable") == 1, log[-3000:]
+    assert " ERROR " not in log, log[-3000:]
 
 
 def test_uninstall_with_policies_present_leaves_nothing_terminating(
@@ -327,3 +286,28 @@ def test_uninstall_with_policies_present_leaves_nothing_terminating(
           what="the picker's Lease collected")
     kube.kubectl("delete", "namespace", kube.namespace, "--timeout=60s", namespaced=False)
 
+
+
+async def test_candidates_racing_for_a_free_lease_are_told_apart_by_resource_version(
+        installed: Installed) -> None:
+    """Five candidates at once, twenty rounds, each on a Lease just released: the API server's
+    409 on a stale ``resourceVersion`` leaves exactly one leader every time."""
+    kube = installed.kube
+    config = str(kube.service_account_kubeconfig("fairway-picker"))
+    clients = [KubeClient.from_environment(kubeconfig=config) for _ in range(5)]
+    try:
+        electors = [LeaderElector(client, kube.namespace, "race", identity=f"candidate-{i}")
+                    for i, client in enumerate(clients)]
+        leaders = []
+        for _ in range(20):
+            results = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
+            assert results.count(LEADING) == 1, results
+            (leader,) = [e for e, r in zip(electors, results, strict=True) if r == LEADING]
+            lease = await asyncio.to_thread(kube.get, "lease", "race")
+            assert lease["spec"]["holderIdentity"] == leader.identity
+            leaders.append(leader.identity)
+            await leader.release()
+        assert len(set(leaders)) > 1, leaders  # the races were real: not always the same winner
+    finally:
+        for client in clients:
+            await client.close()

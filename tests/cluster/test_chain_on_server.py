@@ -1,0 +1,87 @@
+"""The whole chain on a real API server: ``kubectl apply`` of TenantPolicies → the operator (the
+chart's arguments and ServiceAccount) renders them → the picker (its ServiceAccount) reads the
+ConfigMap and the InferencePool → real Envoy in front of simulated model servers: the traffic
+split follows a weight changed with ``kubectl patch``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import helm_python
+import pytest
+import yaml
+
+from picker.stack.launcher import Stack
+from scripts.cluster import free_port
+from tests.cluster.kube import ROOT, Kube, chart_args, replace_flags, start
+from tests.e2e.test_cluster_chain import _admin, _shares
+
+POOL = "llm-pool"
+
+
+def _policy(name: str, weight: int) -> str:
+    return json.dumps({"apiVersion": "fairway.dev/v1alpha1", "kind": "TenantPolicy",
+                       "metadata": {"name": name},
+                       "spec": {"poolRef": {"name": POOL}, "tenants": [name], "weight": weight,
+                                "lane": "online"}})
+
+
+async def test_a_weight_patched_with_kubectl_moves_the_split_through_envoy(
+        kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with helm_python.Config(kubeconfig_path=kube.plane.kubeconfig,
+                            namespace=kube.namespace) as helm:
+        release = helm.install(str(ROOT / "charts" / "fairway"), "fairway",
+                               {"inferencePool": {"name": POOL}}, namespace=kube.namespace)
+    manifest = [d for d in yaml.safe_load_all(release["manifest"]) if d]
+    kube.apply(_policy("alpha", 1))
+    kube.apply(_policy("beta", 1))
+    admin_port = free_port()
+    operator = start("operator", ["-m", "fairway_operator", *replace_flags(
+        chart_args(manifest, "fairway-operator"), admin_address=f"127.0.0.1:{admin_port}",
+        liveness=f"http://127.0.0.1:{free_port()}/healthz")],
+        kube.service_account_kubeconfig("fairway-operator"), tmp_path,
+        POD_NAMESPACE=kube.namespace)
+    # The stack's picker: the chart's source flags, the chart's ServiceAccount.
+    source = [a for a in chart_args(manifest, "fairway-picker")
+              if a.startswith(("--config-map=", "--pool="))]
+    monkeypatch.setenv("KUBECONFIG", str(kube.service_account_kubeconfig("fairway-picker")))
+    stack = Stack(tmp_path / "stack", policy="vtc", endpoints=2, picker_source=source,
+                  server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
+                  picker_args=["--admin-port", str(admin_port)])
+    try:
+        await asyncio.to_thread(stack.start)
+        ports = [int(a.rsplit(":", 1)[1]) for a in stack.endpoint_addresses]
+        kube.apply(json.dumps({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": POOL},
+            "spec": {"selector": {"matchLabels": {"app": "llm"}},
+                     "targetPorts": [{"number": p} for p in ports],
+                     "endpointPickerRef": {"name": "fairway-picker", "port": {"number": 9002}}}}))
+        kube.apply(json.dumps({"apiVersion": "v1", "kind": "Pod",
+                               "metadata": {"name": "llm-0", "labels": {"app": "llm"}},
+                               "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}}))
+        kube.patch_status("pod", "llm-0", {"podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                                           "conditions": [{"type": "Ready", "status": "True"}]})
+
+        even = await _shares(stack, 6)
+        assert even["beta"] == pytest.approx(0.5, abs=0.07), even
+
+        kube.kubectl("patch", "tenantpolicy", "beta", "--type=merge",
+                     "-p", json.dumps({"spec": {"weight": 3}}))
+        for _ in range(100):
+            tenants = {t.tenant: t for t in (await _admin(stack)).tenants}
+            if tenants["beta"].weight == 3:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the picker did not take the new weight")
+        ready = kube.get("tenantpolicy", "beta")["status"]
+        assert ready["observedGeneration"] == 2
+        skewed = await _shares(stack, 6)
+        assert skewed["beta"] == pytest.approx(0.75, abs=0.07), skewed
+    finally:
+        await asyncio.to_thread(stack.stop)
+        operator.stop(signal.SIGTERM)
