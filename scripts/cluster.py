@@ -5,7 +5,8 @@ kube-apiserver and kube-controller-manager are built from Go modules (the wrappe
 ``~/.cache/fairway/controlplane/`` (``FAIRWAY_CACHE`` moves it); etcd is Debian's
 ``etcd-server``. The first build took 5 minutes here on two cores (2 GB of memory, 2.5 GB of Go
 build cache; 10 minutes were measured on another machine); later runs reuse the binaries, and a
-control plane is ready in a few seconds.
+control plane is ready in a few seconds. The InferencePool CRD is upstream's, from the Go module
+of the Gateway API Inference Extension (``INFERENCE_EXTENSION``).
 
 There is no scheduler and no kubelet: Pods stay Pending unless a test patches their status.
 The controller manager runs the controllers that a chart's life needs (namespaces, garbage
@@ -48,6 +49,9 @@ KUBERNETES = "v1.36.3"
 """The pinned release: the newest 1.36 the module proxy serves here. 1.37 needs Go 1.27, whose
 default ``GOEXPERIMENT=jsonv2`` breaks kube-openapi's ``/openapi/v2`` (every ``kubectl apply``
 then fails); the machine's Go is 1.26."""
+INFERENCE_EXTENSION = "v1.6.0"
+"""The Gateway API Inference Extension release whose InferencePool CRD the tests install: the
+newest the module proxy serves here."""
 MODULE = Path(__file__).resolve().parent / "controlplane"
 COMMANDS = ("kube-apiserver", "kube-controller-manager")
 CONTROLLERS = ("namespace", "garbagecollector", "deployment", "replicaset", "serviceaccount",
@@ -114,6 +118,29 @@ def _build(folder: Path, *, quiet: bool) -> None:
             shutil.rmtree(other, ignore_errors=True)
     if not quiet:
         print(f"cluster: built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+def inference_pool_crd() -> Path:
+    """Upstream's InferencePool CRD (``inference.networking.k8s.io/v1``), from the Go module of
+    the Inference Extension in Go's module cache (downloaded the first time)."""
+    go = shutil.which("go")
+    if go is None:
+        raise ClusterError("fetching the InferencePool CRD needs Go: `go` is not on PATH")
+    module = f"sigs.k8s.io/gateway-api-inference-extension@{INFERENCE_EXTENSION}"
+    done = subprocess.run([go, "mod", "download", "-json", module], capture_output=True,
+                          text=True, cwd=tempfile.gettempdir(),
+                          env={**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"})
+    try:
+        info = json.loads(done.stdout)
+    except ValueError:
+        info = {"Error": done.stderr.strip() or f"exit {done.returncode}"}
+    if info.get("Error") or not info.get("Dir"):
+        raise ClusterError(f"`go mod download {module}` failed: {info.get('Error')}")
+    crd = Path(info["Dir"]) / "config" / "crd" / "bases" / \
+        "inference.networking.k8s.io_inferencepools.yaml"
+    if not crd.is_file():
+        raise ClusterError(f"{module} has no {crd.name}")
+    return crd
 
 
 def free_port() -> int:
@@ -325,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build", help="build the binaries, or find them in the cache")
+    commands.add_parser("build", help="build the binaries (or find them in the cache) and fetch "
+                                      "the InferencePool CRD")
     up = commands.add_parser("up", help="start a control plane until Ctrl-C")
     up.add_argument("workdir", nargs="?", help="its files (default: a new temporary folder)")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             print(binaries())
+            print(inference_pool_crd())
             return 0
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fairway-cluster-"))
         with ControlPlane(workdir) as plane:

@@ -2,8 +2,9 @@
 
 One control plane (``scripts/cluster.py``: kube-apiserver and kube-controller-manager built from
 Go modules, Debian's etcd) serves the whole session, with the TenantPolicy CRD (the one users
-apply, ``manifests/crd``) and an InferencePool CRD installed; each test gets a namespace of its
-own. ``make setup`` builds the binaries (or finds them cached) before any test runs.
+apply, ``manifests/crd``) and upstream's InferencePool CRD installed; each test gets a namespace
+of its own. ``make setup`` builds the binaries (or finds them cached) and fetches the CRD before
+any test runs.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.cluster import ControlPlane
+from scripts.cluster import ControlPlane, inference_pool_crd
 from tests.cluster.kube import ROOT, Kube, until
-
-CRDS = (ROOT / "manifests" / "crd" / "fairway.dev_tenantpolicies.yaml",
-        ROOT / "tests" / "fixtures" / "crd" / "inferencepools.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -26,10 +24,12 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane")).start()
     try:
         setup = Kube(plane, "default", plane.workdir)
-        for crd in CRDS:
+        crds = (ROOT / "manifests" / "crd" / "fairway.dev_tenantpolicies.yaml",
+                inference_pool_crd())
+        for crd in crds:
             setup.kubectl("apply", "--server-side", "--validate=strict", "-f", str(crd),
                           namespaced=False)
-        for crd in CRDS:
+        for crd in crds:
             setup.kubectl("wait", "--for=condition=Established", "--timeout=30s", "-f",
                           str(crd), namespaced=False)
         yield plane
