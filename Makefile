@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-demo demo test lint unit bench bench-scale bench-profile bench-scrape experiments clean proto docs soak
+.PHONY: setup setup-demo demo test lint unit bench bench-scale bench-profile bench-scrape bench-peer experiments clean proto docs soak
 
 # What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
 # fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
@@ -47,6 +47,9 @@ test: setup lint
 # Style, the import contracts of pyproject.toml (layers; docs/architecture.md) and types.
 lint: setup
 	$(PY) -m ruff check .
+	@# The dispatcher stays an adapter (futures, timeouts, cancellation): every method of
+	@# picker/dispatch grades B or better (McCabe complexity at most 10).
+	$(PY) -m ruff check --select C901 --config 'lint.mccabe.max-complexity=10' picker/dispatch
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy picker/core picker/config
 
@@ -77,6 +80,13 @@ bench-profile: setup
 
 bench-scrape: setup
 	$(PY) -m bench.scrape_cost --out bench/results
+
+# Issue 15: fairway beside upstream's endpoint picker (built from Go modules the first time, about
+# three minutes, then cached under ~/.cache/fairway) on a real API server: bench/results/peer.md
+# (about 25 minutes).
+bench-peer: setup
+	$(PY) -m scripts.upstream_picker build >/dev/null
+	$(PY) -m bench.peer --out bench/results
 
 # A 10-minute saturation soak through the local stack (RSS, gauges, error log): bench/results/soak.md.
 # Not part of `make test`; `SOAK_MINUTES=2 make soak` for a shorter run.

@@ -168,24 +168,16 @@ class Dispatcher:
         are in the picker); the caller keeps the old config.
         """
         old, gate = self.config, self.gate
-        structural = (config.lanes != old.lanes or config.scheduling != old.scheduling
-                      or config.cost != old.cost)
-        if structural and config is not old and gate.passages:
-            raise ValueError("lanes, scheduling policy and cost can change only while no "
-                             "request is in the picker; retry when idle or restart")
-        if config.state != old.state and config is not old:
-            raise ValueError("state (the shared state backend) changes only with a restart")
-        if config.metering != old.metering and config is not old:
-            sink = metering_sink(config)  # a bad path raises before anything changed
-        if structural and config is not old:
+        changed = config is not old
+        structural = changed and (config.lanes != old.lanes or config.scheduling != old.scheduling
+                                  or config.cost != old.cost)
+        self._check_live_change(config, structural)
+        sink = metering_sink(config) if changed and config.metering != old.metering else None
+        # (a bad metering path raises above, before anything changed)
+        if structural:
             gate.scheduler = self._carry_over(gate.scheduler, self._new_scheduler(config))
-        configured = {tenant.id: tenant.weight for tenant in config.tenants}
-        for tenant in list(gate.scheduler.weights):
-            if tenant not in configured:
-                gate.set_weight(tenant, 1.0)  # back to the default weight
-        for tenant, weight in configured.items():
-            gate.set_weight(tenant, weight)
-        if config.metering != old.metering and config is not old:
+        self._apply_weights(config)
+        if sink is not None:
             self.metering.close()
             self.metering = sink
         now = self.clock()
@@ -200,6 +192,24 @@ class Dispatcher:
         gate.set_endpoints(endpoint_budgets(config))
         self.metrics.set_known_tenants(t.id for t in config.tenants)
         gate.pump(now)
+
+    def _check_live_change(self, config: PickerConfig, structural: bool) -> None:
+        """Refuse what a running picker cannot take (ValueError; nothing changed yet)."""
+        if structural and self.gate.passages:
+            raise ValueError("lanes, scheduling policy and cost can change only while no "
+                             "request is in the picker; retry when idle or restart")
+        if config is not self.config and config.state != self.config.state:
+            raise ValueError("state (the shared state backend) changes only with a restart")
+
+    def _apply_weights(self, config: PickerConfig) -> None:
+        """Configured tenants get their weights; tenants no longer configured, the default."""
+        gate = self.gate
+        configured = {tenant.id: tenant.weight for tenant in config.tenants}
+        for tenant in list(gate.scheduler.weights):
+            if tenant not in configured:
+                gate.set_weight(tenant, 1.0)
+        for tenant, weight in configured.items():
+            gate.set_weight(tenant, weight)
 
     @property
     def holding(self) -> bool:
@@ -235,25 +245,13 @@ class Dispatcher:
         tenant's. Raises a RequestError subclass when the request is refused; cancellation (the
         client went away) removes it from the queue uncharged.
         """
-        if self._closed:
-            raise ShuttingDown("the picker is shutting down")
-        if self.standby:
-            raise NotLeader("this picker replica is a standby; the leader serves")
-        if self.state_unavailable:
-            raise StateUnavailable("the shared state store is unreachable (state.onUnavailable: "
-                                   "failClosed)")
+        self._check_serving()
         prereserved = await self._reserve_in_store(tenant, inference)
-        ticket = self.gate.admit(
+        ticket = _admitted(self.gate.admit(
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,
             max_tokens=inference.max_tokens, stream=inference.stream, now=self.clock(),
-            subset=subset, request_id=request_id, prereserved=prereserved)
-        if isinstance(ticket, Refused):
-            raise refusal_error(ticket)
-        if isinstance(ticket, Turnaway):
-            if ticket.reason == QUEUE_FULL:
-                raise QueueFull("the fair queue is full")
-            raise NoEndpoint("no endpoint is available for this request")
+            subset=subset, request_id=request_id, prereserved=prereserved))
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),
                                           ticket.lane).inc()
@@ -267,6 +265,17 @@ class Dispatcher:
             error.metered = True
             raise error
         return ticket
+
+    def _check_serving(self) -> None:
+        """Raise the refusal of a picker that takes no requests now (shutting down, a standby,
+        or its shared state away under failClosed)."""
+        if self._closed:
+            raise ShuttingDown("the picker is shutting down")
+        if self.standby:
+            raise NotLeader("this picker replica is a standby; the leader serves")
+        if self.state_unavailable:
+            raise StateUnavailable("the shared state store is unreachable (state.onUnavailable: "
+                                   "failClosed)")
 
     async def _reserve_in_store(self, tenant: str, inference: InferenceRequest) -> int | None:
         """Beside other pickers, for a tenant with budgets: reserve in the shared store first
@@ -488,9 +497,13 @@ class Dispatcher:
                 "endpoints": list(self.endpoints.values()),
                 "service": dict(self.scheduler.service)}
 
-    def close(self) -> None:
-        """Refuse new requests and release every queued one with a retryable 503."""
+    def close(self, keep_queued: bool = False) -> None:
+        """Refuse new requests and release every queued one with a retryable 503.
+        ``keep_queued``: refuse only new ones; the queued keep their turn (a later ``close()``
+        releases those still queued)."""
         self._closed = True
+        if keep_queued:
+            return
         for ticket in list(self.gate.passages.values()):
             if ticket.dispatched_at is None:
                 self.gate.drop(ticket, "shutdown", self.clock())
@@ -499,3 +512,14 @@ class Dispatcher:
     def busy(self) -> int:
         """Requests in the picker, queued or running."""
         return len(self.gate.passages)
+
+
+def _admitted(answer: Ticket | Refused | Turnaway) -> Ticket:
+    """The gate's ticket, or the refusal its answer means, raised."""
+    if isinstance(answer, Refused):
+        raise refusal_error(answer)
+    if isinstance(answer, Turnaway):
+        if answer.reason == QUEUE_FULL:
+            raise QueueFull("the fair queue is full")
+        raise NoEndpoint("no endpoint is available for this request")
+    return answer
