@@ -394,15 +394,15 @@ class GatewayRun:
         return value_at(points, t2) - value_at(points, t1)
 
 
-def traffic_data(name: str) -> dict[str, Any]:
-    return safe_load((TRAFFIC / f"gateway_{name}.yaml").read_text(encoding="utf-8"))
+def traffic_data(name: str, prefix: str = "gateway") -> dict[str, Any]:
+    return safe_load((TRAFFIC / f"{prefix}_{name}.yaml").read_text(encoding="utf-8"))
 
 
-def make_traffic(name: str, duration: float, backlog_scale: float = 1.0,
-                 **starts: float) -> Traffic:
-    """``bench/traffic/gateway_<name>.yaml`` with its duration (and tenants' start_s) replaced;
+def make_traffic(name: str, duration: float, backlog_scale: float = 1.0, *,
+                 prefix: str = "gateway", **starts: float) -> Traffic:
+    """``bench/traffic/<prefix>_<name>.yaml`` with its duration (and tenants' start_s) replaced;
     ``backlog_scale`` shrinks backlogs (quick runs: less to drain after sending stops)."""
-    data = copy.deepcopy(traffic_data(name))
+    data = copy.deepcopy(traffic_data(name, prefix))
     data["duration_s"] = duration
     for tenant in data["tenants"]:
         if tenant["name"] in starts:
@@ -447,14 +447,20 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
     run's."""
     reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
     config = merge_sections(picker_overrides(traffic, weights, reserve), picker_config or {})
+    stack = Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
+                  server_args=list(server_args), picker_config=config,
+                  response_path=plan.response_path, secure_serving=plan.secure_serving)
+    return run_stack(label, policy, stack, traffic, window, plan.sample_interval)
+
+
+def run_stack(label: str, policy: str, stack: Stack, traffic: Traffic,
+              window: tuple[float, float], sample_interval: float) -> GatewayRun:
+    """``traffic`` through ``stack`` (started here, stopped after), sampling its picker's and
+    servers' metrics every ``sample_interval``."""
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
-    with Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
-               server_args=list(server_args), picker_config=config,
-               response_path=plan.response_path,
-               secure_serving=plan.secure_serving) as stack, \
-            measured(resources, lambda: [stack]):
-        result, sampler = asyncio.run(_drive(stack, traffic, plan.sample_interval))
+    with stack, measured(resources, lambda: [stack]):
+        result, sampler = asyncio.run(_drive(stack, traffic, sample_interval))
     return GatewayRun(label, policy, traffic.duration_s, window, result, sampler.samples,
                       resources, sampler.failures)
 

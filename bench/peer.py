@@ -1,0 +1,635 @@
+"""fairway beside upstream's endpoint picker: the same Envoy, the same servers, the same tenants.
+
+Which picker should a platform team run? Each measure alternates the two pickers in ABBA blocks
+(fairway, upstream, upstream, fairway) on one machine in one run: each block a fresh stack of
+the same Envoy build and configuration (TLS to the picker, full-duplex bodies, the response
+inline, ``override_host`` with retries), the same simulated vLLM servers (``fcfs`` and
+``priority`` scheduling, each measure on both), and the same traffic and seeds.
+
+- **upstream**: ``cmd/epp`` of the Gateway API Inference Extension (``scripts.upstream_picker``:
+  its release, why, and its configuration) on a real API server (``scripts.cluster``), its
+  InferencePool pointed at the block's servers, flow control on with its round-robin fairness
+  policy. It takes no weights, so shares are judged at equal weights (fairway's 1:2:3 is shown
+  beside, as what upstream cannot express).
+- **fairway**: its defaults, the tenants named in its config at weight 1, ``queue.maxWait`` 60 s
+  (upstream's request TTL here); with priority engines ``scheduling.enginePolicy: priority``.
+
+Measures (``bench/results/peer.md``):
+1. shares of three backlogged tenants sending different shapes (``peer_mixed.yaml``), in
+   fairway's cost (prompt + 2 × output tokens) and in requests, and the drift between them;
+2. a returning tenant's share in the seconds after it comes back (``peer_returning.yaml``);
+3. a light tenant's TTFT under a heavy tenant's flood, against alone (``gateway_flood.yaml`` on
+   the gateway benchmark's 2 × 1,024-token pool);
+4. the pool's tokens/s in those floods against FCFS pass-through (fairway's ``fcfs`` policy:
+   every request dispatched at once, the engines' queues decide);
+5. latency added at 200 requests/s against Envoy alone, the highest rate with p99 added ≤ 10 ms,
+   and CPU per request of each picker.
+
+    python -m bench.peer --out bench/results [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.gateway.common import (
+    DECODE_WEIGHT,
+    POOL_KV_BUDGET,
+    PREFILL_WEIGHT,
+    GatewayRun,
+    envoy_version,
+    make_traffic,
+    percentile_ms,
+    pool_numbers,
+    process_cpu,
+    run_stack,
+    tenant_numbers,
+    trace,
+)
+from bench.gateway.overhead import (
+    FAST_SERVER_ARGS,
+    LADDER_P99_LIMIT_MS,
+    OVERHEAD_RATE,
+    RawTarget,
+    alternate,
+    raw_post,
+)
+from picker.sim.analysis import widest_swing
+from picker.sim.load import RequestRecord
+from picker.sim.traffic import DEFAULT_TENANT_HEADER, Traffic
+from picker.stack.envoy import DESTINATION_HEADER, envoy_config
+from picker.stack.launcher import Stack
+from scripts.cluster import ControlPlane
+from scripts.upstream_picker import FAIRNESS_HEADER, RELEASE, UpstreamPool
+
+PEERS = ("fairway", "upstream")
+ENGINE_POLICIES = ("fcfs", "priority")
+SHARE_SERVER_ARGS = ["--kv-budget-tokens", "4096", "--step-ms", "5"]
+"""The shares pool: two servers of 4,096 tokens, so a long retrieval prompt does not fill one
+alone, and three backlogs of 12 still hold about twice what the pool takes."""
+FLOOD_SERVER_ARGS = ["--kv-budget-tokens", str(POOL_KV_BUDGET), "--step-ms", "5"]
+"""The gateway benchmark's contended pool (2 × 1,024 tokens, 5 ms steps): the flood, and the
+returning tenant (two backlogs of 12 short requests hold about twice what it takes)."""
+RATIO_WEIGHTS = {"chat": 1.0, "rag": 2.0, "writer": 3.0}
+ALONE_FACTOR_GOAL = 1.5
+RETURNING_GOAL = (0.45, 0.55)
+LADDER = (400.0, 800.0, 1600.0)
+
+assert FAIRNESS_HEADER == DEFAULT_TENANT_HEADER, "the load client must send the header both read"
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """Durations of every part: the full measurement or the ``--quick`` smoke run."""
+
+    quick: bool
+    sample_interval: float = 0.25
+
+    @property
+    def share_duration(self) -> float:
+        return 8.0 if self.quick else 24.0
+
+    @property
+    def share_warmup(self) -> float:
+        return 2.0 if self.quick else 4.0
+
+    @property
+    def returning_at(self) -> float:
+        return 8.0 if self.quick else 18.0
+
+    @property
+    def returning_window(self) -> float:
+        """Seconds after its return over which the returning tenant's share is taken."""
+        return 4.0 if self.quick else 8.0
+
+    @property
+    def flood_duration(self) -> float:
+        return 5.0 if self.quick else 20.0
+
+    @property
+    def light_start(self) -> float:
+        return 1.0 if self.quick else 3.0
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        """The pickers' order: ABBA, so a drift of the machine over the run cancels."""
+        return PEERS if self.quick else (*PEERS, *reversed(PEERS))
+
+    @property
+    def overhead_block(self) -> float:
+        return 1.5 if self.quick else 3.0
+
+    @property
+    def overhead_pairs(self) -> int:
+        return 1 if self.quick else 4
+
+    @property
+    def ladder(self) -> tuple[float, ...]:
+        return LADDER[:1] if self.quick else LADDER
+
+
+# -- the two pickers' stacks -------------------------------------------------------------------
+
+
+THROUGHPUT_FLAVOUR = "upstream, queueDepthThreshold 5"
+"""Upstream at its detector's default ("for maximum throughput"), beside the fairness setting
+in the flood measure."""
+
+
+@dataclass
+class Peers:
+    """Builds a stack around either picker; upstream's is served on ``upstream``'s pool."""
+
+    upstream: UpstreamPool
+    started: dict[str, float] = field(default_factory=dict)
+    """Seconds each upstream picker took to be ready, by stack name."""
+
+    def stack(self, peer: str, workdir: Path, *, server_args: Sequence[str],
+              picker_config: dict[str, Any] | None = None, policy: str = "vtc",
+              endpoints: int = 2, external: Sequence[str] = ()) -> Stack:
+        common: dict[str, Any] = {"endpoints": endpoints, "external_endpoints": list(external),
+                                  "server_args": list(server_args)}
+        if peer == "fairway":
+            return Stack(workdir, policy=policy, picker_config=picker_config or {},
+                         response_path="inline", **common)
+        pools = {"upstream": self.upstream,
+                 THROUGHPUT_FLAVOUR: dataclasses.replace(self.upstream, queue_depth=5)}
+        if peer not in pools:
+            raise ValueError(f"peer must be fairway or one of {sorted(pools)}, got {peer!r}")
+        return Stack(workdir, with_picker=False,
+                     envoy_bootstrap=functools.partial(self._upstream_envoy, pools[peer]),
+                     **common)
+
+    def _upstream_envoy(self, pool: UpstreamPool, stack: Stack) -> dict[str, Any]:
+        """Start upstream's picker on the stack's servers; the Envoy that fairway's stack runs
+        (``envoy_config`` as ``Stack`` calls it, inline) with upstream's port for the picker."""
+        started = time.monotonic()
+        process, ports = pool.serve(stack.endpoint_addresses, stack.workdir / "epp.log")
+        self.started[stack.workdir.name] = time.monotonic() - started
+        stack.processes.append(process)  # stopped, and its CPU read, with the stack's own
+        stack.metrics_port = ports.metrics
+        return envoy_config(listen_port=stack.gateway_port, admin_port=stack.admin_port,
+                            picker_port=ports.grpc, access_log=stack.access_log,
+                            response_path="inline", picker_tls=True, identity="trusted-client",
+                            endpoints=stack.endpoint_addresses)
+
+
+def fairway_config(traffic: Traffic, engine_policy: str,
+                   weights: dict[str, float] | None = None) -> dict[str, Any]:
+    tenants = [{"id": t.name, "weight": (weights or {}).get(t.name, 1.0)}
+               for t in traffic.tenants]
+    config: dict[str, Any] = {"tenants": tenants, "queue": {"maxWait": "60s"}}
+    if engine_policy == "priority":
+        config["scheduling"] = {"enginePolicy": "priority"}
+    return config
+
+
+def server_args(base: Sequence[str], engine_policy: str) -> list[str]:
+    return [*base, "--scheduling-policy", engine_policy]
+
+
+def run_peer(peers: Peers, peer: str, label: str, traffic: Traffic, window: tuple[float, float],
+             workdir: Path, plan: PeerPlan, engine_policy: str, base_args: Sequence[str], *,
+             weights: dict[str, float] | None = None, policy: str = "vtc") -> GatewayRun:
+    stack = peers.stack(peer, workdir / label, server_args=server_args(base_args, engine_policy),
+                        picker_config=fairway_config(traffic, engine_policy, weights),
+                        policy=policy)
+    name = peer if policy == "vtc" else f"{peer} {policy}"
+    return run_stack(label, name, stack, traffic, window, plan.sample_interval)
+
+
+# -- what each run shows -----------------------------------------------------------------------
+
+
+def service(records: Sequence[RequestRecord], tenant: str, t1: float, t2: float) -> float:
+    """``tenant``'s service in fairway's cost (prompt + 2 × output tokens) within [t1, t2]."""
+    return trace(records, tenant, PREFILL_WEIGHT, DECODE_WEIGHT).between(t1, t2)
+
+
+def requests_started(records: Sequence[RequestRecord], tenant: str, t1: float,
+                     t2: float) -> int:
+    """Requests of ``tenant`` whose first token came within [t1, t2]: dispatch opportunities."""
+    return sum(1 for r in records if r.tenant == tenant and r.ok and r.ttft_s is not None
+               and t1 <= r.start_s + r.ttft_s <= t2)
+
+
+def shares(values: dict[str, float]) -> dict[str, float]:
+    total = sum(values.values())
+    return {k: v / total if total else 0.0 for k, v in values.items()}
+
+
+def worst_error(got: dict[str, float], weights: dict[str, float]) -> float:
+    """The largest relative error of a share against its weight's share."""
+    total = sum(weights.values())
+    return max(abs(got[t] - w / total) / (w / total) for t, w in weights.items())
+
+
+def drift(records: Sequence[RequestRecord], tenants: Sequence[str], window: tuple[float, float],
+          weights: dict[str, float], step: float = 0.01) -> float:
+    """The largest ``|W_a(t1,t2)/w_a - W_b(t1,t2)/w_b|`` over sub-intervals of ``window`` and
+    pairs of the (backlogged) tenants: what VTC bounds."""
+    traces = {t: trace(records, t, PREFILL_WEIGHT, DECODE_WEIGHT) for t in tenants}
+    steps = int((window[1] - window[0]) / step) + 1
+    times = [window[0] + i * step for i in range(steps)]
+    worst = 0.0
+    for i, a in enumerate(tenants):
+        for b in tenants[i + 1:]:
+            gaps = (traces[a].at(t) / weights[a] - traces[b].at(t) / weights[b] for t in times)
+            worst = max(worst, widest_swing(gaps))
+    return worst
+
+
+def share_run(run: GatewayRun, weights: dict[str, float]) -> dict[str, Any]:
+    t1, t2 = run.window
+    tenants = list(weights)
+    cost = shares({t: service(run.records, t, t1, t2) for t in tenants})
+    requests = shares({t: float(requests_started(run.records, t, t1, t2)) for t in tenants})
+    return {"label": run.label, "picker": run.policy, "window_s": [t1, t2],
+            "share": cost, "request_share": requests,
+            "worst_error": worst_error(cost, weights),
+            "request_worst_error": worst_error(requests, weights),
+            "drift": drift(run.records, tenants, run.window, weights),
+            # fairway's samples only (upstream's queue is not read): the share of samples at
+            # which the picker held the tenant's requests, i.e. it stayed backlogged.
+            "held_fraction": {t: tenant_numbers(run, t)["picker_queued_fraction"]
+                              for t in tenants},
+            "errors": sum(not r.ok for r in run.records),
+            "pool": pool_numbers(run), "cpu_s": run.resources.get("cpu_s", {})}
+
+
+def returning_run(run: GatewayRun, back_at: float, window: float) -> dict[str, Any]:
+    t1, t2 = back_at, back_at + window
+    got = shares({t: service(run.records, t, t1, t2) for t in ("steady", "returning")})
+    early = shares({t: service(run.records, t, t1, t1 + window / 2)
+                    for t in ("steady", "returning")})
+    return {"label": run.label, "picker": run.policy, "window_s": [t1, t2],
+            "returning_share": got["returning"], "first_half_share": early["returning"],
+            "errors": sum(not r.ok for r in run.records)}
+
+
+def light_run(run: GatewayRun) -> dict[str, Any]:
+    t1, t2 = run.window
+    ttft = [r.ttft_s for r in run.records if r.tenant == "light" and r.ok
+            and r.ttft_s is not None and t1 <= r.start_s <= t2]
+    light = [r for r in run.records if r.tenant == "light"]
+    return {"label": run.label, "picker": run.policy, "window_s": [t1, t2],
+            "light_ttft_ms": {"p50": percentile_ms(ttft, 50), "p95": percentile_ms(ttft, 95),
+                              "n": len(ttft)},
+            "light_errors": sum(not r.ok for r in light),
+            "pool_tokens_per_s": pool_numbers(run)["server_output_tokens_per_s"],
+            "errors": sum(not r.ok for r in run.records)}
+
+
+def pooled(rows: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], float | None],
+           ) -> float | None:
+    """The mean over a picker's blocks of one figure (None where a block has none)."""
+    values = [v for v in map(key, rows) if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+# -- the measures ------------------------------------------------------------------------------
+
+
+def exp_shares(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
+    traffic = make_traffic("mixed", plan.share_duration, prefix="peer")
+    window = (plan.share_warmup, plan.share_duration)
+    equal = dict.fromkeys(RATIO_WEIGHTS, 1.0)
+    out: dict[str, Any] = {"traffic": "bench/traffic/peer_mixed.yaml", "by_engine": {}}
+    for engine in ENGINE_POLICIES:
+        rows = [share_run(run_peer(peers, peer, f"shares-{engine}-{i}-{peer}", traffic, window,
+                                   workdir, plan, engine, SHARE_SERVER_ARGS), equal)
+                for i, peer in enumerate(plan.blocks)]
+        weighted = share_run(run_peer(peers, "fairway", f"shares-{engine}-weighted", traffic,
+                                      window, workdir, plan, engine, SHARE_SERVER_ARGS,
+                                      weights=RATIO_WEIGHTS), RATIO_WEIGHTS)
+        out["by_engine"][engine] = {"blocks": rows, "fairway_weighted_1_2_3": weighted}
+    return out
+
+
+def exp_returning(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
+    traffic = make_traffic("returning", plan.returning_at + plan.returning_window + 2,
+                           prefix="peer", returning=plan.returning_at)
+    window = (plan.returning_at, plan.returning_at + plan.returning_window)
+    out: dict[str, Any] = {"traffic": "bench/traffic/peer_returning.yaml", "by_engine": {}}
+    for engine in ENGINE_POLICIES:
+        out["by_engine"][engine] = {"blocks": [
+            returning_run(run_peer(peers, peer, f"returning-{engine}-{i}-{peer}", traffic, window,
+                                   workdir, plan, engine, FLOOD_SERVER_ARGS),
+                          plan.returning_at, plan.returning_window)
+            for i, peer in enumerate(plan.blocks)]}
+    return out
+
+
+def exp_flood(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
+    flood = make_traffic("flood", plan.flood_duration, light=plan.light_start)
+    alone = dataclasses.replace(flood, tenants=(flood.tenant("light"),))
+    window = (plan.light_start, plan.flood_duration)
+    out: dict[str, Any] = {"traffic": "bench/traffic/gateway_flood.yaml", "by_engine": {}}
+    for engine in ENGINE_POLICIES:
+        rows = []
+        for i, peer in enumerate(plan.blocks):
+            for kind, traffic in (("alone", alone), ("flood", flood)):
+                row = light_run(run_peer(peers, peer, f"{kind}-{engine}-{i}-{peer}", traffic,
+                                         window, workdir, plan, engine, FLOOD_SERVER_ARGS))
+                rows.append({**row, "kind": kind})
+        fcfs = light_run(run_peer(peers, "fairway", f"flood-{engine}-fcfs", flood, window,
+                                  workdir, plan, engine, FLOOD_SERVER_ARGS, policy="fcfs"))
+        throughput = light_run(run_peer(peers, THROUGHPUT_FLAVOUR, f"flood-{engine}-upstream-q5",
+                                        flood, window, workdir, plan, engine, FLOOD_SERVER_ARGS))
+        out["by_engine"][engine] = {"blocks": rows, "fcfs_pass_through": fcfs,
+                                    "upstream_queue_depth_5": throughput}
+    return out
+
+
+async def _ladder(targets: dict[str, tuple[RawTarget, bytes]], plan: PeerPlan,
+                  probe: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    """200 requests/s ABBA across the baseline and both pickers, then the rate ladder."""
+    for target, raw in targets.values():
+        await alternate({"warm": (target, raw)}, OVERHEAD_RATE, 0.4, 1)
+    rungs = []
+    for rate in (OVERHEAD_RATE, *plan.ladder):
+        pairs = plan.overhead_pairs if rate == OVERHEAD_RATE else max(1, plan.overhead_pairs // 2)
+        rungs.append({"rate": rate, **await alternate(targets, rate, plan.overhead_block,
+                                                      pairs, probe)})
+    for target, _ in targets.values():
+        target.close()
+    return {"rungs": rungs}
+
+
+def exp_overhead(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
+    body = {"model": "sim-model", "prompt": "hello there", "max_tokens": 1, "ignore_eos": True}
+    with Stack(workdir / "ovh-base", with_picker=False, endpoints=1,
+               server_args=FAST_SERVER_ARGS) as base:
+        server = base.endpoint_addresses[0]
+        config = {"tenants": [{"id": "bench"}], "queue": {"maxWait": "10s"}}
+        with peers.stack("fairway", workdir / "ovh-fairway", server_args=(), endpoints=0,
+                         external=[server], picker_config=config) as fairway, \
+                peers.stack("upstream", workdir / "ovh-upstream", server_args=(), endpoints=0,
+                            external=[server]) as upstream:
+            stacks = {"baseline": base, "fairway": fairway, "upstream": upstream}
+            headers = {DEFAULT_TENANT_HEADER: "bench", DESTINATION_HEADER: server}
+            targets = {name: (RawTarget(name, s.gateway_port),
+                              raw_post(s.gateway_port, "/v1/completions", body, headers))
+                       for name, s in stacks.items()}
+            print("  overhead: 200 req/s ABBA, then the rate ladder", flush=True)
+            got = asyncio.run(_ladder(targets, plan,
+                                      lambda: process_cpu(list(stacks.values()))))
+    return {"server": "one simulated server, 1 ms steps, one-token answers", **got,
+            **overhead_summary(got["rungs"])}
+
+
+def _picker_cpu(stats: dict[str, Any], peer: str) -> float:
+    """CPU seconds the picker process of ``peer``'s stack used during one path's blocks."""
+    return sum(v for k, v in stats.get("cpu_s", {}).items()
+               if k.startswith(f"ovh-{peer}/") and k.rsplit("/", 1)[1] in ("picker", "epp"))
+
+
+def cpu_ms_per_request(rung: dict[str, Any], peer: str) -> float | None:
+    """CPU ms per request of ``peer``'s picker on its own path, less what it uses idle (it
+    scrapes its server while the other paths run) over the same span."""
+    mine = rung[peer]
+    others = [rung[p] for p in ("baseline", *PEERS) if p != peer]
+    idle_span = sum(o["span_s"] for o in others)
+    idle_rate = sum(_picker_cpu(o, peer) for o in others) / idle_span if idle_span else 0.0
+    used = _picker_cpu(mine, peer) - idle_rate * mine["span_s"]
+    return max(0.0, used) / mine["ok"] * 1000 if mine["ok"] else None
+
+
+def added_ms(rung: dict[str, Any], peer: str) -> dict[str, float | None]:
+    base, mine = rung["baseline"]["latency_ms"], rung[peer]["latency_ms"]
+    return {q: mine[q] - base[q] if mine[q] is not None and base[q] is not None else None
+            for q in ("p50", "p99")}
+
+
+def sustains(rung: dict[str, Any], peer: str) -> bool:
+    """``peer`` keeps up with the rung's rate with p99 added ≤ ``LADDER_P99_LIMIT_MS``."""
+    mine, p99 = rung[peer], added_ms(rung, peer)["p99"]
+    return (mine["errors"] <= 0.001 * mine["sent"] and mine["achieved_rate"] >= 0.95 * rung["rate"]
+            and p99 is not None and p99 <= LADDER_P99_LIMIT_MS)
+
+
+def overhead_summary(rungs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Added latency against the baseline, the highest rate of the ladder each picker sustains
+    (every rung up to it sustained), and its CPU per request at 200 requests/s."""
+    out: dict[str, Any] = {"added_ms": {}, "max_sustained_rate": {}, "cpu_ms_per_request": {}}
+    for rung in rungs:
+        rung["added_ms"] = {peer: added_ms(rung, peer) for peer in PEERS}
+    for peer in PEERS:
+        sustained: float | None = None
+        for rung in rungs:
+            if not sustains(rung, peer):
+                break
+            sustained = rung["rate"]
+        out["added_ms"][peer] = rungs[0]["added_ms"][peer]
+        out["max_sustained_rate"][peer] = sustained
+        out["cpu_ms_per_request"][peer] = cpu_ms_per_request(rungs[0], peer)
+    ratio: dict[str, float | None] = {}
+    for key, pick in (("added_p50", lambda p: out["added_ms"][p]["p50"]),
+                      ("cpu_per_request", lambda p: out["cpu_ms_per_request"][p])):
+        mine, theirs = pick("fairway"), pick("upstream")
+        ratio[key] = mine / theirs if mine is not None and theirs else None
+    out["fairway_over_upstream"] = ratio
+    return out
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def summary(data: dict[str, Any]) -> dict[str, Any]:
+    """Each picker's figure for each measure (means over its ABBA blocks), and who leads."""
+    out: dict[str, Any] = {}
+    for engine in ENGINE_POLICIES:
+        shares_rows = data["shares"]["by_engine"][engine]["blocks"]
+        back_rows = data["returning"]["by_engine"][engine]["blocks"]
+        flood = data["flood"]["by_engine"][engine]
+        fcfs_tokens = flood["fcfs_pass_through"]["pool_tokens_per_s"]
+        per: dict[str, Any] = {}
+        for peer in PEERS:
+            mine = [r for r in shares_rows if r["picker"] == peer]
+            alone = [r for r in flood["blocks"] if r["picker"] == peer and r["kind"] == "alone"]
+            under = [r for r in flood["blocks"] if r["picker"] == peer and r["kind"] == "flood"]
+            alone_p95 = pooled(alone, lambda r: r["light_ttft_ms"]["p95"])
+            flood_p95 = pooled(under, lambda r: r["light_ttft_ms"]["p95"])
+            tokens = pooled(under, lambda r: r["pool_tokens_per_s"])
+            per[peer] = {
+                "share_worst_error": pooled(mine, lambda r: r["worst_error"]),
+                "request_share_worst_error": pooled(mine, lambda r: r["request_worst_error"]),
+                "drift": pooled(mine, lambda r: r["drift"]),
+                "returning_share": pooled([r for r in back_rows if r["picker"] == peer],
+                                          lambda r: r["returning_share"]),
+                "light_p50_alone_ms": pooled(alone, lambda r: r["light_ttft_ms"]["p50"]),
+                "light_p95_alone_ms": alone_p95,
+                "light_p50_flood_ms": pooled(under, lambda r: r["light_ttft_ms"]["p50"]),
+                "light_p95_flood_ms": flood_p95,
+                "light_p95_over_alone": flood_p95 / alone_p95
+                if flood_p95 is not None and alone_p95 else None,
+                "pool_tokens_per_s": tokens,
+                "tokens_over_fcfs": tokens / fcfs_tokens if tokens is not None and fcfs_tokens
+                else None,
+            }
+        out[engine] = per
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    s = data["summary"]
+    lines = [
+        "# fairway beside upstream's endpoint picker",
+        "",
+        f"Generated by `python -m bench.peer` ({'quick' if data['quick'] else 'full'} run, "
+        f"{data['generated']}). Envoy {data['envoy']}; upstream: "
+        f"`sigs.k8s.io/gateway-api-inference-extension` {RELEASE} `cmd/epp`, flow control with "
+        "`round-robin-fairness-policy` (`scripts/upstream_picker.py` says why this release and "
+        "how it is configured); fairway: this commit's defaults. Each figure is the mean over "
+        "a picker's blocks, run ABBA (fairway, upstream, upstream, fairway) with fresh stacks of "
+        "the same Envoy configuration and simulated servers. Upstream takes no weights, so "
+        "shares are judged at equal weights.",
+        "",
+        "## Summary",
+        "",
+        "| measure | engines | fairway | upstream | goal | ahead |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def row(name: str, engine: str, key: str, spec: str, goal: str,
+            better: Callable[[float, float], bool]) -> None:
+        a, b = s[engine]["fairway"][key], s[engine]["upstream"][key]
+        lead = "–" if a is None or b is None else (
+            "fairway" if better(a, b) else "upstream" if better(b, a) else "even")
+        lines.append(f"| {name} | {engine} | {_fmt(a, spec)} | {_fmt(b, spec)} | {goal} | "
+                     f"{lead} |")
+
+    def closer(target: float) -> Callable[[float, float], bool]:
+        return lambda a, b: abs(a - target) < abs(b - target) - 0.005
+
+    for engine in ENGINE_POLICIES:
+        row("worst share error, cost (3 tenants, equal weights)", engine, "share_worst_error",
+            ".1%", "≤ 5 %", lambda a, b: a < b - 0.005)
+        row("worst share error, requests", engine, "request_share_worst_error", ".1%", "–",
+            lambda a, b: a < b - 0.005)
+        row("drift (cost units)", engine, "drift", ",.0f", "–", lambda a, b: a < 0.9 * b)
+        row("returning tenant's share", engine, "returning_share", ".1%", "45–55 %",
+            closer(0.5))
+        row("light p95 TTFT, flood ÷ alone", engine, "light_p95_over_alone", ".2f",
+            f"≤ {ALONE_FACTOR_GOAL}", lambda a, b: a < 0.95 * b)
+        row("pool tokens ÷ FCFS pass-through", engine, "tokens_over_fcfs", ".3f", "≥ 0.97",
+            lambda a, b: a > b + 0.01)
+    o = data["overhead"]
+    lines += [
+        "",
+        "| overhead at 200 req/s | fairway | upstream | fairway ÷ upstream |",
+        "|---|---|---|---|",
+        f"| added p50 ms | {_fmt(o['added_ms']['fairway']['p50'])} | "
+        f"{_fmt(o['added_ms']['upstream']['p50'])} | "
+        f"{_fmt(o['fairway_over_upstream']['added_p50'])} |",
+        f"| added p99 ms | {_fmt(o['added_ms']['fairway']['p99'])} | "
+        f"{_fmt(o['added_ms']['upstream']['p99'])} | |",
+        f"| picker CPU ms per request | {_fmt(o['cpu_ms_per_request']['fairway'])} | "
+        f"{_fmt(o['cpu_ms_per_request']['upstream'])} | "
+        f"{_fmt(o['fairway_over_upstream']['cpu_per_request'])} |",
+        f"| highest rate with p99 added ≤ {LADDER_P99_LIMIT_MS:g} ms (req/s, ladder "
+        f"{', '.join(f'{r:g}' for r in (OVERHEAD_RATE, *data['ladder']))}) | "
+        f"{_fmt(o['max_sustained_rate']['fairway'], 'g')} | "
+        f"{_fmt(o['max_sustained_rate']['upstream'], 'g')} | |",
+    ]
+    lines += _detail_tables(data)
+    return "\n".join(lines) + "\n"
+
+
+def _detail_tables(data: dict[str, Any]) -> list[str]:
+    lines = ["", "## 1. Shares of three backlogged tenants (`peer_mixed.yaml`)", "",
+             "Service in fairway's cost (prompt + 2 × output tokens) over the window, and the "
+             "share of requests whose first token came in it. chat: short prompts and answers; "
+             "rag: long prompts, short answers; writer: short prompts, long answers.", "",
+             "| engines | block | picker | chat | rag | writer | worst error | requests "
+             "chat / rag / writer | drift |", "|---|---|---|---|---|---|---|---|---|"]
+    for engine, got in data["shares"]["by_engine"].items():
+        for i, r in enumerate([*got["blocks"], got["fairway_weighted_1_2_3"]]):
+            name = "fairway 1:2:3" if i == len(got["blocks"]) else r["picker"]
+            req = " / ".join(f"{r['request_share'][t]:.1%}" for t in RATIO_WEIGHTS)
+            lines.append(f"| {engine} | {i} | {name} | " + " | ".join(
+                f"{r['share'][t]:.1%}" for t in RATIO_WEIGHTS)
+                + f" | {r['worst_error']:.1%} | {req} | {r['drift']:,.0f} |")
+    lines += ["", "## 2. The returning tenant (`peer_returning.yaml`)", "",
+              "Its share of service in the window after it is backlogged again (and in the "
+              "window's first half).", "", "| engines | block | picker | share | first half |",
+              "|---|---|---|---|---|"]
+    for engine, got in data["returning"]["by_engine"].items():
+        for i, r in enumerate(got["blocks"]):
+            lines.append(f"| {engine} | {i} | {r['picker']} | {r['returning_share']:.1%} | "
+                         f"{r['first_half_share']:.1%} |")
+    lines += ["", "## 3–4. A light tenant under a flood, and the pool's tokens "
+              "(`gateway_flood.yaml`, 2 × 1,024-token servers)", "",
+              "| engines | block | picker | run | light p50 ms | light p95 ms | light n | "
+              "light errors | pool tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for engine, got in data["flood"]["by_engine"].items():
+        for i, r in enumerate([*got["blocks"], got["fcfs_pass_through"],
+                               got["upstream_queue_depth_5"]]):
+            kind = r.get("kind", "flood")
+            lines.append(f"| {engine} | {i // 2 if 'kind' in r else '–'} | {r['picker']} | "
+                         f"{kind} | {_fmt(r['light_ttft_ms']['p50'], '.0f')} | "
+                         f"{_fmt(r['light_ttft_ms']['p95'], '.0f')} | {r['light_ttft_ms']['n']} "
+                         f"| {r['light_errors']} | {_fmt(r['pool_tokens_per_s'], '.0f')} |")
+    lines += ["", "## 5. Overhead (one server, one-token answers)", "",
+              "| rate | path | p50 ms | p99 ms | added p50 | added p99 | achieved req/s | "
+              "errors |", "|---|---|---|---|---|---|---|---|"]
+    for rung in data["overhead"]["rungs"]:
+        for path in ("baseline", *PEERS):
+            st = rung[path]
+            added = rung.get("added_ms", {}).get(path, {})
+            lines.append(f"| {rung['rate']:g} | {path} | {_fmt(st['latency_ms']['p50'])} | "
+                         f"{_fmt(st['latency_ms']['p99'])} | {_fmt(added.get('p50'))} | "
+                         f"{_fmt(added.get('p99'))} | {st['achieved_rate']:.0f} | "
+                         f"{st['errors']} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results", help="folder for peer.md and .json")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    args = parser.parse_args(argv)
+    plan = PeerPlan(quick=args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fairway-peer-") as tmp:
+        workdir = Path(tmp)
+        with ControlPlane(workdir / "control-plane").start() as plane:
+            peers = Peers(UpstreamPool(plane, workdir).prepare())
+            data: dict[str, Any] = {
+                "quick": plan.quick, "generated": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                time.gmtime()),
+                "envoy": envoy_version(), "upstream_release": RELEASE,
+                "ladder": list(plan.ladder)}
+            data["shares"] = exp_shares(peers, plan, workdir)
+            data["returning"] = exp_returning(peers, plan, workdir)
+            data["flood"] = exp_flood(peers, plan, workdir)
+            data["overhead"] = exp_overhead(peers, plan, workdir)
+            data["upstream_ready_s"] = peers.started
+    data["summary"] = summary(data)
+    name = "peer_quick" if plan.quick else "peer"
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(render(data))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Upstream's endpoint picker (Go), built from Go modules: the peer of fairway's benchmark.
+
+The binary is ``cmd/epp`` of ``sigs.k8s.io/gateway-api-inference-extension`` ``RELEASE``, built
+from the wrapper module in ``scripts/upstream_epp`` and cached outside the repository under
+``~/.cache/fairway/upstream-epp/`` (``FAIRWAY_CACHE`` moves it).
+
+Why this release: it is the newest that the Go module proxy serves here *and* that has the full
+picker with flow control and a fairness policy. v1.6.0 ships only ``cmd/lwepp`` (a lightweight
+picker without flow control: the full one moved to llm-d's router, whose module
+``github.com/llm-d/llm-d-router`` the proxy refuses here, v0.9.0 and v0.10.0 included); v1.5.1,
+v1.5.2 and v1.6.1 are refused. v1.5.0 has ``pkg/epp/flowcontrol`` with the fairness policies
+``global-strict-fairness-policy`` (the default) and ``round-robin-fairness-policy``, turned on by
+the ``flowControl`` feature gate of its ``EndpointPickerConfig``; tenants are keyed on the
+``x-gateway-inference-fairness-id`` header. It has no weighted fairness policy (no per-tenant
+weights) and no least-attained-service policy. The release needs Go 1.25; the machine's 1.26
+builds it.
+
+It runs against a real API server (``scripts.cluster.ControlPlane``) as in a cluster:
+``UpstreamPool`` installs the release's own InferencePool CRD, makes one Pod whose status (patched,
+as there is no kubelet) says Ready at ``127.0.0.1``, and an InferencePool whose ``targetPorts``
+are the simulated servers' ports (each pod yields one endpoint per target port), then starts the
+picker on that pool with flow control on and ``FAIRNESS_POLICY``, configured as upstream's flow
+control guide advises for fairness (``queueDepthThreshold: 1``: nearly all queueing happens in
+the picker). Its ext_proc port serves TLS with a self-signed certificate, as fairway's does.
+
+    python -m scripts.upstream_picker build    # build or reuse the binary, print its path
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scripts.cluster import ControlPlane
+
+RELEASE = "v1.5.0"
+"""The pinned release of ``sigs.k8s.io/gateway-api-inference-extension`` (see the docstring)."""
+PACKAGE = "sigs.k8s.io/gateway-api-inference-extension/cmd/epp"
+MODULE = Path(__file__).resolve().parent / "upstream_epp"
+BINARY = "epp"
+COMMIT = "df9f8909fe06fe2dfd4a6fc0bd0c01a0acabf849"
+"""The release tag's commit, stamped into the binary as upstream's Dockerfile does."""
+LDFLAGS = " ".join([
+    "-s", "-w",
+    f"-X sigs.k8s.io/gateway-api-inference-extension/version.CommitSHA={COMMIT}",
+    f"-X sigs.k8s.io/gateway-api-inference-extension/version.BuildRef={RELEASE}",
+])
+
+
+FAIRNESS_POLICY = "round-robin-fairness-policy"
+"""The release's fairness policy between tenants of one priority: each backlogged tenant's
+oldest request in turn (its other one, ``global-strict-fairness-policy``, is one FCFS queue for
+all). Neither takes weights."""
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+"""The header the release keys tenants on (fairway reads it as the deprecated alias of
+``x-llm-d-inference-fairness-id``)."""
+FAIRNESS_QUEUE_DEPTH = 1
+"""The utilization detector's ``queueDepthThreshold`` the flow control guide advises "for maximum
+fairness/control" (its default is 5, "for maximum throughput")."""
+CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: {policy}
+- type: fcfs-ordering-policy
+- type: utilization-detector
+  parameters: {{queueDepthThreshold: {queue_depth}, kvCacheUtilThreshold: 0.8}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
+  - {{pluginRef: prefix-cache-scorer, weight: 3}}
+saturationDetector: {{pluginRef: utilization-detector}}
+flowControl:
+  defaultRequestTTL: 60s
+  defaultPriorityBand:
+    fairnessPolicyRef: {policy}
+    orderingPolicyRef: fcfs-ordering-policy
+"""
+"""The picker's ``EndpointPickerConfig`` (``{policy}`` and ``{queue_depth}`` filled in): the
+release's default scorers and weights, flow control on with the fairness policy in every
+priority band, and the utilization detector (its ``kvCacheUtilThreshold`` default 0.8) at a
+``queueDepthThreshold``: ``FAIRNESS_QUEUE_DEPTH`` unless asked. A request waits at most 60 s, as
+fairway's ``queue.maxWait`` in the benchmark."""
+NAMESPACE, POOL, POD = "peer", "peer-pool", "peer-sim"
+LABELS = {"app": "peer-sim"}
+READY_TIMEOUT = 60.0
+
+
+class UpstreamPickerError(RuntimeError):
+    """The upstream picker could not be built or started; the message says what failed and how."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FAIRWAY_CACHE") or Path.home() / ".cache" / "fairway"
+    pins = hashlib.sha256((MODULE / "go.mod").read_bytes() + (MODULE / "go.sum").read_bytes()
+                          + LDFLAGS.encode())
+    return Path(base) / "upstream-epp" / f"{RELEASE}-{pins.hexdigest()[:12]}"
+
+
+def binary(*, quiet: bool = False) -> Path:
+    """The path of the ``epp`` binary, built now if the cache lacks it (under a lock, so two
+    processes never build at once)."""
+    folder = cache_dir() / "bin"
+    path = folder / BINARY
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            _build(folder, quiet=quiet)
+    return path
+
+
+def _build(folder: Path, *, quiet: bool) -> None:
+    go = shutil.which("go")
+    if go is None:
+        raise UpstreamPickerError("building the upstream picker needs Go (1.26): "
+                                  "`go` is not on PATH")
+    staging = Path(tempfile.mkdtemp(prefix="build-", dir=folder.parent))
+    command = [go, "build", "-p", str(os.cpu_count() or 2), "-trimpath", "-ldflags", LDFLAGS,
+               "-o", str(staging / BINARY), PACKAGE]
+    env = {**os.environ, "GOFLAGS": "-mod=mod -buildvcs=false", "GOTOOLCHAIN": "local"}
+    if not quiet:
+        print(f"upstream-picker: building {PACKAGE} {RELEASE} from Go modules "
+              f"(a few minutes the first time) into {folder}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=MODULE, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UpstreamPickerError(f"`{' '.join(command)}` in {MODULE} failed "
+                                  f"({done.returncode}):\n{done.stderr[-4000:]}")
+    os.replace(staging / BINARY, folder / BINARY)
+    shutil.rmtree(staging, ignore_errors=True)
+    for other in folder.parent.parent.iterdir():  # builds of older pins
+        if other != folder.parent and other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+    if not quiet:
+        print(f"upstream-picker: built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+def module_dir() -> Path:
+    """The release's module in Go's module cache (downloaded the first time): its CRDs."""
+    go = shutil.which("go")
+    if go is None:
+        raise UpstreamPickerError("`go` is not on PATH")
+    module = f"sigs.k8s.io/gateway-api-inference-extension@{RELEASE}"
+    done = subprocess.run([go, "mod", "download", "-json", module], capture_output=True,
+                          text=True, cwd=MODULE,
+                          env={**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"})
+    try:
+        info = json.loads(done.stdout)
+    except ValueError:
+        info = {"Error": done.stderr.strip() or f"exit {done.returncode}"}
+    if info.get("Error") or not info.get("Dir"):
+        raise UpstreamPickerError(f"`go mod download {module}` failed: {info.get('Error')}")
+    return Path(info["Dir"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Ports:
+    grpc: int
+    health: int
+    metrics: int
+
+
+@dataclass
+class UpstreamPool:
+    """One InferencePool on ``plane`` served by upstream's picker; ``serve`` points it at a set
+    of ``127.0.0.1:PORT`` endpoints and starts a fresh picker on it."""
+
+    plane: ControlPlane
+    workdir: Path
+    queue_depth: int = FAIRNESS_QUEUE_DEPTH
+    """The utilization detector's ``queueDepthThreshold``."""
+    kubectl: str = field(default_factory=lambda: str(Path(sys.executable).parent / "kubectl"))
+
+    def _kubectl(self, *args: str, stdin: str | None = None) -> str:
+        argv = [self.kubectl, "--kubeconfig", str(self.plane.kubeconfig), *args]
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise UpstreamPickerError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def prepare(self) -> UpstreamPool:
+        """The release's InferencePool CRD, the namespace and the Pod (Ready at 127.0.0.1)."""
+        crd = module_dir() / "config" / "crd" / "bases" / \
+            "inference.networking.k8s.io_inferencepools.yaml"
+        self._kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+        self._kubectl("wait", "--for=condition=Established", "--timeout=30s", "-f", str(crd))
+        self._kubectl("create", "namespace", NAMESPACE)
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": POD, "namespace": NAMESPACE, "labels": LABELS},
+               "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}}
+        self._kubectl("apply", "-f", "-", stdin=json.dumps(pod))
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        status = {"status": {"phase": "Running", "podIP": "127.0.0.1",
+                             "podIPs": [{"ip": "127.0.0.1"}],
+                             "conditions": [{"type": "Ready", "status": "True",
+                                             "lastTransitionTime": now}]}}
+        self._kubectl("patch", "pod", POD, "-n", NAMESPACE, "--subresource=status",
+                      "--type=merge", "-p", json.dumps(status))
+        return self
+
+    def point_at(self, endpoints: list[str]) -> None:
+        """The pool's target ports become the endpoints' (all on 127.0.0.1, at most 8)."""
+        hosts = {e.rsplit(":", 1)[0] for e in endpoints}
+        if hosts != {"127.0.0.1"} or not 1 <= len(endpoints) <= 8:
+            raise UpstreamPickerError(f"one to eight endpoints on 127.0.0.1, got {endpoints}")
+        pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": POOL, "namespace": NAMESPACE},
+                "spec": {"selector": {"matchLabels": LABELS},
+                         "targetPorts": [{"number": int(e.rsplit(":", 1)[1])}
+                                         for e in endpoints],
+                         "endpointPickerRef": {"name": "upstream-epp",
+                                               "port": {"number": 9002}}}}
+        self._kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+
+    def command(self, ports: Ports) -> list[str]:
+        config = self.workdir / f"epp-config-{self.queue_depth}.yaml"
+        config.write_text(CONFIG.format(policy=FAIRNESS_POLICY, queue_depth=self.queue_depth))
+        return [str(binary()), "--pool-name", POOL, "--pool-namespace", NAMESPACE,
+                "--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health),
+                "--metrics-port", str(ports.metrics), "--metrics-endpoint-auth=false",
+                "--tracing=false", "--enable-pprof=false", "--config-file", str(config),
+                # Its own gauges (ready pods: when it is ready to measure) flushed every second,
+                # not five; scheduling reads the endpoints' metrics every 50 ms either way.
+                "--refresh-prometheus-metrics-interval", "1s",
+                "--zap-encoder", "json", "-v", "1"]
+
+    def environment(self) -> dict[str, str]:
+        """The picker's environment: the admin kubeconfig (it has no ``--kubeconfig`` flag), and
+        nothing that could make it take in-cluster credentials."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE_")}
+        return {**env, "KUBECONFIG": str(self.plane.kubeconfig)}
+
+    def serve(self, endpoints: list[str], log: Path) -> tuple[subprocess.Popen[bytes], Ports]:
+        """Point the pool at ``endpoints`` and start a picker on it; returns when it is ready
+        and sees every endpoint."""
+        self.point_at(endpoints)
+        ports = Ports(_free_port(), _free_port(), _free_port())
+        with log.open("wb") as out:
+            process = subprocess.Popen(self.command(ports), stdout=out, stderr=subprocess.STDOUT,
+                                       env=self.environment(), start_new_session=True)
+        try:
+            _wait_ready(process, ports, len(endpoints), log)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        return process, ports
+
+
+def _ready(ports: Ports) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{ports.health}") as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+        except grpc.RpcError:
+            return False
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _ready_endpoints(ports: Ports) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports.metrics}/metrics",
+                                    timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("inference_pool_ready_pods"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_ready(process: subprocess.Popen[bytes], ports: Ports, endpoints: int,
+                log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not (_ready(ports) and _ready_endpoints(ports) >= endpoints):
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            state = f"exited {process.returncode}" if process.poll() is not None else \
+                f"not ready after {READY_TIMEOUT:.0f} s"
+            raise UpstreamPickerError(f"upstream picker {state}:\n" + "\n".join(tail))
+        time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.upstream_picker",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("build", help="build the binary (or find it in the cache), print its path")
+    parser.parse_args(argv)
+    try:
+        print(binary())
+    except UpstreamPickerError as exc:
+        print(f"upstream-picker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
