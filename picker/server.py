@@ -12,9 +12,12 @@ SERVING while the process runs (standbys included, so the kubelet does not resta
 this replica leads (or there is no election), its endpoints have synced (static endpoints at
 once; an InferencePool after its first list) and it is not draining.
 
-SIGTERM drains: readiness turns NOT_SERVING, queued requests are refused with a retryable 503,
+SIGTERM drains: readiness turns NOT_SERVING, new requests are refused with a retryable 503,
 running requests get ``--grace`` seconds (default 130, a long generation) to finish; liveness and
-the admin API answer until the drain is over.
+the admin API answer until the drain is over. Queued requests are refused too with the memory
+backend; with shared state (other replicas beside it) the replica first keeps admitting for
+``ADMITTING_WHILE_DRAINING`` (the gateway's time to stop sending to it), and its queue is served
+within the grace.
 
 In a cluster (``picker.k8s``) the config comes from a ConfigMap watched through the API, the
 endpoints from an InferencePool's ready pods, and with a Lease only the elected leader is ready
@@ -70,6 +73,12 @@ load balancer asks: it follows readiness)."""
 RUNNERS_GRACE = 5.0
 """Seconds the background runners get to end by themselves at shutdown (a Lease release is
 two API calls) before they are cancelled."""
+
+ADMITTING_WHILE_DRAINING = 5.0
+"""Seconds (at most half the grace) a draining replica beside others (shared state) still admits
+what reaches it: a gateway stops sending to it only once the removal of its endpoint has reached
+the gateway (Kubernetes removes a terminating pod's endpoint as it sends SIGTERM, in no set
+order), and what it sends meanwhile would be refused."""
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -385,7 +394,14 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         runners.append(sync)
     if elector is not None:
         runners.append(elector)
-    tasks = [asyncio.create_task(runner.run(stop)) for runner in runners]
+    # What keeps the view of the endpoints, the config and the shared state current runs until
+    # the drain is over, not just until SIGTERM: a draining replica still holds requests (and
+    # with shared state dispatches its queue), and a lease no longer renewed would expire in the
+    # store, its room granted to the other replicas while still in use. Only the elector ends
+    # on SIGTERM, so that a standby takes over at once.
+    drained = asyncio.Event()
+    tasks = [asyncio.create_task(runner.run(stop if runner is elector else drained))
+             for runner in runners]
     failed: list[BaseException] = []
     for runner, task in zip(runners, tasks, strict=True):
         task.add_done_callback(functools.partial(_runner_ended, runner, stop, failed))
@@ -413,21 +429,21 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     finally:
         log.info("picker draining: %d requests in flight", dispatcher.busy)
         await health.update(draining=True)
-        dispatcher.close()
         deadline = asyncio.get_running_loop().time() + settings.grace
-        while dispatcher.busy and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        await _drain(dispatcher, settings.grace, deadline,
+                     shared=sync is not None and not failed)
         await server.stop(max(0.1, min(1.0, deadline - asyncio.get_running_loop().time())))
-        if sync is not None:
-            await sync.flush()
-        # Each runner ends by itself on ``stop``, some with a last word to say (the elector
-        # releases its Lease, so a standby takes over at its next retry instead of after a whole
-        # lease duration): give them that, then cancel whatever still hangs.
+        drained.set()
+        # Each runner ends by itself, some with a last word to say (the elector releases its
+        # Lease, so a standby takes over at its next retry instead of after a whole lease
+        # duration): give them that, then cancel whatever still hangs.
         await asyncio.wait(tasks, timeout=RUNNERS_GRACE)
         for task in tasks:
             task.cancel()
         # A failed one's error is in ``failed`` already.
         await asyncio.gather(*tasks, return_exceptions=True)
+        if sync is not None:
+            await sync.flush()  # after its runner: one exchange at a time
         for service in ("", ADMIN_SERVICE):
             await admin_health.set(service, _NOT_SERVING)
         await admin_server.stop(0.5)
@@ -436,6 +452,24 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         log.info("picker stopped")
     if failed:
         raise RunnerFailed("a background task of the picker failed") from failed[0]
+
+
+async def _drain(dispatcher: Dispatcher, grace: float, deadline: float, shared: bool) -> None:
+    """The drain after SIGTERM. Beside other replicas (``shared``) requests are admitted on for
+    ``ADMITTING_WHILE_DRAINING`` (at most half the grace); then new ones are refused (a
+    retryable 503) until nothing is left in the picker or ``deadline``, when what is still
+    queued is refused too."""
+    if shared:
+        await asyncio.sleep(min(ADMITTING_WHILE_DRAINING, grace / 2))
+    # Beside other replicas (shared state) the lease keeps this one within every endpoint's
+    # budget: its queue is served in its fair order within the grace, where refusing it sent
+    # those clients a 503 at every step of a rolling update. Alone (memory), its successor
+    # shares the endpoints without knowing of it, and dispatching the queue would double-book
+    # them: the queue is refused.
+    dispatcher.close(keep_queued=shared)
+    while dispatcher.busy and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    dispatcher.close()
 
 
 class RunnerFailed(RuntimeError):

@@ -283,6 +283,16 @@ class Gate:
         return max((e.inflight_tokens / e.budget(fallback) for e in self.endpoints.values()),
                    default=0.0)
 
+    def queued_share(self, now: float) -> float:
+        """The share of an endpoint's budget that this picker's largest queued request needs
+        (0 with nothing queued): a lease below it leaves that request nowhere to go."""
+        largest = max((self._projected(p, now) for p in self.passages.values()
+                       if p.dispatched_at is None), default=0)
+        fallback = self.rules.capacity.fallback_budget
+        budget = max((e.budget(fallback) for e in self.endpoints.values() if not e.draining),
+                     default=0)
+        return min(1.0, largest / budget) if largest and budget else 0.0
+
     def pool_capacity(self) -> int:
         """The KV budget of every endpoint in service, in tokens."""
         fallback = self.rules.capacity.fallback_budget

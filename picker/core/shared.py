@@ -228,6 +228,9 @@ class StoreModel:
             self.estimates[(e.kind, e.tenant, e.model)] = (e.value, now)
 
 
+KEEP_MARGIN = 1e-9
+"""Kept above a queued request's share, so that share times the budget does not round below
+the request's tokens."""
 TARGET_SMOOTHING = 0.2
 """How far a replica's lease target moves toward the fair one at each exchange: demands jitter
 from one interval to the next (queues fill and drain), and a lease given up is reclaimed only as
@@ -277,7 +280,12 @@ class Replica:
             targets = replica_targets({**demands, me: mine}, gate.scheduler.lane_names,
                                       gate.scheduler.weights, gate.pool_capacity())
             self._target += TARGET_SMOOTHING * (targets[me] - self._target)
-            target = self._target
+            # A tenant's part is split among replicas by their demand for it, so a replica left
+            # with a few requests of a tenant backlogged elsewhere (a draining one's last) is
+            # sized below one of them: its peers, sized on demands, never hand the room back.
+            # What it holds already it keeps, down to its largest queued request's room.
+            keep = min(self.lease, gate.queued_share(now) * (1 + KEEP_MARGIN))
+            target = max(self._target, keep)
         return LeaseRequest(target, gate.held_fraction(), mine, gate.scheduler.floors())
 
     def receive(self, reply: StoreReply, now: float, *, view: bool = True) -> None:

@@ -240,19 +240,8 @@ class Stack:
         self.endpoint_addresses.extend(self.external_endpoints)
         if self.with_picker:
             self.write_picker_config(self.picker_config)
-            source = self.picker_source or ["--config", str(self.config_path)]
-            for i in range(self.picker_replicas):
-                name = "picker" if i == 0 else f"picker{i}"
-                self.picker_processes.append(self._spawn(
-                            [sys.executable, "-m", "picker", "serve", *source,
-                             *_picker_ports(0, 0, 0, 0), "--grace", "2",
-                             f"--secure-serving={str(self.secure_serving).lower()}",
-                             *self.picker_args],
-                            name, "picker listening"))
-                # The ports it bound, as it printed them (their lines come before the marker's).
-                output = self._startup_output[name]
-                self.replica_ports.append({port: int(_printed_port(output, port))
-                                           for port in ("grpc", "health", "metrics", "admin")})
+            for _ in range(self.picker_replicas):
+                self.add_picker()
             first = self.replica_ports[0]
             self.grpc_port, self.health_port = first["grpc"], first["health"]
             self.metrics_port, self.admin_grpc_port = first["metrics"], first["admin"]
@@ -315,6 +304,33 @@ class Stack:
                                         ports["admin"])
         self.picker_processes[replica] = self._spawn(
             args, "picker" if replica == 0 else f"picker{replica}", "picker listening")
+
+    def add_picker(self) -> int:
+        """Start one more picker replica on the stack's config, on ports of its own (0: it prints
+        what it bound); returns its index in ``picker_processes`` and ``replica_ports``. Envoy's
+        configuration is not changed: a replica added after the start is reached only through a
+        bootstrap that discovers it (e.g. EDS, ``tests/faults/test_rolling_update.py``)."""
+        index = len(self.picker_processes)
+        name = "picker" if index == 0 else f"picker{index}"
+        source = self.picker_source or ["--config", str(self.config_path)]
+        self.picker_processes.append(self._spawn(
+            [sys.executable, "-m", "picker", "serve", *source, *_picker_ports(0, 0, 0, 0),
+             "--grace", "2", f"--secure-serving={str(self.secure_serving).lower()}",
+             *self.picker_args], name, "picker listening"))
+        # The ports it bound, as it printed them (their lines come before the marker's).
+        output = self._startup_output[name]
+        self.replica_ports.append({port: int(_printed_port(output, port))
+                                   for port in ("grpc", "health", "metrics", "admin")})
+        return index
+
+    def stop_picker(self, replica: int, timeout: float = 30.0) -> int:
+        """SIGTERM a picker replica, as Kubernetes stops a pod, and wait until it has drained
+        (``--grace``) and exited; returns its exit status. It keeps its index (and
+        ``restart_picker`` can start it again)."""
+        process = self.picker_processes[replica]
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        return process.wait(timeout)
 
     def write_picker_config(self, overrides: dict[str, Any]) -> None:
         """(Re)write the picker's config file; the running picker hot-reloads it."""
