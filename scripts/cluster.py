@@ -5,8 +5,10 @@ kube-apiserver and kube-controller-manager are built from Go modules (the wrappe
 ``~/.cache/fairway/controlplane/`` (``FAIRWAY_CACHE`` moves it); etcd is Debian's
 ``etcd-server``. The first build took 5 minutes here on two cores (2 GB of memory, 2.5 GB of Go
 build cache; 10 minutes were measured on another machine); later runs reuse the binaries, and a
-control plane is ready in a few seconds. The InferencePool CRD is upstream's, from the Go module
-of the Gateway API Inference Extension (``INFERENCE_EXTENSION``).
+control plane is ready in a few seconds. The other CRDs the tests install come from Go modules
+too: the InferencePool from the Gateway API Inference Extension (``INFERENCE_EXTENSION``), the
+Gateway API's (``GATEWAY_API``) and prometheus-operator's ServiceMonitor and PrometheusRule
+(``PROMETHEUS_OPERATOR``).
 
 There is no scheduler and no kubelet: Pods stay Pending unless a test patches their status.
 The controller manager runs the controllers that a chart's life needs (namespaces, garbage
@@ -21,8 +23,6 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import fcntl
-import hashlib
 import ipaddress
 import json
 import os
@@ -45,6 +45,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from scripts.gomodules import GoBuild, GoModuleError, module_files
+
 KUBERNETES = "v1.36.3"
 """The pinned release: the newest 1.36 the module proxy serves here. 1.37 needs Go 1.27, whose
 default ``GOEXPERIMENT=jsonv2`` breaks kube-openapi's ``/openapi/v2`` (every ``kubectl apply``
@@ -52,6 +54,12 @@ then fails); the machine's Go is 1.26."""
 INFERENCE_EXTENSION = "v1.6.0"
 """The Gateway API Inference Extension release whose InferencePool CRD the tests install: the
 newest the module proxy serves here."""
+GATEWAY_API = "v1.6.3"
+"""The Gateway API release whose CRDs the tests install: the newest v1.6 the module proxy serves
+here (v1.7.0 needs Go 1.27)."""
+PROMETHEUS_OPERATOR = "v0.89.0"
+"""The prometheus-operator release whose ServiceMonitor and PrometheusRule CRDs the tests
+install: the newest the module proxy serves here."""
 MODULE = Path(__file__).resolve().parent / "controlplane"
 COMMANDS = ("kube-apiserver", "kube-controller-manager")
 CONTROLLERS = ("namespace", "garbagecollector", "deployment", "replicaset", "serviceaccount",
@@ -69,78 +77,47 @@ READY_TIMEOUT = 60.0
 
 
 class ClusterError(RuntimeError):
-    """The control plane could not be built or started; the message says what and where."""
+    """The control plane could not be started; the message says what and where."""
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("FAIRWAY_CACHE") or Path.home() / ".cache" / "fairway"
-    pins = hashlib.sha256((MODULE / "go.mod").read_bytes() + (MODULE / "go.sum").read_bytes()
-                          + LDFLAGS.encode())
-    return Path(base) / "controlplane" / f"{KUBERNETES}-{pins.hexdigest()[:12]}"
+BUILD = GoBuild("controlplane", KUBERNETES, MODULE,
+                tuple(f"k8s.io/kubernetes/cmd/{c}" for c in COMMANDS), LDFLAGS, "about 5 minutes")
 
 
 def binaries(*, quiet: bool = False) -> Path:
-    """The folder holding ``COMMANDS``, built now if the cache lacks them (under a lock, so two
-    processes never build at once)."""
-    folder = cache_dir() / "bin"
-    if all((folder / c).is_file() for c in COMMANDS):
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not all((folder / c).is_file() for c in COMMANDS):
-            _build(folder, quiet=quiet)
-    return folder
-
-
-def _build(folder: Path, *, quiet: bool) -> None:
-    go = shutil.which("go")
-    if go is None:
-        raise ClusterError("building the control plane needs Go (1.26): `go` is not on PATH")
-    staging = Path(tempfile.mkdtemp(prefix="build-", dir=folder.parent))
-    command = [go, "build", "-p", str(os.cpu_count() or 2), "-trimpath", "-ldflags", LDFLAGS,
-               "-o", f"{staging}/", *(f"k8s.io/kubernetes/cmd/{c}" for c in COMMANDS)]
-    env = {**os.environ, "GOFLAGS": "-mod=mod -buildvcs=false", "GOTOOLCHAIN": "local"}
-    if not quiet:
-        print(f"cluster: building {', '.join(COMMANDS)} {KUBERNETES} from Go modules "
-              f"(about 5 minutes the first time) into {folder}", file=sys.stderr, flush=True)
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=MODULE, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ClusterError(f"`{' '.join(command)}` in {MODULE} failed "
-                           f"({done.returncode}):\n{done.stderr[-4000:]}")
-    for command_name in COMMANDS:
-        os.replace(staging / command_name, folder / command_name)
-    shutil.rmtree(staging, ignore_errors=True)
-    for other in folder.parent.parent.iterdir():  # builds of older pins: 200 MB each
-        if other != folder.parent and other.is_dir():
-            shutil.rmtree(other, ignore_errors=True)
-    if not quiet:
-        print(f"cluster: built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    """The folder holding ``COMMANDS``, built now if the cache lacks them."""
+    return BUILD.binaries(quiet=quiet)
 
 
 def inference_pool_crd() -> Path:
     """Upstream's InferencePool CRD (``inference.networking.k8s.io/v1``), from the Go module of
     the Inference Extension in Go's module cache (downloaded the first time)."""
-    go = shutil.which("go")
-    if go is None:
-        raise ClusterError("fetching the InferencePool CRD needs Go: `go` is not on PATH")
-    module = f"sigs.k8s.io/gateway-api-inference-extension@{INFERENCE_EXTENSION}"
-    done = subprocess.run([go, "mod", "download", "-json", module], capture_output=True,
-                          text=True, cwd=tempfile.gettempdir(),
-                          env={**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"})
-    try:
-        info = json.loads(done.stdout)
-    except ValueError:
-        info = {"Error": done.stderr.strip() or f"exit {done.returncode}"}
-    if info.get("Error") or not info.get("Dir"):
-        raise ClusterError(f"`go mod download {module}` failed: {info.get('Error')}")
-    crd = Path(info["Dir"]) / "config" / "crd" / "bases" / \
-        "inference.networking.k8s.io_inferencepools.yaml"
-    if not crd.is_file():
-        raise ClusterError(f"{module} has no {crd.name}")
+    (crd,) = module_files(f"sigs.k8s.io/gateway-api-inference-extension@{INFERENCE_EXTENSION}",
+                          "config/crd/bases", "inference.networking.k8s.io_inferencepools.yaml")
     return crd
+
+
+def gateway_api_crds() -> list[Path]:
+    """The Gateway API CRDs that ``manifests/gateway`` uses (GatewayClass, Gateway, HTTPRoute),
+    ``GATEWAY_API``'s experimental channel: the samples' HTTPRoute ``retry`` is standard only
+    from v1.7, whose module needs Go 1.27."""
+    return module_files(f"sigs.k8s.io/gateway-api@{GATEWAY_API}", "config/crd/experimental",
+                        *(f"gateway.networking.k8s.io_{kind}.yaml"
+                          for kind in ("gatewayclasses", "gateways", "httproutes")))
+
+
+def prometheus_operator_crds() -> list[Path]:
+    """The ServiceMonitor and PrometheusRule CRDs (``monitoring.coreos.com/v1``) the chart may
+    render, from prometheus-operator's Go module (``PROMETHEUS_OPERATOR``)."""
+    return module_files(f"github.com/prometheus-operator/prometheus-operator@"
+                        f"{PROMETHEUS_OPERATOR}", "example/prometheus-operator-crd",
+                        "monitoring.coreos.com_servicemonitors.yaml",
+                        "monitoring.coreos.com_prometheusrules.yaml")
+
+
+def extra_crds() -> list[Path]:
+    """Every CRD besides fairway's own that the cluster tests install."""
+    return [inference_pool_crd(), *gateway_api_crds(), *prometheus_operator_crds()]
 
 
 def free_port() -> int:
@@ -159,6 +136,10 @@ class ControlPlane:
     """``https://127.0.0.1:PORT`` of the API server."""
     admin_token: str = ""
     """A static token of group ``system:masters``."""
+    apiserver_args: tuple[str, ...] = ()
+    """More flags for kube-apiserver (e.g. ``--watch-cache=false``: watches served by etcd)."""
+    etcd_url: str = ""
+    """``http://127.0.0.1:PORT``: etcd's client URL (its v3 JSON gateway, e.g. compaction)."""
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
 
     @property
@@ -193,6 +174,7 @@ class ControlPlane:
         shm = Path("/dev/shm")
         data = Path(tempfile.mkdtemp(prefix="fairway-etcd-", dir=shm if shm.is_dir() else w))
         (w / "etcd-data").write_text(str(data))
+        self.etcd_url = f"http://127.0.0.1:{client}"
         self._run("etcd", [
             etcd, "--name", "default", "--data-dir", str(data),
             "--listen-client-urls", f"http://127.0.0.1:{client}",
@@ -216,7 +198,7 @@ class ControlPlane:
             "--service-cluster-ip-range", SERVICE_RANGE,
             "--authorization-mode", "RBAC",
             "--token-auth-file", str(w / "tokens.csv"),
-            "--profiling=false", "-v", "1"])
+            "--profiling=false", "-v", "1", *self.apiserver_args])
         self._write_kubeconfig(self.kubeconfig, self.admin_token)
         self._wait_ready()
         self._run("kube-controller-manager", [
@@ -353,21 +335,22 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("build", help="build the binaries (or find them in the cache) and fetch "
-                                      "the InferencePool CRD")
+                                      "the CRDs the tests install")
     up = commands.add_parser("up", help="start a control plane until Ctrl-C")
     up.add_argument("workdir", nargs="?", help="its files (default: a new temporary folder)")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             print(binaries())
-            print(inference_pool_crd())
+            for crd in extra_crds():
+                print(crd)
             return 0
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fairway-cluster-"))
         with ControlPlane(workdir) as plane:
             print(f"API server {plane.url} ready; export KUBECONFIG={plane.kubeconfig}",
                   flush=True)
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    except ClusterError as exc:
+    except (ClusterError, GoModuleError) as exc:
         print(f"cluster: {exc}", file=sys.stderr)
         return 1
     return 0

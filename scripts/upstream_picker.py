@@ -29,15 +29,11 @@ the picker). Its ext_proc port serves TLS with a self-signed certificate, as fai
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -47,6 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scripts.cluster import ControlPlane
+from scripts.gomodules import GoBuild, GoModuleError, module_files
 
 RELEASE = "v1.5.0"
 """The pinned release of ``sigs.k8s.io/gateway-api-inference-extension`` (see the docstring)."""
@@ -108,74 +105,15 @@ READY_TIMEOUT = 60.0
 
 
 class UpstreamPickerError(RuntimeError):
-    """The upstream picker could not be built or started; the message says what failed and how."""
+    """The upstream picker could not be started; the message says what failed and how."""
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("FAIRWAY_CACHE") or Path.home() / ".cache" / "fairway"
-    pins = hashlib.sha256((MODULE / "go.mod").read_bytes() + (MODULE / "go.sum").read_bytes()
-                          + LDFLAGS.encode())
-    return Path(base) / "upstream-epp" / f"{RELEASE}-{pins.hexdigest()[:12]}"
+BUILD = GoBuild("upstream-epp", RELEASE, MODULE, (PACKAGE,), LDFLAGS, "about 3 minutes")
 
 
 def binary(*, quiet: bool = False) -> Path:
-    """The path of the ``epp`` binary, built now if the cache lacks it (under a lock, so two
-    processes never build at once)."""
-    folder = cache_dir() / "bin"
-    path = folder / BINARY
-    if path.is_file():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.is_file():
-            _build(folder, quiet=quiet)
-    return path
-
-
-def _build(folder: Path, *, quiet: bool) -> None:
-    go = shutil.which("go")
-    if go is None:
-        raise UpstreamPickerError("building the upstream picker needs Go (1.26): "
-                                  "`go` is not on PATH")
-    staging = Path(tempfile.mkdtemp(prefix="build-", dir=folder.parent))
-    command = [go, "build", "-p", str(os.cpu_count() or 2), "-trimpath", "-ldflags", LDFLAGS,
-               "-o", str(staging / BINARY), PACKAGE]
-    env = {**os.environ, "GOFLAGS": "-mod=mod -buildvcs=false", "GOTOOLCHAIN": "local"}
-    if not quiet:
-        print(f"upstream-picker: building {PACKAGE} {RELEASE} from Go modules "
-              f"(a few minutes the first time) into {folder}", file=sys.stderr, flush=True)
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=MODULE, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise UpstreamPickerError(f"`{' '.join(command)}` in {MODULE} failed "
-                                  f"({done.returncode}):\n{done.stderr[-4000:]}")
-    os.replace(staging / BINARY, folder / BINARY)
-    shutil.rmtree(staging, ignore_errors=True)
-    for other in folder.parent.parent.iterdir():  # builds of older pins
-        if other != folder.parent and other.is_dir():
-            shutil.rmtree(other, ignore_errors=True)
-    if not quiet:
-        print(f"upstream-picker: built in {time.monotonic() - started:.0f} s", file=sys.stderr)
-
-
-def module_dir() -> Path:
-    """The release's module in Go's module cache (downloaded the first time): its CRDs."""
-    go = shutil.which("go")
-    if go is None:
-        raise UpstreamPickerError("`go` is not on PATH")
-    module = f"sigs.k8s.io/gateway-api-inference-extension@{RELEASE}"
-    done = subprocess.run([go, "mod", "download", "-json", module], capture_output=True,
-                          text=True, cwd=MODULE,
-                          env={**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"})
-    try:
-        info = json.loads(done.stdout)
-    except ValueError:
-        info = {"Error": done.stderr.strip() or f"exit {done.returncode}"}
-    if info.get("Error") or not info.get("Dir"):
-        raise UpstreamPickerError(f"`go mod download {module}` failed: {info.get('Error')}")
-    return Path(info["Dir"])
+    """The path of the ``epp`` binary, built now if the cache lacks it."""
+    return BUILD.binaries(quiet=quiet) / BINARY
 
 
 def _free_port() -> int:
@@ -211,8 +149,9 @@ class UpstreamPool:
 
     def prepare(self) -> UpstreamPool:
         """The release's InferencePool CRD, the namespace and the Pod (Ready at 127.0.0.1)."""
-        crd = module_dir() / "config" / "crd" / "bases" / \
-            "inference.networking.k8s.io_inferencepools.yaml"
+        (crd,) = module_files(f"sigs.k8s.io/gateway-api-inference-extension@{RELEASE}",
+                              "config/crd/bases",
+                              "inference.networking.k8s.io_inferencepools.yaml")
         self._kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
         self._kubectl("wait", "--for=condition=Established", "--timeout=30s", "-f", str(crd))
         self._kubectl("create", "namespace", NAMESPACE)
@@ -322,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.parse_args(argv)
     try:
         print(binary())
-    except UpstreamPickerError as exc:
+    except (UpstreamPickerError, GoModuleError) as exc:
         print(f"upstream-picker: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,14 @@ from scripts.cluster import ControlPlane
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
 T = TypeVar("T")
+IN_CLUSTER = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+"""What makes a Kubernetes client in a pod use the pod's own credentials instead of the
+kubeconfig it was given: no process of this tier sees them (a CI job may run in a pod)."""
+
+# A refusal as the API server words it ("Forbidden", "... is forbidden: User ...") or as a
+# client reports its status; not the digits 403 inside a timestamp, a port, a random name or a
+# request id ("a3c8da14-403" in the picker's metering lines).
+ACCESS_ERROR = re.compile(r"forbidden|(?<![\w,.:-])403(?!\w)", re.IGNORECASE)
 
 
 class KubectlFailed(AssertionError):
@@ -110,6 +119,10 @@ class Process:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def mark(self) -> int:
+        """Where its log ends now (for ``no_access_errors(upto=...)``)."""
+        return len(self.text())
+
     def wait_for(self, fragment: str, timeout: float = 30.0) -> None:
         until(lambda: fragment in self.text() or self.popen.poll() is not None, timeout,
               what=f"{self.name}: {fragment!r}")
@@ -135,6 +148,23 @@ def start(name: str, argv: list[str], kubeconfig: Path, workdir: Path,
     return Process(name, popen, log)
 
 
+def no_access_errors(*processes: Process, upto: dict[str, int] | None = None) -> None:
+    """No refusal (403, Forbidden) in any of the processes' logs (up to ``upto[name]``, a
+    ``mark()``, where given): with the chart's ServiceAccounts, the chart's Roles allowed all
+    each process tried."""
+    for process in processes:
+        text = process.text()[:(upto or {}).get(process.name)]
+        found = ACCESS_ERROR.search(text)
+        assert found is None, f"{process.name}: {found.group()!r} in its log:\n{text[-3000:]}"
+
+
+def in_cluster_settings(pid: int) -> dict[str, str]:
+    """The ``IN_CLUSTER`` variables in the environment of running process ``pid``."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs if k.decode() in IN_CLUSTER}
+
+
 def chart_args(manifest: list[dict[str, Any]], deployment: str) -> list[str]:
     """The arguments of the first container of Deployment ``deployment`` in a release's
     manifest: a local process started with them runs what the chart's pod would."""
@@ -152,6 +182,7 @@ def replace_flags(args: list[str], **flags: str) -> list[str]:
 
 def environment(kubeconfig: Path) -> dict[str, str]:
     """The environment of a fairway process that reaches the API with ``kubeconfig``."""
+    # Without IN_CLUSTER (and every other KUBERNETES_*): the kubeconfig is what counts.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'operator'}")

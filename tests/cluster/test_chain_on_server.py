@@ -1,7 +1,8 @@
 """The whole chain on a real API server: ``kubectl apply`` of TenantPolicies → the operator (the
 chart's arguments and ServiceAccount) renders them → the picker (its ServiceAccount) reads the
 ConfigMap and the InferencePool → real Envoy in front of simulated model servers: the traffic
-split follows a weight changed with ``kubectl patch``."""
+split follows a weight changed with ``kubectl patch``, the policy's status records the new
+generation, and neither process was refused anything by the chart's Roles."""
 
 from __future__ import annotations
 
@@ -16,10 +17,28 @@ import yaml
 
 from picker.stack.launcher import Stack
 from scripts.cluster import free_port
-from tests.cluster.kube import ROOT, Kube, chart_args, replace_flags, start
+from tests.cluster.kube import (
+    ROOT,
+    Kube,
+    Process,
+    chart_args,
+    in_cluster_settings,
+    no_access_errors,
+    replace_flags,
+    start,
+    until,
+)
 from tests.e2e.test_cluster_chain import _admin, _shares
 
 POOL = "llm-pool"
+
+
+def _ready_at(kube: Kube, name: str, generation: int) -> bool:
+    """Policy ``name`` is Ready and its status (and Ready condition) observed ``generation``."""
+    status = (kube.get("tenantpolicy", name) or {}).get("status") or {}
+    ready = next((c for c in status.get("conditions") or () if c["type"] == "Ready"), {})
+    return (status.get("observedGeneration") == generation and ready.get("status") == "True"
+            and ready.get("observedGeneration") == generation)
 
 
 def _policy(name: str, weight: int) -> str:
@@ -53,6 +72,9 @@ async def test_a_weight_patched_with_kubectl_moves_the_split_through_envoy(
                   picker_args=["--admin-port", str(admin_port)])
     try:
         await asyncio.to_thread(stack.start)
+        picker = Process("stack-picker", stack.picker_process, stack.workdir / "picker.log")
+        for process in (operator, picker):
+            assert in_cluster_settings(process.popen.pid) == {}, process.name
         ports = [int(a.rsplit(":", 1)[1]) for a in stack.endpoint_addresses]
         kube.apply(json.dumps({
             "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
@@ -78,10 +100,12 @@ async def test_a_weight_patched_with_kubectl_moves_the_split_through_envoy(
             await asyncio.sleep(0.1)
         else:
             pytest.fail("the picker did not take the new weight")
-        ready = kube.get("tenantpolicy", "beta")["status"]
-        assert ready["observedGeneration"] == 2
+        # The operator writes the ConfigMap before the status: the picker may be first.
+        await asyncio.to_thread(until, lambda: _ready_at(kube, "beta", 2),
+                                what="beta Ready at generation 2")
         skewed = await _shares(stack, 6)
         assert skewed["beta"] == pytest.approx(0.75, abs=0.07), skewed
+        no_access_errors(operator, picker)
     finally:
         await asyncio.to_thread(stack.stop)
         operator.stop(signal.SIGTERM)

@@ -1,6 +1,9 @@
 """The TenantPolicy CRD and the example manifests on a real API server: every example is accepted
 under strict field validation, and every bad fixture is refused with the words the server uses
-(the second line of each fixture), including each CEL rule of the CRD."""
+(the second line of each fixture), including each CEL rule of the CRD. The gateway samples
+(``manifests/gateway``) too, against upstream's CRDs: every object of a kind the tier installs
+(Kubernetes', the InferencePool, the Gateway API's); the vendors' own kinds (Envoy Gateway,
+Istio, kgateway) need their CRDs and are left out."""
 
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from tests.cluster.kube import ROOT, Kube, KubectlFailed
 from tests.expect import server_message
 
 CRD = ROOT / "manifests" / "crd" / "fairway.dev_tenantpolicies.yaml"
+GATEWAY = sorted((ROOT / "manifests" / "gateway").glob("*.yaml"))
+INSTALLED_GROUPS = {"", "inference.networking.k8s.io", "gateway.networking.k8s.io"}
+VENDOR_GROUPS = {"gateway.envoyproxy.io", "networking.istio.io", "gateway.kgateway.dev"}
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
 BAD = sorted((ROOT / "tests" / "fixtures" / "tenantpolicy" / "bad").glob("*.yaml"))
 
@@ -25,6 +31,17 @@ def _in_namespace(path: Path, namespace: str) -> str:
     for obj in objects:
         obj["metadata"]["namespace"] = namespace
     return "\n".join(json.dumps(obj) for obj in objects)
+
+
+def _group(obj: dict[str, Any]) -> str:
+    api_version = str(obj["apiVersion"])
+    return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+
+
+def _kubernetes_objects(path: Path) -> list[dict[str, Any]]:
+    """The Kubernetes objects of a sample (none in Envoy's own bootstrap files)."""
+    return [doc for doc in yaml.safe_load_all(path.read_text())
+            if isinstance(doc, dict) and "apiVersion" in doc and "kind" in doc]
 
 
 def _cel_messages(node: Any) -> list[str]:
@@ -61,3 +78,44 @@ def test_each_cel_rule_of_the_crd_has_a_bad_fixture() -> None:
     promised = [server_message(path) for path in BAD]
     for message in rules:
         assert any(message in text for text in promised), f"no fixture for the rule {message!r}"
+
+
+def test_the_gateway_samples_are_accepted_with_strict_field_validation(kube: Kube) -> None:
+    """inferencepool.yaml, envoy-pool-pods.yaml and gateway-api.yaml whole, and the Gateway API
+    objects of the vendor samples, against Gateway API v1.6's experimental channel: their
+    HTTPRoutes' ``retry`` is standard only from v1.7 (v1.6's standard CRD refuses it)."""
+    applied: dict[tuple[str, str], dict[str, Any]] = {}
+    cluster_scoped = []
+    try:
+        for path in GATEWAY:
+            objects = _kubernetes_objects(path)
+            groups = {_group(obj) for obj in objects}
+            assert groups <= INSTALLED_GROUPS | VENDOR_GROUPS, (path.name, groups)
+            mine = [obj for obj in objects if _group(obj) in INSTALLED_GROUPS]
+            for obj in mine:
+                if "namespace" in obj["metadata"]:  # the placeholder `inference`
+                    obj["metadata"]["namespace"] = kube.namespace
+                else:
+                    cluster_scoped.append(f"{obj['kind']}/{obj['metadata']['name']}")
+            if mine:
+                kube.apply("\n".join(json.dumps(obj) for obj in mine))
+            applied.update({(obj["kind"], obj["metadata"]["name"]): obj for obj in mine})
+        kinds = {kind for kind, _ in applied}
+        assert {"InferencePool", "Service", "Gateway", "HTTPRoute", "GatewayClass"} <= kinds
+        for kind, name in applied:
+            assert kube.get(kind, name) is not None, (kind, name)
+        # envoy-pool-pods.yaml's headless Service selects the pods inferencepool.yaml pools.
+        pool = kube.get("inferencepool", "llm-pool")["spec"]
+        pods = kube.get("service", "llm-pool-pods")["spec"]
+        assert pods["clusterIP"] == "None"
+        assert pods["selector"] == pool["selector"]["matchLabels"]
+        assert [p["targetPort"] for p in pods["ports"]] == [p["number"]
+                                                            for p in pool["targetPorts"]]
+        # gateway-api.yaml's route leads to that pool.
+        (route,) = [o for o in _kubernetes_objects(ROOT / "manifests" / "gateway" /
+                                                   "gateway-api.yaml") if o["kind"] == "HTTPRoute"]
+        (backend,) = route["spec"]["rules"][0]["backendRefs"]
+        assert (backend["kind"], backend["name"]) == ("InferencePool", "llm-pool")
+    finally:
+        for name in cluster_scoped:
+            kube.kubectl("delete", name, "--wait=false", namespaced=False, check=False)
