@@ -262,10 +262,11 @@ class ControlPlane:
         return path
 
     def stop(self) -> None:
+        # One at a time, the last started first: an API server whose etcd went away at the same
+        # moment spends its shutdown timeout retrying it.
         for _name, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for _name, process in reversed(self.processes):
             try:
                 process.wait(timeout=3)
             except subprocess.TimeoutExpired:
