@@ -81,6 +81,13 @@ bench-profile: setup
 bench-scrape: setup
 	$(PY) -m bench.scrape_cost --out bench/results
 
+# Issue 11: a real picker process's memory under random tenant-id floods (10,000 to 100,000 ids
+# through Envoy, RSS every second) and the dispatcher's in-process (about 25 minutes):
+# bench/results/tenant_flood.md.
+.PHONY: bench-flood
+bench-flood: setup
+	$(PY) -m bench.tenant_flood --out bench/results
+
 # Issue 15: fairway beside upstream's endpoint picker (built from Go modules the first time, about
 # three minutes, then cached under ~/.cache/fairway) on a real API server: bench/results/peer.md
 # (about 25 minutes).

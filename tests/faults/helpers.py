@@ -3,7 +3,11 @@ body), the check of an OpenAI error, and the check that the picker's gauges drai
 
 from __future__ import annotations
 
+import http.client
 import json
+import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -14,7 +18,7 @@ import aiohttp
 import yaml
 
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import TENANT_HEADER, metric, wait_until
+from tests.e2e.conftest import TENANT_HEADER, metric, metric_samples, wait_until
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "gateway"
 CHAT = "/v1/chat/completions"
@@ -127,3 +131,55 @@ def shipped_envoy(name: str, jwks: dict[str, Any] | None = None
             provider["local_jwks"]["inline_string"] = json.dumps(jwks)
         return config
     return build
+
+
+def usage_records(path: Path, tenant: str) -> list[dict[str, Any]]:
+    """The picker's metering records (``metering.output: <path>``) of ``tenant``, in order; only
+    whole lines, since the picker may be writing the next one."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]
+    return [r for r in (json.loads(line) for line in lines if line) if r["tenant_id"] == tenant]
+
+
+class ScrapesUntilExit:
+    """Scrapes a picker's metrics page over and over, on a thread, until the process has exited,
+    keeping the last page it got: the figures the picker stopped with, which a test cannot ask
+    for once the process is gone.
+
+    A draining picker keeps its metrics server up until its drain is over and its gRPC servers
+    are stopped (picker/server.py: it shuts that server last), so scraping until the port
+    refuses ends on a page taken after the last request left."""
+
+    def __init__(self, stack: Stack, process: subprocess.Popen) -> None:
+        self.last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.pages = 0
+        """Pages scraped; with ``errors``, for an assertion's message."""
+        self.errors: list[str] = []
+        self._url, self._process = stack.metrics_url, process
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._process.poll() is None:
+            try:
+                self.last = metric_samples(self._url)
+                self.pages += 1
+            except (OSError, http.client.HTTPException, ValueError) as error:
+                # The metrics server gone, or cut mid-page: the process is about to be.
+                self.errors.append(f"{type(error).__name__}: {error}"[:200])
+            # A short pause: a tight loop would take CPU from the draining picker on small
+            # machines (it only has to hit the window between the drain's end and the exit).
+            time.sleep(0.01)
+
+    def wait(self, timeout: float = 20.0) -> None:
+        """Until the process exited (and the thread saw it)."""
+        self._process.wait(timeout)
+        self._thread.join(timeout)
+
+    def value(self, name: str, **labels: str) -> float:
+        """``metric`` of the last page: the sum of ``name``'s samples whose labels include
+        ``labels``."""
+        wanted = set(labels.items())
+        return sum(v for (sample, sample_labels), v in self.last.items()
+                   if sample == name and wanted <= set(sample_labels))

@@ -3,6 +3,10 @@
 Deeply nested JSON, tenant ids that are too long, binary or sent twice, and stalled or oversized
 uploads: the client gets an OpenAI error with the right status, the refusal is counted, the
 picker's buffers and gauges return to zero, and the next honest request is served.
+
+A stalled upload's 408 carries no Retry-After: the client may send the request again at once
+(RFC 9110, 15.5.9; the ``openai`` clients retry a 408 by their own backoff), there is nothing to
+wait for. A 503 for the global body budget does carry it: room comes back as others finish.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ import pytest
 
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
+from tests.faults.helpers import assert_openai_error, gauges_drain, usage_records
 
 LLMD_HEADER = "x-llm-d-inference-fairness-id"
+USAGE = "usage.jsonl"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    config = {"tenants": [{"id": "a"}],
+    workdir = tmp_path_factory.mktemp("hostile")
+    # Each stalled-upload test has a tenant of its own, so its charges are its alone.
+    config = {"tenants": [{"id": "a"}, {"id": "stalled"}, {"id": "buffered"}],
               "limits": {"maxBodyBytes": 100_000, "maxBufferedBytes": 150_000,
-                         "bodyIdleTimeout": "1s"}}
-    with Stack(tmp_path_factory.mktemp("hostile"), endpoints=1, picker_config=config) as running:
+                         "bodyIdleTimeout": "1s"},
+              "metering": {"output": str(workdir / USAGE)}}
+    with Stack(workdir, endpoints=1, picker_config=config) as running:
         yield running
 
 
@@ -36,16 +45,25 @@ def _raw(stack: Stack, head: bytes, body: bytes = b"", *, read: bool = True,
     conn.sendall(head + b"\r\n" + body)
     if not read:
         return conn
-    data = b""
     with conn:
-        while b"\r\n\r\n" not in data:
-            data += conn.recv(65536)
-        header_block, _, rest = data.partition(b"\r\n\r\n")
-        lines = header_block.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
-        length = int(headers.get("content-length", "0"))
-        while len(rest) < length:
-            rest += conn.recv(65536)
+        return _response(conn)
+
+
+def _response(conn: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The status, lower-cased headers and body of the one response read from ``conn``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"connection closed before a whole response: {data!r}"
+        data += chunk
+    header_block, _, rest = data.partition(b"\r\n\r\n")
+    lines = header_block.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = conn.recv(65536)
+        assert chunk, f"connection closed mid-body: {rest!r}"
+        rest += chunk
     return int(lines[0].split()[1]), headers, rest
 
 
@@ -93,20 +111,43 @@ def test_an_identity_header_sent_twice_is_refused_400(stack: Stack, header: str)
     assert "more than once" in _error(body)["message"]
 
 
+def _charged_nothing(stack: Stack, tenant: str, refusals: int, reason: str) -> None:
+    """``tenant``'s requests were each refused for ``reason`` before reaching an engine: counted,
+    metered at 0, no service charged, and the queued, running and in-flight gauges at 0."""
+    url = stack.metrics_url
+    assert wait_until(lambda: metric(url, "fairway_rejections_total", tenant=tenant,
+                                     reason=reason) == refusals)
+    assert metric(url, "fairway_service_tokens_total", tenant=tenant) == 0
+    assert metric(url, "fairway_weighted_service_total", tenant=tenant) == 0
+    assert wait_until(lambda: len(usage_records(stack.workdir / USAGE, tenant)) == refusals)
+    for record in usage_records(stack.workdir / USAGE, tenant):
+        assert (record["outcome"], record["endpoint"], record["prompt_tokens"],
+                record["completion_tokens"], record["cost"]) == (reason, None, 0, 0, 0), record
+    drained = gauges_drain(stack)
+    assert not any(drained.values()), drained
+
+
 def test_a_stalled_upload_gets_408_and_gives_its_buffer_back(stack: Stack) -> None:
     body = chat_body(max_tokens=1)
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
             b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n" + TENANT_HEADER.encode() + b": a\r\n")
+            + str(len(body)).encode() + b"\r\n" + TENANT_HEADER.encode() + b": stalled\r\n")
     conn = _raw(stack, head, body[:10], read=False)
     assert isinstance(conn, socket.socket)
     with conn:
         assert wait_until(lambda: metric(stack.metrics_url, "fairway_buffered_body_bytes") > 0)
-        answer = conn.recv(65536)  # the picker gives up after bodyIdleTimeout (1 s)
-    assert answer.split(b" ", 2)[1] == b"408", answer
-    assert b"request_timeout" in answer
+        # An upload still arriving holds a buffer, not a place in the queue nor a slot.
+        for name in ("fairway_queued_requests", "fairway_running_requests"):
+            assert metric(stack.metrics_url, name, tenant="stalled") == 0, name
+        status, headers, raw = _response(conn)  # the picker gives up after bodyIdleTimeout (1 s)
+    # No Retry-After (see the module's docstring), and no ``x-should-retry: false`` either: the
+    # client may repeat the request, and should.
+    assert_openai_error(status, headers, json.loads(raw), 408, "request_timeout",
+                        retryable=False)
+    assert json.loads(raw)["error"]["type"] == "invalid_request_error", raw
+    assert "x-should-retry" not in headers, headers
     assert wait_until(lambda: metric(stack.metrics_url, "fairway_buffered_body_bytes") == 0)
-    assert metric(stack.metrics_url, "fairway_rejections_total", reason="body_timeout") >= 1
+    _charged_nothing(stack, "stalled", 1, "body_timeout")
 
 
 def test_bodies_past_the_global_buffer_budget_get_503_with_retry_after(stack: Stack) -> None:
@@ -114,7 +155,7 @@ def test_bodies_past_the_global_buffer_budget_get_503_with_retry_after(stack: St
     body = b'{"model": "sim-model", "messages": [{"role": "user", "content": "' + b"x" * 80_000
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
             b"content-type: application/json\r\ncontent-length: 99000\r\n"
-            + TENANT_HEADER.encode() + b": a\r\n")
+            + TENANT_HEADER.encode() + b": buffered\r\n")
     first = _raw(stack, head, body, read=False)
     assert isinstance(first, socket.socket)
     with first:
@@ -124,11 +165,14 @@ def test_bodies_past_the_global_buffer_budget_get_503_with_retry_after(stack: St
         assert isinstance(second, socket.socket)
         with second:
             second.settimeout(10)
-            answer = second.recv(65536)
-        assert answer.split(b" ", 2)[1] == b"503", answer
-        assert b"retry-after: 1" in answer.lower()
-        assert b"server_overloaded" in answer
+            status, headers, raw = _response(second)
+        assert_openai_error(status, headers, json.loads(raw), 503, "server_overloaded",
+                            retryable=True)
+        assert json.loads(raw)["error"]["type"] == "server_error", raw
+        assert headers["retry-after"] == "1", headers
+    # The first upload, cut by its client before it stalled for long, gave its buffer back too.
     assert wait_until(lambda: metric(stack.metrics_url, "fairway_buffered_body_bytes") == 0,
                       timeout=5)
+    _charged_nothing(stack, "buffered", 1, "buffers_full")
     time.sleep(0.1)
     assert _post(stack, chat_body(max_tokens=1), [TENANT_HEADER.encode() + b": a"])[0] == 200

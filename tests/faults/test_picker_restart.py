@@ -1,7 +1,13 @@
 """The picker dies under load, or is told to stop: no client is left hanging or given a bare
 failure. SIGKILL: Envoy answers the dead picker's clients 503 ``picker_unavailable`` with
 Retry-After, and a restarted picker serves again. SIGTERM: the queued requests are refused with a
-retryable 503 ``shutting_down`` while the running ones finish within ``--grace``."""
+retryable 503 ``shutting_down`` while the running ones finish within ``--grace``.
+
+What a tenant is charged is read from the picker's metering records (one per finished request,
+appended to one file across restarts) and from its metrics. With the memory backend a restarted
+picker starts from nothing: whatever the SIGKILLed one had charged is gone with it. So the checks
+are that the restarted picker charges exactly what it serves and nothing of the requests cut
+before it started."""
 
 from __future__ import annotations
 
@@ -15,20 +21,43 @@ import aiohttp
 import pytest
 
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import chat_body, metric, wait_until
-from tests.faults.helpers import apost, assert_openai_error, engine_requests, gauges_drain, post
+from tests.e2e.conftest import chat_body, metric, settled_metric, wait_until
+from tests.faults.helpers import (
+    GAUGES,
+    ScrapesUntilExit,
+    apost,
+    assert_openai_error,
+    engine_requests,
+    gauges_drain,
+    post,
+    usage_records,
+)
 
 OUTPUT = 60
 LOAD = 10
+AFTER_OUTPUT = 5
+USAGE = "usage.jsonl"
+DECODE_WEIGHT = 2
+"""The default cost (``scheduling.cost``): a prompt token costs 1, an output token 2."""
 
 
 @pytest.fixture
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("picker-restart")
     # One small server (room for about two of these requests): most of the load queues.
-    with Stack(tmp_path_factory.mktemp("picker-restart"), endpoints=1,
+    with Stack(workdir, endpoints=1,
                server_args=["--kv-budget-tokens", "1024", "--step-ms", "15"],
-               picker_config={"tenants": [{"id": "load"}, {"id": "after"}]}) as running:
+               picker_config={"tenants": [{"id": "load"}, {"id": "after"}],
+                              "metering": {"output": str(workdir / USAGE)}}) as running:
         yield running
+
+
+def _records(stack: Stack, tenant: str) -> list[dict[str, Any]]:
+    return usage_records(stack.workdir / USAGE, tenant)
+
+
+def _cost(prompt: int, completion: int) -> int:
+    return prompt + DECODE_WEIGHT * completion
 
 
 async def _load_then(stack: Stack, act: Any) -> list[tuple[int, dict[str, str], dict]]:
@@ -48,10 +77,21 @@ async def _load_then(stack: Stack, act: Any) -> list[tuple[int, dict[str, str], 
 
 
 def _served_after_restart(stack: Stack) -> None:
-    status, _, answer = post(stack, "after", chat_body(max_tokens=5))
+    """The restarted picker serves tenant ``after`` and charges it exactly what it used, once."""
+    status, _, answer = post(stack, "after", chat_body(max_tokens=AFTER_OUTPUT))
     assert status == 200, answer
-    assert wait_until(lambda: metric(stack.metrics_url, "fairway_service_tokens_total",
-                                      tenant="after", kind="completion") == 5)
+    prompt, completion = answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
+    assert completion == AFTER_OUTPUT
+    url = stack.metrics_url
+    assert settled_metric(url, "fairway_service_tokens_total", AFTER_OUTPUT, tenant="after",
+                          kind="completion") == AFTER_OUTPUT
+    assert metric(url, "fairway_service_tokens_total", tenant="after", kind="prompt") == prompt
+    assert metric(url, "fairway_weighted_service_total", tenant="after") == _cost(prompt,
+                                                                                  completion)
+    assert wait_until(lambda: len(_records(stack, "after")) == 1)
+    (record,) = _records(stack, "after")
+    assert (record["outcome"], record["prompt_tokens"], record["completion_tokens"],
+            record["cost"]) == ("ok", prompt, completion, _cost(prompt, completion)), record
     drained = gauges_drain(stack)
     assert not any(drained.values()), drained
 
@@ -76,16 +116,36 @@ def test_sigkill_under_load_is_a_retryable_503_and_a_restart_serves(stack: Stack
     # Nothing wedged at the engine either: what it had, it finished or aborted.
     assert wait_until(lambda: metric(f"http://{stack.endpoint_addresses[0]}/metrics",
                                      "vllm:num_requests_running") == 0, 15)
+    # What the dead picker had settled before the kill (usually nothing: the kill comes before
+    # the first request can finish) is all it ever wrote, each one a whole answer.
+    cut = _records(stack, "load")
+    assert len(cut) <= LOAD - len(refused), cut
+    assert all(r["outcome"] == "ok" and r["completion_tokens"] == OUTPUT for r in cut), cut
 
     stack.restart_picker()
+    # ``_served_after_restart`` also waits for the restarted picker's queued, running and
+    # in-flight gauges to be 0 (the dead one's cannot be read).
     _served_after_restart(stack)
+    # The restarted picker charges ``load`` nothing: it never saw the cut requests (no late
+    # meter stream or retry reached it) and, memory backend, it did not inherit the dead one's
+    # charges either, so nothing of theirs is counted twice (nor once again here).
+    url = stack.metrics_url
+    assert metric(url, "fairway_requests_total", tenant="load") == 0
+    assert metric(url, "fairway_service_tokens_total", tenant="load") == 0
+    assert metric(url, "fairway_weighted_service_total", tenant="load") == 0
+    assert metric(url, "fairway_virtual_service", tenant="load") == 0
+    assert metric(url, "fairway_meter_unclaimed_total") == 0
+    assert _records(stack, "load") == cut
 
 
 def test_sigterm_refuses_the_queued_and_lets_the_running_finish(stack: Stack) -> None:
     picker = stack.picker_process
     engine_before = engine_requests(stack)
+    scrapes: list[ScrapesUntilExit] = []
 
     def term() -> None:
+        # Started before the signal, so it is scraping all through the drain.
+        scrapes.append(ScrapesUntilExit(stack, picker))
         os.killpg(picker.pid, signal.SIGTERM)
 
     seen = asyncio.run(_load_then(stack, term))
@@ -98,8 +158,40 @@ def test_sigterm_refuses_the_queued_and_lets_the_running_finish(stack: Stack) ->
     for _, _, body in ok:
         assert body["usage"]["completion_tokens"] == OUTPUT
     assert picker.wait(15) == 0
+    (last,) = scrapes
+    last.wait()
     # Only the requests that were answered reached the engine; the refused never did.
     assert engine_requests(stack) - engine_before == len(ok)
+
+    # The draining picker's last page, scraped after its drain was over (it was not ready any
+    # more): nothing queued, running or in flight, and ``load`` charged exactly the answers it
+    # got, the refused ones nothing.
+    assert last.last, ("no scrape of the draining picker", last.pages, last.errors[-3:])
+    assert last.value("fairway_ready") == 0
+    assert {name: last.value(name) for name in GAUGES} == dict.fromkeys(GAUGES, 0)
+    prompt = sum(body["usage"]["prompt_tokens"] for _, _, body in ok)
+    assert last.value("fairway_service_tokens_total", tenant="load", kind="prompt") == prompt
+    assert last.value("fairway_service_tokens_total", tenant="load",
+                      kind="completion") == OUTPUT * len(ok)
+    assert last.value("fairway_weighted_service_total", tenant="load") == _cost(
+        prompt, OUTPUT * len(ok))
+    assert last.value("fairway_requests_total", tenant="load", outcome="ok") == len(ok)
+    assert last.value("fairway_requests_total", tenant="load") == LOAD
+    # Per request, in the metering records: each answered one at its engine usage, each refused
+    # one never sent and at 0.
+    records = _records(stack, "load")
+    assert len(records) == LOAD, records
+    served = sorted((r["prompt_tokens"], r["completion_tokens"], r["cost"])
+                    for r in records if r["outcome"] == "ok")
+    assert served == sorted((b["usage"]["prompt_tokens"], OUTPUT,
+                             _cost(b["usage"]["prompt_tokens"], OUTPUT)) for _, _, b in ok)
+    dropped = [r for r in records if r["outcome"] != "ok"]
+    assert len(dropped) == len(refused), records
+    for record in dropped:
+        assert record["outcome"] == "shutdown", record
+        assert record["endpoint"] is None, record
+        assert (record["prompt_tokens"], record["completion_tokens"], record["cost"]) == \
+            (0, 0, 0), record
 
     stack.restart_picker()
     _served_after_restart(stack)

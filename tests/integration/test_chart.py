@@ -867,7 +867,7 @@ def test_notes_say_what_to_do_next(case_id: str) -> None:
 
 
 
-@pytest.mark.parametrize("case_id", ["default", "ha"])
+@pytest.mark.parametrize("case_id", ["default", "ha", "redis-no-operator"])
 def test_notes_say_the_tenancy_mode_and_what_the_gateway_must_do(case_id: str) -> None:
     notes = next(text for path, text in _rendered(case_id)[0].items()
                  if path.endswith("NOTES.txt"))
@@ -879,6 +879,12 @@ def test_notes_say_the_tenancy_mode_and_what_the_gateway_must_do(case_id: str) -
     for name in ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
                  "x-fairway-lane", "x-gateway-inference-objective"):
         assert name in notes
+    # The base config chooses API-key mode, never a TenantPolicy (a header-mode base refuses a
+    # policy that brings keys): the NOTES must not promise that a policy switches the mode.
+    assert "once a TenantPolicy" not in notes
+    operator = _values(case_id)["operator"]["enabled"]
+    assert ("apiKeySecretRef is refused (Ready=False, ApiKeysNotEnabled)" in notes) == operator
+    assert ("for API keys set\n   config.tenancy.mode: apiKey." in notes) == operator
 
 
 def test_notes_in_api_key_mode_say_authorization_reaches_the_picker() -> None:
@@ -887,6 +893,20 @@ def test_notes_in_api_key_mode_say_authorization_reaches_the_picker() -> None:
                  if path.endswith("NOTES.txt"))
     assert "Tenancy mode: apiKey." in notes and "Authorization" in notes
     assert "Tenancy mode: header" not in notes
+    assert "TenantPolicies" not in notes and "ApiKeysNotEnabled" not in notes
+
+
+def test_notes_in_api_key_mode_with_the_operator_say_policies_add_keys() -> None:
+    # No fixture runs the operator on an apiKey base: render one here.
+    values = {"config": {"tenancy": {"mode": "apiKey", "apiKeys": [
+        {"sha256": "5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8",
+         "tenant": "team-a"}]}}}
+    manifests = _chart().render(values, name="fairway", namespace=NS, is_install=True)
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    assert "Tenancy mode: apiKey." in notes and "Tenancy mode: header" not in notes
+    assert "The base config's config.tenancy.mode chose it" in notes
+    assert "TenantPolicies (apiKeySecretRef)\n   are added to config.tenancy.apiKeys" in notes
+    assert "ApiKeysNotEnabled" not in notes
 
 
 def test_notes_with_redis_say_how_to_bring_it_and_that_all_replicas_serve() -> None:
