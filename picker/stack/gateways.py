@@ -31,24 +31,40 @@ the headers. ``Wiring.trusted_client_identity`` (tests only) leaves them in.
 
 Every flavour but kgateway 2.0 carries the retry policy its gateway generates from the samples'
 HTTPRoute ``retry`` stanza (Istio's also by default). Only an ``override_host`` pool lets a
-retry reach another endpoint (``Flavour.retries_elsewhere``): Envoy AI Gateway's FailOpen pool
-and Istio's. Behind ``ORIGINAL_DST`` and kgateway's one-address subset a retry dials the same
-host again.
+retry reach another endpoint (``Flavour.retries_elsewhere``): Envoy AI Gateway's FailOpen pool,
+its FailClose pool once patched, and Istio's. Behind ``ORIGINAL_DST`` and kgateway's one-address
+subset a retry dials the same host again.
+
+None of the gateways sets the ext_proc filter's ``status_on_error`` or a local reply mapper, so
+with a fail-closed pool a dead picker is Envoy's bare 500. The ``-patched`` flavours
+(``Flavour.patched_by``) apply the gateway-specific patch objects of their sample in
+manifests/gateway/, read from the very file a user applies, the way that gateway applies them
+(``apply_sample_patches``): an Envoy Gateway ``EnvoyPatchPolicy`` as a JSON Patch on the named
+Listener and Cluster, an Istio ``EnvoyFilter`` as a proto merge into the HttpConnectionManager,
+a kgateway ``ListenerPolicy``'s ``localReplies`` translated to the HCM's ``local_reply_config``.
+Each gives fairway's local reply mapping (``gateway_local_reply_config``: the picker's failure a
+503 with an OpenAI body and ``Retry-After``); Envoy AI Gateway's also turns its FailClose pool
+cluster into ``override_host`` over the pool's pods, so retries reach another endpoint there too.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from picker.stack.envoy import (
     ACCESS_LOG_FORMAT,
     DESTINATION_HEADER,
+    PICKER_UNAVAILABLE_BODY,
     _address,
     _ext_proc,
     early_header_removal,
+    local_reply_config,
 )
 
 LB_NAMESPACE = "envoy.lb"
@@ -57,9 +73,18 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 POOL = "llm-pool"
 NAMESPACE = "inference"
+GATEWAY = "inference-gateway"
+"""The samples' Gateway (manifests/gateway/), with its one listener ``http`` on port 80."""
+ENVOY_GATEWAY_LISTENER = f"{NAMESPACE}/{GATEWAY}/http"
+"""Envoy Gateway's name for that listener's xDS Listener (and RouteConfiguration):
+``<namespace>/<gateway>/<listener>``. With ``XDSNameSchemeV2`` (off by default from v1.5, on
+from v1.10) it is ``tcp-80``; an EnvoyPatchPolicy must name the one its Envoy Gateway uses."""
+POOL_PODS_HOST = f"llm-pool-pods.{NAMESPACE}.svc.cluster.local"
+"""The headless Service of the pool's pods (manifests/gateway/envoy-pool-pods.yaml)."""
 PICKER_SERVICE = "fairway-picker"
 """The chart's picker Service (release ``fairway``) and port, as an InferencePool names them."""
 PICKER_PORT = 9002
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
 ROUTE_TIMEOUT = "300s"
 """The HTTPRoute's ``timeouts.request`` in manifests/gateway/ (the fair queue holds requests)."""
 
@@ -119,6 +144,9 @@ class Flavour:
     """Envoy's retry of a request that never reached an engine can reach another endpoint (the
     picker's fallback): an ``override_host`` pool with a retry policy. ``ORIGINAL_DST`` and
     kgateway's one-address subset send a retry back to the same host."""
+    patched_by: str | None = None
+    """The sample in manifests/gateway/ whose gateway-specific patch objects (EnvoyPatchPolicy,
+    EnvoyFilter, ListenerPolicy ``localReplies``) this flavour applies to its base flavour."""
 
 
 # --- pieces ------------------------------------------------------------------------------------
@@ -228,7 +256,12 @@ connect failures and any reset, no host predicate."""
 
 
 def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[str, Any],
-               clusters: list[dict[str, Any]], path_options: dict[str, Any]) -> dict[str, Any]:
+               clusters: list[dict[str, Any]], path_options: dict[str, Any],
+               listener_name: str = "gateway", default_chain: bool = False) -> dict[str, Any]:
+    """``listener_name`` and ``default_chain``: the gateway's own name for the listener and
+    whether its HttpConnectionManager sits in the listener's ``default_filter_chain`` (Envoy
+    Gateway, for a plain HTTP listener) rather than in ``filter_chains[0]``: a patch names and
+    addresses the listener that way."""
     access_log = [] if wiring.access_log is None else [{
         "name": "envoy.access_loggers.file",
         "typed_config": {
@@ -241,31 +274,38 @@ def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[s
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"},
     }]
+    chain = {"filters": [{
+        "name": HCM_FILTER,
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.filters.network."
+                             "http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "gateway",
+            "access_log": access_log,
+            **path_options,
+            **({} if wiring.trusted_client_identity else
+               {"early_header_mutation_extensions": early_header_removal()}),
+            "route_config": {"virtual_hosts": [{
+                "name": "inference", "domains": ["*"], "routes": [route]}]},
+            "http_filters": http_filters,
+        },
+    }]}
+    listener: dict[str, Any] = {"name": listener_name, "address": _address(wiring.listen_port)}
+    if default_chain:
+        listener["default_filter_chain"] = chain
+    else:
+        listener["filter_chains"] = [chain]
     return {
         "admin": {"address": _address(wiring.admin_port)},
-        "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": _address(wiring.listen_port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": _TYPE + "envoy.extensions.filters.network."
-                                         "http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "gateway",
-                        "access_log": access_log,
-                        **path_options,
-                        **({} if wiring.trusted_client_identity else
-                           {"early_header_mutation_extensions": early_header_removal()}),
-                        "route_config": {"virtual_hosts": [{
-                            "name": "inference", "domains": ["*"], "routes": [route]}]},
-                        "http_filters": http_filters,
-                    },
-                }]}],
-            }],
-            "clusters": clusters,
-        },
+        "static_resources": {"listeners": [listener], "clusters": clusters},
     }
+
+
+def http_connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    """The typed config of a flavour's HttpConnectionManager (in either chain form)."""
+    (listener,) = config["static_resources"]["listeners"]
+    chain = listener.get("default_filter_chain") or listener["filter_chains"][0]
+    (manager,) = [f for f in chain["filters"] if f["name"] == HCM_FILTER]
+    return manager["typed_config"]
 
 
 def _route(cluster: str, action: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -338,7 +378,11 @@ def envoy_ai_gateway(wiring: Wiring, body_mode: str = "duplex", fail_open: bool 
         [_picker_cluster(picker_cluster, wiring, "LEAST_REQUEST"), pool_cluster],
         # Envoy Gateway's listener defaults (ClientTrafficPolicy path settings).
         {"normalize_path": True, "merge_slashes": True,
-         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT"})
+         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT"},
+        # Envoy Gateway names the xDS Listener after the Gateway's listener and, for plain HTTP,
+        # puts the HttpConnectionManager in its default filter chain (the EnvoyPatchPolicy guide
+        # patches /default_filter_chain/filters/0/typed_config).
+        listener_name=ENVOY_GATEWAY_LISTENER, default_chain=True)
 
 
 # --- kgateway --------------------------------------------------------------------------------
@@ -377,9 +421,11 @@ def kgateway(wiring: Wiring) -> dict[str, Any]:
         "type": "STATIC",
         "connect_timeout": "1000s",
         "lb_policy": "ROUND_ROBIN",
+        # processPoolBackendObjIR (endpointpicker/backends.go): one subset per endpoint, keyed by
+        # its own address; a value naming no endpoint (a list, an unknown pod) falls back to any.
         "lb_subset_config": {
             "subset_selectors": [{"keys": [DESTINATION_HEADER]}],
-            "fallback_policy": "NO_FALLBACK",
+            "fallback_policy": "ANY_ENDPOINT",
         },
         "circuit_breakers": {"thresholds": [{"max_connections": 40000,
                                              "max_pending_requests": 40000,
@@ -471,6 +517,239 @@ def istio(wiring: Wiring, fail_open: bool = False) -> dict[str, Any]:
         {"normalize_path": True})
 
 
+# --- the samples' patches: what a user adds to each gateway, applied as that gateway applies it --
+
+SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "gateway"
+"""The Kubernetes samples a user applies; the ``-patched`` flavours read their patch objects."""
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+            "expression": expression}}}
+
+
+EXT_PROC_FAILURE_EXPRESSION = ("response.code == 500 && "
+                               "response.code_details.startsWith('ext_proc_error')")
+"""A local reply of the ext_proc filter itself: its stream to the picker failed (refused, reset,
+timed out; details ``ext_proc_error_gRPC_error_<code>{...}``) and, fail-closed, it answered with
+``status_on_error``, whose default is 500. The picker's own refusals carry ``fairway_`` details
+and an upstream's 500 is no local reply, so neither matches."""
+
+EXT_PROC_FAILURE_MAPPER: dict[str, Any] = {
+    "filter": _cel(EXT_PROC_FAILURE_EXPRESSION),
+    # What status_on_error 503 gives fairway's own configs: a dead picker is retryable.
+    "status_code": 503,
+    "headers_to_add": [{"header": {"key": "retry-after", "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+    "body_format_override": {"json_format": PICKER_UNAVAILABLE_BODY,
+                             "content_type": "application/json"},
+}
+"""For a gateway whose ext_proc filter cannot be given ``status_on_error`` (Envoy AI Gateway
+inserts it after every patch; kgateway has no API for it): the mapper rewrites its 500."""
+
+
+def gateway_local_reply_config() -> dict[str, Any]:
+    """The HttpConnectionManager ``local_reply_config`` every sample adds to its gateway:
+    fairway's own (``picker.stack.envoy.local_reply_config``: a request that never reached an
+    engine, a picker the stream could not reach at 503), preceded by ``EXT_PROC_FAILURE_MAPPER``
+    for the 500 an ext_proc filter without ``status_on_error`` answers. Envoy applies the first
+    mapper whose filter matches, testing the original status."""
+    return {"mappers": [copy.deepcopy(EXT_PROC_FAILURE_MAPPER),
+                        *local_reply_config()["mappers"]]}
+
+
+def sample_documents(name: str) -> list[dict[str, Any]]:
+    """The objects of manifests/gateway/<name>."""
+    return [d for d in yaml.safe_load_all((SAMPLES / name).read_text(encoding="utf-8")) if d]
+
+
+# JSON Patch (RFC 6902), as Envoy Gateway applies an EnvoyPatchPolicy's operations (evanphx
+# json-patch v5 with EnsurePathExistsOnAdd, internal/xds/translator/jsonpatch.go): one operation
+# at a time on one resource, in its protojson form with proto field names.
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ValueError(f"JSON pointer must start with '/': {path!r}")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _step(node: Any, token: str, create: bool) -> Any:
+    if isinstance(node, list):
+        return node[int(token)]
+    if token not in node:
+        if not create:
+            raise KeyError(token)
+        node[token] = {}
+    return node[token]
+
+
+def apply_json_patch(document: dict[str, Any], operation: dict[str, Any]) -> None:
+    """Apply one RFC 6902 operation (``add``, ``remove``, ``replace``, ``test``) in place.
+    ``add`` creates missing parent objects (Envoy Gateway's ``EnsurePathExistsOnAdd``) and, on
+    an existing member, replaces it; ``remove`` and ``replace`` need the member to exist."""
+    op, tokens = operation["op"], _pointer(operation["path"])
+    if not tokens:
+        raise ValueError("an operation on the whole resource is not a patch of it")
+    parent: Any = document
+    for token in tokens[:-1]:
+        parent = _step(parent, token, create=op == "add")
+    last = tokens[-1]
+    if op == "test":
+        if _step(parent, last, create=False) != operation["value"]:
+            raise ValueError(f"test failed at {operation['path']}")
+    elif op == "remove":
+        if isinstance(parent, list):
+            del parent[int(last)]
+        else:
+            del parent[last]  # KeyError when absent, as RFC 6902 requires
+    elif op in ("add", "replace"):
+        value = copy.deepcopy(operation["value"])
+        if isinstance(parent, list):
+            if op == "add":
+                parent.insert(len(parent) if last == "-" else int(last), value)
+            else:
+                parent[int(last)] = value
+        else:
+            if op == "replace" and last not in parent:
+                raise KeyError(last)
+            parent[last] = value
+    else:
+        raise ValueError(f"unsupported JSON Patch operation {op!r}")
+
+
+_XDS_KINDS = {_TYPE + "envoy.config.listener.v3.Listener": "listeners",
+              _TYPE + "envoy.config.cluster.v3.Cluster": "clusters"}
+
+
+def patch_target(config: dict[str, Any], xds_type: str, name: str) -> dict[str, Any]:
+    """The bootstrap resource an EnvoyPatchPolicy's ``jsonPatches[]`` entry names (its ``type``
+    and ``name``); KeyError when the flavour has no such resource, as Envoy Gateway reports
+    ``ResourceNotFound``."""
+    for resource in config["static_resources"][_XDS_KINDS[xds_type]]:
+        if resource["name"] == name:
+            return resource
+    raise KeyError(f"no {xds_type} named {name!r}")
+
+
+def _apply_envoy_patch_policies(config: dict[str, Any], documents: list[dict[str, Any]],
+                                wiring: Wiring) -> None:
+    for policy in documents:
+        if policy["kind"] != "EnvoyPatchPolicy":
+            continue
+        if policy["spec"]["type"] != "JSONPatch":
+            raise ValueError(f"{policy['metadata']['name']}: only JSONPatch is modelled")
+        for patch in policy["spec"]["jsonPatches"]:
+            apply_json_patch(patch_target(config, patch["type"], patch["name"]),
+                             patch["operation"])
+    # The pool's pods are named by their headless Service's DNS name; here they are the started
+    # servers, each an address literal the STRICT_DNS cluster resolves to itself (on 127.0.0.1
+    # the servers differ by port, not by IP).
+    for cluster in config["static_resources"]["clusters"]:
+        groups = cluster.get("load_assignment", {}).get("endpoints", [])
+        named = [e["endpoint"]["address"]["socket_address"]["address"]
+                 for g in groups for e in g.get("lb_endpoints", [])]
+        if POOL_PODS_HOST in named:
+            cluster["load_assignment"]["endpoints"] = [
+                {"lb_endpoints": [_endpoint(a) for a in wiring.endpoints]}]
+
+
+def proto_merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Protobuf merge semantics (Istio's EnvoyFilter ``MERGE``): messages merged field by field,
+    repeated fields appended, scalars replaced."""
+    for key, value in patch.items():
+        if key == "@type":
+            if base.get(key, value) != value:
+                raise ValueError(f"cannot merge {value} into {base[key]}")
+            base[key] = value
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            proto_merge(base[key], value)
+        elif isinstance(value, list) and isinstance(base.get(key), list):
+            base[key].extend(copy.deepcopy(value))
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def _apply_istio_envoy_filters(config: dict[str, Any], documents: list[dict[str, Any]],
+                               wiring: Wiring) -> None:
+    for envoy_filter in documents:
+        if envoy_filter["kind"] != "EnvoyFilter":
+            continue
+        for patch in envoy_filter["spec"]["configPatches"]:
+            match = patch["match"]
+            if (patch["applyTo"], match["context"], patch["patch"]["operation"],
+                    match["listener"]["filterChain"]["filter"]["name"]) != \
+                    ("NETWORK_FILTER", "GATEWAY", "MERGE", HCM_FILTER):
+                raise ValueError(f"only a MERGE into the gateway's {HCM_FILTER} is modelled")
+            value = copy.deepcopy(patch["patch"]["value"]["typed_config"])
+            # The early header removal of this patch is already the flavour's own
+            # (``_bootstrap``: every flavour models its sample's early removal, and
+            # ``Wiring.trusted_client_identity`` leaves it out for the tests).
+            value.pop("early_header_mutation_extensions", None)
+            proto_merge(http_connection_manager(config), value)
+
+
+def kgateway_local_replies(local_replies: dict[str, Any]) -> dict[str, Any]:
+    """A kgateway ListenerPolicy's ``httpSettings.localReplies`` as the HCM's
+    ``local_reply_config``, the way kgateway translates it (``translateLocalReplyBodyMapper``,
+    pkg/kgateway/extensions2/plugins/listenerpolicy/local_reply_converter.go): ``filter`` as
+    its access-log filter (``celFilter.match`` a CEL expression filter), ``statusCode``,
+    ``headers.set`` (a Gateway API header filter: overwrite) and ``bodyFormatOverride.json``.
+    Only the fields the sample uses; the body's content type is Envoy's default for a JSON
+    format, ``application/json``."""
+    mappers = []
+    for mapper in local_replies.get("mappers", []):
+        (kind, spec), = mapper["filter"].items()
+        if kind != "celFilter":
+            raise ValueError(f"filter {kind} is not modelled here")
+        envoy: dict[str, Any] = {"filter": _cel(spec["match"])}
+        if "statusCode" in mapper:
+            envoy["status_code"] = mapper["statusCode"]
+        if "headers" in mapper:
+            envoy["headers_to_add"] = [
+                {"header": {"key": h["name"], "value": h["value"]},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                for h in mapper["headers"].get("set", [])]
+        if "bodyFormatOverride" in mapper:
+            envoy["body_format_override"] = {
+                "json_format": copy.deepcopy(mapper["bodyFormatOverride"]["json"])}
+        mappers.append(envoy)
+    return {"mappers": mappers}
+
+
+def _apply_kgateway_listener_policies(config: dict[str, Any], documents: list[dict[str, Any]],
+                                      wiring: Wiring) -> None:
+    for policy in documents:
+        if policy["kind"] != "ListenerPolicy":
+            continue
+        settings = policy["spec"]["default"]["httpSettings"]
+        # earlyRequestHeaderModifier is the flavour's own early removal (``_bootstrap``).
+        if "localReplies" in settings:
+            http_connection_manager(config)["local_reply_config"] = \
+                kgateway_local_replies(settings["localReplies"])
+
+
+_APPLY = {"envoy-ai-gateway.yaml": _apply_envoy_patch_policies,
+          "istio.yaml": _apply_istio_envoy_filters,
+          "kgateway.yaml": _apply_kgateway_listener_policies}
+
+
+def apply_sample_patches(sample: str, config: dict[str, Any], wiring: Wiring) -> dict[str, Any]:
+    """``config`` (a flavour's bootstrap) with the gateway-specific patch objects of
+    manifests/gateway/<sample> applied as that gateway applies them."""
+    _APPLY[sample](config, sample_documents(sample), wiring)
+    return config
+
+
+def _patched(sample: str, build: Callable[[Wiring], dict[str, Any]]
+             ) -> Callable[[Wiring], dict[str, Any]]:
+    return lambda wiring: apply_sample_patches(sample, build(wiring), wiring)
+
+
 FLAVOURS: dict[str, Flavour] = {f.name: f for f in (
     Flavour("envoy-ai-gateway", envoy_ai_gateway, True, "FULL_DUPLEX_STREAMED",
             "FULL_DUPLEX_STREAMED", "300s",
@@ -493,6 +772,20 @@ FLAVOURS: dict[str, Flavour] = {f.name: f for f in (
     Flavour("istio", istio, True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "1000s",
             "istio/istio pilot/pkg/xds/filters/filters.go (BuildInferencePoolExtProcFilter), "
             "cluster_builder.go (override_host)", retries_elsewhere=True),
+    # The base flavours with their sample's patch objects (manifests/gateway/).
+    Flavour("envoy-ai-gateway-patched", _patched("envoy-ai-gateway.yaml", envoy_ai_gateway),
+            True, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "300s",
+            "envoy-ai-gateway + the sample's EnvoyPatchPolicies (envoyproxy/gateway "
+            "internal/xds/translator/jsonpatch.go)", retries_elsewhere=True,
+            patched_by="envoy-ai-gateway.yaml"),
+    Flavour("kgateway-patched", _patched("kgateway.yaml", kgateway), True,
+            "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "5s",
+            "kgateway + the sample's ListenerPolicy localReplies (kgateway-dev/kgateway "
+            "listenerpolicy/local_reply_converter.go)", patched_by="kgateway.yaml"),
+    Flavour("istio-patched", _patched("istio.yaml", istio), True, "FULL_DUPLEX_STREAMED",
+            "FULL_DUPLEX_STREAMED", "1000s",
+            "istio + the sample's EnvoyFilter (MERGE into the gateway's HCM)",
+            retries_elsewhere=True, patched_by="istio.yaml"),
 )}
 
 

@@ -8,12 +8,19 @@ picker's 429 to the client with its JSON body; and, where the flavour shows the 
 response, split a two-tenant backlog in the ratio of the tenants' weights. Where the flavour's
 retry can reach another endpoint (``Flavour.retries_elsewhere``), a SIGKILLed server's requests
 are retried on the live one before the picker ejects it (a stack of their own).
+
+The ``-patched`` flavours are their base flavour with the gateway-specific patch objects of its
+sample in manifests/gateway/ applied (``Flavour.patched_by``): they pass all of the above, and
+with their picker SIGKILLed answer a retryable 503 with an OpenAI body and ``Retry-After``, where
+the base flavour answers Envoy's bare 500 (each a stack of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,7 @@ from picker.sim.traffic import load_traffic
 from picker.stack.gateways import FLAVOURS, Flavour, Wiring, gateway_config
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+from tests.faults.helpers import assert_openai_error
 from tests.faults.test_gateway_retries import assert_retried_to_the_live_server, picker_config
 
 TENANTS = [{"id": "a", "weight": 1}, {"id": "b", "weight": 2}, {"id": "meter", "weight": 1},
@@ -156,6 +164,47 @@ def test_a_dead_server_s_requests_are_retried_on_the_live_one(tmp_path: Path, na
         # tells the picker which one served; Envoy AI Gateway's FailOpen pool does not, so the
         # picker meters the request on its primary.
         reports_served = "selected_host_key" in json.dumps(build(stack))
-        assert reports_served == (name == "istio")
+        assert reports_served == name.startswith("istio")
         assert_retried_to_the_live_server(stack, usage, lambda: {TENANT_HEADER: "a"},
                                           served_reported=reports_served)
+
+
+# --- a dead picker -----------------------------------------------------------------------------
+
+PATCHED = sorted(n for n, f in FLAVOURS.items() if f.patched_by)
+"""The flavours that apply their sample's patch objects (manifests/gateway/)."""
+UNPATCHED = sorted(n.removesuffix("-patched") for n in PATCHED)
+
+
+def _with_a_dead_picker(tmp_path: Path, name: str) -> list[tuple[int, dict[str, str], bytes]]:
+    """The answers to two requests sent through the flavour after its picker served one and was
+    SIGKILLed: the first finds the picker's connection gone, the second finds no picker to
+    connect to."""
+    with Stack(tmp_path / "stack", endpoints=1, picker_config={"tenants": [{"id": "a"}]},
+               envoy_bootstrap=_bootstrap(name)) as stack:
+        assert _post(stack, "a", chat_body(max_tokens=1))[0] == 200
+        picker = stack.picker_process
+        os.killpg(picker.pid, signal.SIGKILL)
+        picker.wait(10)
+        return [_post(stack, "a", chat_body(max_tokens=1)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("name", PATCHED)
+def test_a_dead_picker_behind_a_patched_gateway_is_a_retryable_503(tmp_path: Path,
+                                                                  name: str) -> None:
+    for status, headers, body in _with_a_dead_picker(tmp_path, name):
+        answer = json.loads(body)
+        assert_openai_error(status, headers, answer, 503, "picker_unavailable", retryable=True)
+        assert headers["content-type"] == "application/json", headers
+        assert headers["retry-after"] == "1"
+        # Envoy's own words for it: the ext_proc filter's stream to the picker failed.
+        assert "ext_proc_error" in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("name", UNPATCHED)
+def test_without_its_patch_a_dead_picker_is_envoy_s_bare_500(tmp_path: Path, name: str) -> None:
+    """What the patch is for: the gateway as it generates itself answers a fail-closed request
+    whose picker is gone with its ext_proc filter's default, a 500 with nothing to read."""
+    for status, headers, body in _with_a_dead_picker(tmp_path, name):
+        assert (status, body) == (500, b""), (status, headers, body)
+        assert "retry-after" not in headers

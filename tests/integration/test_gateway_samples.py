@@ -13,11 +13,15 @@ Envoy bootstraps of ``picker.stack.gateways`` against real Envoy.
   samples set. Istio's DestinationRule is checked only for parseability and the few fields this
   test reads: no schema of it is available offline.
 - Each gateway flavour's bootstrap passes ``envoy --mode validate``.
+- Each implementation sample's patch objects (EnvoyPatchPolicy, EnvoyFilter, ListenerPolicy
+  ``localReplies``) are there, parse, name resources the gateway's flavour really has, and carry
+  fairway's local reply mapping; the ``-patched`` flavours are built from these very objects.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 from pathlib import Path
 
@@ -27,8 +31,17 @@ import pytest
 import yaml
 from helm_python import Chart
 
-from picker.stack.envoy import RETRY_POLICY, envoy_binary
-from picker.stack.gateways import FLAVOURS, Wiring, gateway_config
+from picker.stack import gateways
+from picker.stack.envoy import RETRY_POLICY, envoy_binary, local_reply_config
+from picker.stack.gateways import (
+    FLAVOURS,
+    Wiring,
+    gateway_config,
+    gateway_local_reply_config,
+    http_connection_manager,
+    kgateway_local_replies,
+    patch_target,
+)
 from scripts import gen_gateway_envoy
 from tests.integration.test_chart import INFERENCE_POOL_V1
 
@@ -117,6 +130,7 @@ PARSE_ONLY_KINDS = {"DestinationRule": "networking.istio.io/v1",
                     "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
                     "SecurityPolicy": "gateway.envoyproxy.io/v1alpha1",
                     "BackendTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
+                    "EnvoyPatchPolicy": "gateway.envoyproxy.io/v1alpha1",
                     "ListenerPolicy": "gateway.kgateway.dev/v1alpha1"}
 """Kinds of the implementations' own APIs (no schema here): their apiVersion is checked."""
 
@@ -253,8 +267,7 @@ def test_each_gateway_sample_retries_what_never_reached_an_engine(sample: str) -
 
 
 def _route(config: dict) -> dict:
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    (host,) = manager["typed_config"]["route_config"]["virtual_hosts"]
+    (host,) = http_connection_manager(config)["route_config"]["virtual_hosts"]
     (route,) = host["routes"]
     return route["route"]
 
@@ -343,3 +356,172 @@ def test_envoy_ai_gateway_sample_lets_every_retry_run() -> None:
     config = gateway_config("envoy-ai-gateway-fail-open", Wiring(1, 2, 3, ["127.0.0.1:18001"]))
     (threshold,) = _pool_cluster(config)["circuit_breakers"]["thresholds"]
     assert threshold["max_retries"] == retries > 3
+
+
+# --- the patches: what each gateway does not generate, added by its sample ---------------------
+
+_FLAVOUR_OF = {"envoy-ai-gateway.yaml": "envoy-ai-gateway", "kgateway.yaml": "kgateway",
+               "istio.yaml": "istio"}
+"""Each implementation sample and the flavour reproducing its gateway without the patches."""
+_WIRING = Wiring(1, 2, 3, ["127.0.0.1:18001", "127.0.0.1:18002"])
+
+
+def _without_content_type(config: dict) -> dict:
+    config = copy.deepcopy(config)
+    for mapper in config["mappers"]:
+        mapper["body_format_override"].pop("content_type", None)
+    return config
+
+
+def test_the_gateway_local_replies_are_fairway_s_own_plus_the_ext_proc_500() -> None:
+    """The samples' mapping is the stack's (``local_reply_config``, whose picker mapper expects
+    ``status_on_error: 503``) behind one mapper turning the filter's default 500 into that 503."""
+    (first, *rest) = gateway_local_reply_config()["mappers"]
+    assert rest == local_reply_config()["mappers"]
+    assert first["status_code"] == 503
+    assert first["body_format_override"] == rest[-1]["body_format_override"]
+    assert first["headers_to_add"] == rest[-1]["headers_to_add"]
+
+
+def test_envoy_ai_gateway_sample_patches_the_listener_and_the_failclose_pool() -> None:
+    objects = _load("envoy-ai-gateway.yaml")
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "EnvoyPatchPolicy"}
+    assert sorted(policies) == ["fairway-picker-unavailable", "fairway-pool-retries-elsewhere"]
+    (gateway,) = [o for o in objects if o["kind"] == "Gateway"]
+    (route,) = [o for o in objects if o["kind"] == "HTTPRoute"]
+    base = gateway_config(_FLAVOUR_OF["envoy-ai-gateway.yaml"], _WIRING)
+    targets = set()
+    for policy in policies.values():
+        spec = policy["spec"]
+        assert spec["type"] == "JSONPatch"
+        # A Gateway in the policy's own namespace (Envoy Gateway's direct attachment).
+        assert spec["targetRef"] == {"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                     "name": gateway["metadata"]["name"]}
+        assert policy["metadata"]["namespace"] == gateway["metadata"]["namespace"]
+        for patch in spec["jsonPatches"]:
+            assert set(patch) == {"type", "name", "operation"}
+            assert patch["operation"]["op"] in ("add", "remove")
+            # Every patch names a resource the gateway generates (Envoy Gateway reports
+            # ResourceNotFound otherwise) ...
+            patch_target(base, patch["type"], patch["name"])
+            targets.add((patch["type"].rsplit(".", 1)[-1], patch["name"]))
+            # ... and none the endpoint picker filter: the extension server inserts it after
+            # Envoy Gateway has applied every EnvoyPatchPolicy.
+            assert "endpointpicker" not in json.dumps(patch)
+    pool = f"httproute/{NS}/{route['metadata']['name']}/rule/0"
+    assert targets == {("Listener", gateways.ENVOY_GATEWAY_LISTENER), ("Cluster", pool)}
+    (local_reply,) = policies["fairway-picker-unavailable"]["spec"]["jsonPatches"]
+    assert local_reply["operation"] == {
+        "op": "add", "path": "/default_filter_chain/filters/0/typed_config/local_reply_config",
+        "value": gateway_local_reply_config()}
+
+
+def test_the_failclose_pool_patch_makes_the_pool_cluster_the_pool_s_pods() -> None:
+    """Before: ORIGINAL_DST on the header (one host, a retry dials it again). After: the pods of
+    envoy-pool-pods.yaml by DNS, override_host on the header the FailClose filter leaves as the
+    only carrier of the picker's list, round robin past it."""
+    before = _pool_cluster(gateway_config("envoy-ai-gateway", _WIRING))
+    assert before["type"] == "ORIGINAL_DST" and "load_balancing_policy" not in before
+    policy = next(o for o in _load("envoy-ai-gateway.yaml")
+                  if o["metadata"]["name"] == "fairway-pool-retries-elsewhere")
+    cluster = copy.deepcopy(before)
+    for patch in policy["spec"]["jsonPatches"]:
+        gateways.apply_json_patch(cluster, patch["operation"])
+    assert cluster["type"] == "STRICT_DNS"
+    assert "original_dst_lb_config" not in cluster and cluster["lb_policy"] == "ROUND_ROBIN"
+    (group,) = cluster["load_assignment"]["endpoints"]
+    (endpoint,) = group["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    assert f"{address['address']}:{address['port_value']}" == gen_gateway_envoy.POOL_PODS
+    assert address["address"] == gateways.POOL_PODS_HOST
+    (service,) = _load(POD_DNS_SAMPLE)
+    assert address["address"].startswith(f"{service['metadata']['name']}.{NS}.svc.")
+    (policy_config,) = cluster["load_balancing_policy"]["policies"]
+    override = policy_config["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    assert override["typed_config"]["override_host_sources"] == [
+        {"header": "x-gateway-destination-endpoint"}]
+    (fallback,) = override["typed_config"]["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == \
+        "envoy.load_balancing_policies.round_robin"
+    # What the FailClose filter gives the cluster to read: the header, no metadata namespace.
+    filters = http_connection_manager(gateway_config("envoy-ai-gateway", _WIRING))
+    picker = next(f for f in filters["http_filters"] if "endpointpicker" in f["name"])
+    assert "metadata_options" not in picker["typed_config"]
+    assert picker["typed_config"]["failure_mode_allow"] is False
+    # Everything the cluster had besides its routing stays: breakers, protocol, timeout.
+    for key in ("circuit_breakers", "typed_extension_protocol_options", "connect_timeout"):
+        assert cluster[key] == before[key]
+
+
+def test_the_istio_sample_merges_the_local_replies_into_the_gateway_s_manager() -> None:
+    objects = _load("istio.yaml")
+    (gateway,) = [o for o in objects if o["kind"] == "Gateway"]
+    (envoy_filter,) = [o for o in objects if o["kind"] == "EnvoyFilter"]
+    assert envoy_filter["spec"]["workloadSelector"]["labels"] == {
+        "gateway.networking.k8s.io/gateway-name": gateway["metadata"]["name"]}
+    (patch,) = envoy_filter["spec"]["configPatches"]
+    assert (patch["applyTo"], patch["match"]["context"], patch["patch"]["operation"]) == \
+        ("NETWORK_FILTER", "GATEWAY", "MERGE")
+    # The filter it matches is the one the gateway's listener has, of the same type.
+    name = patch["match"]["listener"]["filterChain"]["filter"]["name"]
+    base = gateway_config(_FLAVOUR_OF["istio.yaml"], _WIRING)
+    (chain,) = base["static_resources"]["listeners"][0]["filter_chains"]
+    (manager,) = [f for f in chain["filters"] if f["name"] == name]
+    typed = patch["patch"]["value"]["typed_config"]
+    assert typed["@type"] == manager["typed_config"]["@type"]
+    assert typed["local_reply_config"] == gateway_local_reply_config()
+    assert "local_reply_config" not in manager["typed_config"]  # Istio generates none
+
+
+def test_the_kgateway_sample_s_local_replies_are_fairway_s() -> None:
+    objects = _load("kgateway.yaml")
+    (gateway,) = [o for o in objects if o["kind"] == "Gateway"]
+    (policy,) = [o for o in objects if o["kind"] == "ListenerPolicy"]
+    assert [(t["kind"], t["name"]) for t in policy["spec"]["targetRefs"]] == \
+        [("Gateway", gateway["metadata"]["name"])]
+    translated = kgateway_local_replies(policy["spec"]["default"]["httpSettings"]["localReplies"])
+    # kgateway's JSON body format leaves the content type to Envoy's default for it,
+    # application/json (the e2e test reads it off the answer).
+    assert translated == _without_content_type(gateway_local_reply_config())
+    base = http_connection_manager(gateway_config(_FLAVOUR_OF["kgateway.yaml"], _WIRING))
+    assert "local_reply_config" not in base  # kgateway generates none
+
+
+@pytest.mark.parametrize("sample", sorted(_FLAVOUR_OF))
+def test_each_patched_flavour_is_its_gateway_plus_the_sample_s_patch(sample: str) -> None:
+    (name,) = [n for n, f in FLAVOURS.items() if f.patched_by == sample]
+    base, patched = (gateway_config(n, _WIRING) for n in (_FLAVOUR_OF[sample], name))
+    local_reply = http_connection_manager(patched).pop("local_reply_config")
+    if sample == "kgateway.yaml":
+        local_reply = {"mappers": [{**m, "body_format_override": {
+            **m["body_format_override"], "content_type": "application/json"}}
+            for m in local_reply["mappers"]]}
+    assert local_reply == gateway_local_reply_config()
+    # Besides the local replies, only Envoy AI Gateway's pool cluster changed.
+    if sample == "envoy-ai-gateway.yaml":
+        assert _pool_cluster(patched)["type"] == "STRICT_DNS"
+        for config in (base, patched):
+            config["static_resources"]["clusters"].remove(_pool_cluster(config))
+    assert patched == base
+
+
+def test_gateway_api_sample_names_each_implementation_s_patch() -> None:
+    notes = (SAMPLES / "gateway-api.yaml").read_text(encoding="utf-8")
+    for needed in ("status_on_error", "EnvoyPatchPolicy", "enableEnvoyPatchPolicy",
+                   "EnvoyFilter", "localReplies", "gateway_local_reply_config"):
+        assert needed in notes, needed
+
+
+def test_json_patch_follows_rfc_6902_as_envoy_gateway_applies_it() -> None:
+    doc = {"a": {"b": 1}, "list": [1, 2]}
+    gateways.apply_json_patch(doc, {"op": "add", "path": "/x/y/z", "value": 3})  # parents made
+    gateways.apply_json_patch(doc, {"op": "add", "path": "/a/b", "value": 2})  # add replaces
+    gateways.apply_json_patch(doc, {"op": "add", "path": "/list/-", "value": 4})
+    gateways.apply_json_patch(doc, {"op": "remove", "path": "/list/0"})
+    gateways.apply_json_patch(doc, {"op": "test", "path": "/a/b", "value": 2})
+    assert doc == {"a": {"b": 2}, "list": [2, 4], "x": {"y": {"z": 3}}}
+    with pytest.raises(KeyError):
+        gateways.apply_json_patch(doc, {"op": "remove", "path": "/missing"})
+    with pytest.raises(KeyError):
+        gateways.apply_json_patch(doc, {"op": "replace", "path": "/missing", "value": 1})
