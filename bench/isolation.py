@@ -93,8 +93,10 @@ DRAIN_S = 60.0
 """Requests still in at the end are followed this long (none is left out of the TTFT)."""
 
 
-def _traffic(size: Size, light_only: bool = False) -> Traffic:
+def _traffic(size: Size, light_only: bool = False, seed: int | None = None) -> Traffic:
     traffic = load_traffic(size.traffic)
+    if seed is not None:
+        traffic = replace(traffic, seed=seed)
     if light_only:
         traffic = replace(traffic, tenants=tuple(t for t in traffic.tenants
                                                  if t.name == "light"))
@@ -113,8 +115,12 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def _config(mode: dict[str, Any], spec: PoolSpec) -> PickerConfig:
-    capacity = {"kvBudgetTokens": spec.kv_budget_tokens, **mode.get("capacity", {})}
+def _config(mode: dict[str, Any], spec: PoolSpec,
+            extra: dict[str, Any] | None = None) -> PickerConfig:
+    """A mode's picker config on this pool; ``extra``: capacity settings added to every mode
+    (``--capacity``; pass-through holds nothing, so they change nothing there)."""
+    capacity = {"kvBudgetTokens": spec.kv_budget_tokens, **mode.get("capacity", {}),
+                **(extra or {})}
     return load(PickerConfig, {**mode, "capacity": capacity})
 
 
@@ -161,30 +167,41 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def run_size(size: Size) -> dict[str, Any]:
-    """Every mode on one size, and the light tenant alone."""
+def run_size(size: Size, modes: Iterable[str] | None = None,
+             capacity: dict[str, Any] | None = None, seed: int | None = None) -> dict[str, Any]:
+    """Every mode on one size (``modes``: only these, with the pass-through they are compared
+    with), and the light tenant alone. ``capacity``: settings added to every mode's capacity
+    (the light tenant alone runs the default). ``seed``: the traffic's, instead of its own."""
     results: dict[str, Any] = {}
     alone_spec = replace(size.spec, engine_policy="priority")
     started = time.process_time()
     alone = simulate(_config({"scheduling": {"enginePolicy": "priority"}}, alone_spec),
-                     _traffic(size, light_only=True), alone_spec, warmup_s=WARMUP_S,
+                     _traffic(size, light_only=True, seed=seed), alone_spec, warmup_s=WARMUP_S,
                      drain_s=DRAIN_S)
     results["light alone"] = _numbers(alone, time.process_time() - started)
+    chosen = set(MODES) if modes is None else set(modes)
+    unknown = chosen - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown mode(s): {', '.join(sorted(unknown))}")
+    chosen |= {"fcfs pass-through" if MODES[m][1] == "fcfs"
+               else "fcfs pass-through, priority engines" for m in chosen}
     for name, (mode, engines) in MODES.items():
+        if name not in chosen:
+            continue
         spec = replace(size.spec, engine_policy=engines)
         started = time.process_time()
-        run = simulate(_config(mode, spec), _traffic(size), spec, warmup_s=WARMUP_S,
-                       drain_s=DRAIN_S)
+        run = simulate(_config(mode, spec, capacity), _traffic(size, seed=seed), spec,
+                       warmup_s=WARMUP_S, drain_s=DRAIN_S)
         results[name] = _numbers(run, time.process_time() - started)
     alone_p95 = results["light alone"]["light_ttft_p95_ms"]
     for name, numbers in results.items():
         engines = MODES.get(name, ({}, "priority"))[1]
-        fcfs = results["fcfs pass-through" if engines == "fcfs"
-                       else "fcfs pass-through, priority engines"]
+        fcfs = results.get("fcfs pass-through" if engines == "fcfs"
+                           else "fcfs pass-through, priority engines")
         numbers["ttft_ratio"] = (numbers["light_ttft_p95_ms"] / alone_p95
                                  if alone_p95 and numbers["light_ttft_p95_ms"] else None)
         numbers["tokens_vs_fcfs"] = (numbers["tokens_per_s"] / fcfs["tokens_per_s"]
-                                     if fcfs["tokens_per_s"] else None)
+                                     if fcfs and fcfs["tokens_per_s"] else None)
     return results
 
 
@@ -237,6 +254,8 @@ def render(data: dict[str, Any]) -> str:
               "|---|---|---|---|"]
     for size_name, size_data in data["sizes"].items():
         for mode in ("vtc, priority engines", "vtc, fcfs engines"):
+            if mode not in size_data["results"]:
+                continue  # not run (--mode)
             n = size_data["results"][mode]
             ratio_ok = n["ttft_ratio"] is not None and n["ttft_ratio"] <= RATIO_GOAL
             tokens_ok = n["tokens_vs_fcfs"] is not None and n["tokens_vs_fcfs"] >= TOKENS_GOAL
@@ -251,12 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--only", action="append", help="run only this size (repeatable)")
+    parser.add_argument("--mode", action="append", choices=list(MODES),
+                        help="run only this mode, and its pass-through (repeatable)")
+    parser.add_argument("--capacity", type=json.loads, default=None, metavar="JSON",
+                        help='capacity settings for every mode, e.g. \'{"growthRoom": true}\'')
+    parser.add_argument("--seed", type=int, default=None, help="the traffic's seed")
     args = parser.parse_args(argv)
     data: dict[str, Any] = {"sizes": {}}
     for size in SIZES:
         if args.only and size.name.split()[0] not in args.only:
             continue
-        results = run_size(size)
+        results = run_size(size, args.mode, args.capacity, args.seed)
         data["sizes"][size.name] = {"spec": size.spec.__dict__, "source": size.source,
                                     "results": results}
         print(f"{size.name}: " + "; ".join(

@@ -20,6 +20,8 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 * ``single`` holds exactly the tenants with one request in the fair queue and none parked;
 * an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
   over the requests dispatched there and not yet settled.
+* an endpoint's ``prefill_tokens`` is the sum of the prompts of the requests dispatched there,
+  not yet settled, that are ``prefilling`` (streams whose first output token has not come back).
 * ``occupancy`` holds, per lane and tenant, the sum of ``reserved_tokens`` over its requests
   dispatched and not yet settled.
 """
@@ -45,6 +47,7 @@ from picker.core.selection import (
     free_tokens,
     keeps_reserve,
     rank,
+    takes_backlogged,
 )
 
 FOOTPRINT_EWMA_ALPHA = 0.2
@@ -158,6 +161,9 @@ class Passage:
     """The vLLM ``priority`` the engine gets (set at dispatch; ``None``: none is sent)."""
     preempting: bool = False
     """Sent to an endpoint without room, for the engine to preempt worse requests for it."""
+    prefilling: bool = False
+    """A stream dispatched whose first output token has not come back: its prompt counts in its
+    endpoint's ``prefill_tokens``."""
 
     @property
     def output_cap(self) -> int | None:
@@ -567,13 +573,7 @@ class Gate:
             candidates = self.candidates(passage.subset, now, require_room=True,
                                          prompt_tokens=request.prompt_tokens, passage=passage)
             if candidates and self._backlogged(passage.tenant):
-                reserve = self._idle_reserve(now, passage.tenant)
-                if reserve:
-                    # Only endpoints that leave the room kept for a light tenant's next request
-                    # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
-                    pool, size = list(self.endpoints.values()), self._projected(passage, now)
-                    candidates = [c for c in candidates if keeps_reserve(
-                        pool, c, size, reserve, now, self.rules.capacity)]
+                candidates = self._for_backlogged(passage, candidates, now)
             preempting = False
             if not candidates:
                 candidates = self._preemptible(passage, now)
@@ -587,6 +587,29 @@ class Gate:
                     return
                 passage, candidates, preempting = light
             self._dispatch(passage, candidates, now, preempting)
+
+    def _for_backlogged(self, passage: Passage, candidates: list[EndpointState],
+                        now: float) -> list[EndpointState]:
+        """Of the endpoints with room, those a backlogged tenant's request may take: within the
+        growth room and the prefill bound (``takes_backlogged``, when configured), and leaving
+        the idle-tenant reserve somewhere."""
+        capacity = self.rules.capacity
+        size: int | None = None  # its expected size, only when a rule needs it (hot path)
+        if capacity.growth_room or capacity.max_prefill_tokens:
+            size = self._projected(passage, now)
+            prompt = passage.request.prompt_tokens
+            candidates = [c for c in candidates
+                          if takes_backlogged(c, prompt, size, now, capacity)]
+        reserve = self._idle_reserve(now, passage.tenant) if candidates else 0.0
+        if reserve:
+            # Only endpoints that leave the room kept for a light tenant's next request
+            # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
+            pool = list(self.endpoints.values())
+            if size is None:
+                size = self._projected(passage, now)
+            candidates = [c for c in candidates
+                          if keeps_reserve(pool, c, size, reserve, now, capacity)]
+        return candidates
 
     def _newest_if_stale(self, head: Passage, now: float) -> Passage:
         """The request of the head's tenant (and lane) to send: its oldest, unless that one has
@@ -694,12 +717,19 @@ class Gate:
                    passage: Passage | None = None) -> list[EndpointState]:
         """Endpoints that may take a request (in ``subset``, when given), best first.
         ``passage``: the request's, whose whole expected size is judged against this picker's
-        lease beside other replicas."""
+        lease beside other replicas. With ``growth_room``, a request of a tenant that is not
+        backlogged goes first where the least prefill is outstanding (``prefill_tokens``; the
+        scorer's order among equals): the engine computes running requests' prompt chunks
+        first, so that is where its own prefill starts soonest."""
         pool = [e for e in self.endpoints.values() if subset is None or e.address in subset]
         lease_tokens = None if passage is None or self.capacity_share >= 1.0 \
             else self._projected(passage, now)
-        return rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
-                    require_room=require_room, lease_tokens=lease_tokens)
+        ranked = rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
+                      require_room=require_room, lease_tokens=lease_tokens)
+        if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
+                and not self._backlogged(passage.tenant):
+            ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
+        return ranked
 
     def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float,
                   preempting: bool = False) -> None:
@@ -727,6 +757,9 @@ class Gate:
             passage.reserved_tokens += estimate
         primary.inflight_tokens += passage.reserved_tokens
         primary.inflight_requests += 1
+        if passage.stream:
+            passage.prefilling = True
+            primary.prefill_tokens += request.prompt_tokens
         self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens,
                            self.scheduler.weights)
         on_dispatch(primary.health, now)
@@ -757,8 +790,10 @@ class Gate:
         self._unpark(passage.tenant, now)
         self.listener.dropped(passage, outcome, now)
 
-    def charge_output(self, passage: Passage, tokens: int) -> None:
-        """Tokens streamed back: charge them and count them against the endpoint."""
+    def charge_output(self, passage: Passage, tokens: int, now: float | None = None) -> None:
+        """Tokens streamed back: charge them and count them against the endpoint. The first
+        ends the request's prefill (``prefill_tokens``); with ``now`` given and a prefill bound
+        configured, requests that bound held may go then (else at the gate's next pump)."""
         if tokens <= 0 or passage.outcome is not None or passage.dispatched_at is None:
             return
         self.scheduler.charge_output(passage.request, tokens)
@@ -768,6 +803,16 @@ class Gate:
             passage.endpoint.inflight_tokens += tokens
             passage.reserved_tokens += tokens
             self.occupancy.add(passage.lane, passage.tenant, tokens, self.scheduler.weights)
+        if passage.prefilling:
+            self._prefilled(passage)
+            if now is not None and self.rules.capacity.max_prefill_tokens:
+                self.pump(now)
+
+    def _prefilled(self, passage: Passage) -> None:
+        """The request's prompt is no longer outstanding prefill on its endpoint."""
+        passage.prefilling = False
+        if passage.endpoint is not None:
+            passage.endpoint.prefill_tokens -= passage.request.prompt_tokens
 
     def complete(self, passage: Passage, usage: Usage | None, outcome: str,
                  now: float) -> None:
@@ -814,6 +859,8 @@ class Gate:
             return
         endpoint.inflight_tokens -= passage.reserved_tokens
         endpoint.projected_tokens -= passage.projected_tokens
+        if passage.prefilling:
+            self._prefilled(passage)
         self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens,
                            self.scheduler.weights)
         endpoint.inflight_requests -= 1
@@ -886,6 +933,8 @@ class Gate:
             endpoint.inflight_tokens += sign * passage.reserved_tokens
             endpoint.projected_tokens += sign * passage.projected_tokens
             endpoint.inflight_requests += sign
+            if passage.prefilling:
+                endpoint.prefill_tokens += sign * passage.request.prompt_tokens
         passage.endpoint = served
         self.pump(now)  # the primary's room is free again
         return ejected

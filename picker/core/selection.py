@@ -31,6 +31,10 @@ class EndpointState:
     projected_tokens: int = 0
     """What the requests in flight here will hold at their end: prompt + expected output each
     (streamed output grows ``inflight_tokens`` up to about this)."""
+    prefill_tokens: int = 0
+    """The prompt tokens of the streamed requests sent here whose first output token has not
+    come back yet: prefill the engine has still to compute, by the picker's own accounting (a
+    non-streaming request's first token is never seen, so it is not counted)."""
     waiting: float | None = None
     """Scraped ``vllm:num_requests_waiting``."""
     running: float | None = None
@@ -115,6 +119,14 @@ class CapacityRules:
     fallback_budget: int = 8192
     max_waiting: int = 2
     stale_after: float = 1.0
+    growth_room: bool = False
+    """A backlogged tenant's request needs room for its expected size beside the expected
+    sizes of the requests running there (``takes_backlogged``), and other requests go first
+    where the least prefill is outstanding (``Gate.candidates``); False: its prompt beside what
+    they hold now, the engine's own admission rule, and the scorer's order."""
+    max_prefill_tokens: int = 0
+    """A backlogged tenant's request goes to an endpoint only while the prefill outstanding
+    there, its own prompt included, stays within this (``takes_backlogged``); 0: no bound."""
 
 
 def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
@@ -167,6 +179,33 @@ def free_tokens(endpoint: EndpointState, now: float, rules: CapacityRules,
         own = max(own, endpoint.projected_tokens)
     budget = endpoint.budget(rules.fallback_budget)
     return max(0.0, min(budget - used, endpoint.share * budget - own))
+
+
+def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_tokens: int,
+                     now: float, rules: CapacityRules) -> bool:
+    """Whether an endpoint that has room (``has_room``) should take a backlogged tenant's
+    request of this prompt, expected to grow to ``projected_tokens``. Two rules, each off by
+    default, hold such a request back; a request of a tenant that is not backlogged is never
+    judged here, so whoever arrives light finds what they leave.
+
+    * ``growth_room``: it fits once every request running there, and itself, have grown to
+      their expected size (``free_tokens``). Admitting on the prompt alone fills the engine's
+      cache with requests that still have to grow; the engine then preempts (recompute) as they
+      do, and a light tenant's request sent there finds no free blocks (a waiting request never
+      preempts in vLLM V1) until the growth has used up what was left.
+    * ``max_prefill_tokens``: the endpoint's outstanding prefill (``prefill_tokens``) plus this
+      prompt stays within the bound (an endpoint with none outstanding takes any prompt). The
+      engine computes running requests' prompt chunks before a waiting request's, and a step
+      lasts longer with every prompt token in it: what a light request waits out is bounded.
+
+    An endpoint with nothing in flight takes any request under either rule.
+    """
+    if not endpoint.inflight_requests:
+        return True
+    bound = rules.max_prefill_tokens
+    if bound and endpoint.prefill_tokens and endpoint.prefill_tokens + prompt_tokens > bound:
+        return False
+    return not rules.growth_room or free_tokens(endpoint, now, rules) >= projected_tokens
 
 
 def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,

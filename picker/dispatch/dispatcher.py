@@ -397,8 +397,10 @@ class Dispatcher:
                 .observe(ticket.first_byte_at - ticket.arrived_at)
 
     def on_output_tokens(self, ticket: Ticket, tokens: int) -> None:
-        """Tokens streamed back: charge them and count them against the endpoint."""
-        self.gate.charge_output(ticket, tokens)
+        """Tokens streamed back: charge them and count them against the endpoint (the first
+        ends its prefill, which may let a request held by ``capacity.maxPrefillTokens`` go: the
+        clock is read for that one only, not per chunk)."""
+        self.gate.charge_output(ticket, tokens, self.clock() if ticket.prefilling else None)
 
     def complete(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
         """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``,

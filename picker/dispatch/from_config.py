@@ -51,7 +51,8 @@ def capacity_rules(config: PickerConfig) -> CapacityRules:
     fallback = c.kv_budget_tokens if isinstance(c.kv_budget_tokens, int) else \
         c.fallback_kv_budget_tokens
     return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
-                         stale_after=c.metrics_stale_after)
+                         stale_after=c.metrics_stale_after, growth_room=c.growth_room,
+                         max_prefill_tokens=c.max_prefill_tokens)
 
 
 def gate_rules(config: PickerConfig) -> GateRules:

@@ -28,6 +28,7 @@ What it does not model: network and Envoy latency, the body parsing and tokenize
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -117,10 +118,42 @@ class PoolRecord:
     endpoint: str | None = None
     engine_priority: int | None = None
     preemptions: int = 0
+    engine_started_s: float | None = None
+    """When its engine first computed any of its tokens (the start of that step)."""
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: when it started and ended, and the prompt tokens it computed."""
+
+    start_s: float
+    end_s: float
+    prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class TtftParts:
+    """Where a request's time to its first token went (``ttft_parts``), in seconds."""
+
+    queued_s: float
+    """In the picker: arrival to dispatch."""
+    in_flight_s: float
+    """The rest of the step its engine was running when it arrived there."""
+    engine_wait_s: float
+    """Dispatch to the start of the first step that computed its tokens (``in_flight_s``
+    included): the engine had no blocks, no budget or a better request for it."""
+    steps_waited: int
+    """Steps of its engine that started after its dispatch and before its first one."""
+    longest_step_waited_s: float
+    """The longest step it waited out (the one in flight at dispatch included)."""
+    prefill_s: float
+    """The start of its first step to its first token: its prefill steps."""
+    prefill_steps: int
+    """Steps that computed its prompt (more than one: chunked, or sharing the budget)."""
 
 
 @dataclass(eq=False)
@@ -181,9 +214,36 @@ class PoolRun:
     sharing: SharingStats | None = None
     scrapes: int = 0
     """Reads of an endpoint's figures by a picker (each endpoint by each picker)."""
+    step_log: dict[str, list[StepRecord]] = field(default_factory=dict, repr=False,
+                                                  compare=False)
+    """Per endpoint, every step its engine took, in order (``ttft_parts``)."""
 
     def tokens_per_s(self) -> float:
         return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
+
+    def ttft_parts(self, record: PoolRecord) -> TtftParts | None:
+        """Where ``record``'s time to its first token went; None without a first token."""
+        if record.first_token_s is None or record.dispatched_s is None \
+                or record.engine_started_s is None or record.endpoint is None:
+            return None
+        steps = self.step_log.get(record.endpoint, [])
+        sent, started = record.dispatched_s, record.engine_started_s
+        starts = [step.start_s for step in steps]
+        first = bisect.bisect_left(starts, sent)
+        # Steps that ended after its dispatch and started before its first one.
+        waited = [step for step in steps[max(0, first - 1):bisect.bisect_left(starts, started)]
+                  if step.end_s > sent]
+        in_flight = [step for step in waited if step.start_s < sent]  # running at dispatch
+        prefill = steps[bisect.bisect_left(starts, started):
+                        bisect.bisect_left(starts, record.first_token_s)]
+        return TtftParts(
+            queued_s=sent - record.arrival_s,
+            in_flight_s=max(0.0, in_flight[0].end_s - sent) if in_flight else 0.0,
+            engine_wait_s=started - sent,
+            steps_waited=len(waited) - len(in_flight),
+            longest_step_waited_s=max((s.end_s - s.start_s for s in waited), default=0.0),
+            prefill_s=record.first_token_s - started,
+            prefill_steps=sum(1 for s in prefill if s.prefill_tokens))
 
 
 class _Pool:
@@ -218,6 +278,7 @@ class _Pool:
         self.engines = {a: VllmScheduler(engine) for a in addresses}
         self.in_flight: dict[str, tuple[StepOutput, int]] = {}
         """Each busy engine's step: its output, and the ticks left until it ends."""
+        self.step_log: dict[str, list[StepRecord]] = {a: [] for a in addresses}
         self.records: list[PoolRecord] = []
         self.open_loop = plan_open_loop(traffic, duration_s)
         self.next_open = 0
@@ -428,6 +489,12 @@ class _Pool:
                 out = engine.step(self.now)
                 computed += sum(out.scheduled.values())
                 ticks = self.spec.step_ticks(out.prefill_tokens)
+                self.step_log[address].append(StepRecord(
+                    self.now, self.now + ticks * self.spec.step_s, out.prefill_tokens))
+                for seq in out.scheduled:
+                    record = cast(SimPassage, seq.id).record
+                    if record.engine_started_s is None:
+                        record.engine_started_s = self.now
             if ticks > 1:
                 self.in_flight[address] = (out, ticks - 1)
                 continue
@@ -448,7 +515,7 @@ class _Pool:
             if passage.record.first_token_s is None:
                 passage.record.first_token_s = now
             if passage.stream:
-                gates[passage.picker].charge_output(passage, 1)
+                gates[passage.picker].charge_output(passage, 1, now)
         for seq in out.finished:
             finished = cast(SimPassage, seq.id)
             gates[finished.picker].complete(finished, Usage(seq.prompt_tokens, seq.generated, 0),
@@ -506,4 +573,5 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                    preemptions=sum(e.preemptions_total for e in engines),
                    recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
                    computed_tokens=computed, steps=step, gate=pool.gate,
-                   sharing=pool.stats if sharing is not None else None, scrapes=pool.scrapes)
+                   sharing=pool.stats if sharing is not None else None, scrapes=pool.scrapes,
+                   step_log=pool.step_log)

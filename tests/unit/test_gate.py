@@ -357,6 +357,11 @@ class GateMachine(RuleBasedStateMachine):
             assert endpoint.inflight_requests == len(mine)
             assert endpoint.inflight_tokens == sum(p.reserved_tokens for p in mine)
             assert endpoint.projected_tokens == sum(p.projected_tokens for p in mine)
+            # Outstanding prefill: streams sent here whose first token has not come back.
+            for passage in mine:
+                assert passage.prefilling == (passage.stream and not self.streamed.get(passage))
+            assert endpoint.prefill_tokens == sum(p.request.prompt_tokens for p in mine
+                                                  if p.prefilling)
         held: dict[tuple[str, str], int] = {}
         for passage in self.running():
             key = (passage.lane, passage.tenant)

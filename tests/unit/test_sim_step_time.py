@@ -163,3 +163,30 @@ def _median_ttft(run: PoolRun, tenant: str) -> float:
     ttfts = sorted(r.ttft_s for r in run.records
                    if r.tenant == tenant and r.ttft_s is not None)
     return ttfts[len(ttfts) // 2]
+
+
+def test_ttft_parts_say_where_a_requests_time_went() -> None:
+    """Two 1,000-token prompts at once on one engine with a 1,024-token step budget: the first
+    is prefilled in one step (1,024 tokens: 10 + 102.4 ms, 12 ticks); the second gets the 24
+    tokens left in it, then its other 976 in the next step, which a 10-token request arriving at
+    50 ms shares once it has waited out the rest of the first (986 tokens: 11 ticks)."""
+    spec = PoolSpec(endpoints=1, step_s=STEP_S, prefill_s_per_token=COST,
+                    max_num_batched_tokens=1024)
+    late = {"name": "b", "bursts": [{"at_s": 0.05, "count": 1}], "prompt_tokens": [10, 10],
+            "output_tokens": [3, 3], "api": "completions", "stream_fraction": 1.0}
+    run = _run(_burst(2, 1000, 3, late), spec)
+    first, second, third = sorted(run.records, key=lambda r: (r.arrival_s, r.prompt_tokens))
+    assert [s.prefill_tokens for s in run.step_log["10.0.0.1:8000"][:2]] == [1024, 986]
+    parts = run.ttft_parts(first)
+    assert parts is not None and parts.engine_wait_s == 0 and parts.prefill_steps == 1
+    assert parts.prefill_s == pytest.approx(12 * STEP_S)
+    parts = run.ttft_parts(second)
+    assert parts is not None and parts.prefill_steps == 2
+    assert parts.prefill_s == pytest.approx(23 * STEP_S)
+    parts = run.ttft_parts(third)
+    assert parts is not None and third.ttft_s is not None
+    assert parts.queued_s == 0 and parts.in_flight_s == pytest.approx(0.07)  # 120 - 50 ms
+    assert parts.engine_wait_s == pytest.approx(0.07) and parts.steps_waited == 0
+    assert parts.longest_step_waited_s == pytest.approx(12 * STEP_S)
+    assert parts.prefill_s == pytest.approx(11 * STEP_S) and parts.prefill_steps == 1
+    assert parts.queued_s + parts.engine_wait_s + parts.prefill_s == pytest.approx(third.ttft_s)

@@ -1,0 +1,178 @@
+"""The room rules for a backlogged tenant's requests (``capacity.growthRoom`` and
+``capacity.maxPrefillTokens``; ``picker.core.selection.takes_backlogged``), driven through the
+pure gate: each holds a flood's request that the default would send, and neither ever holds a
+request of a tenant that is not backlogged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from picker.config.schema import PickerConfig
+from picker.config.strict import load
+from picker.core import LaneSpec, Scheduler, Usage
+from picker.core.admission import Admission, TenantRules
+from picker.core.gate import Gate, GateRules, Passage
+from picker.core.selection import CapacityRules, EndpointState, takes_backlogged
+from picker.dispatch.from_config import capacity_rules
+from picker.errors import ConfigError
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def _gate(**capacity: Any) -> Gate:
+    rules = GateRules(capacity=CapacityRules(fallback_budget=1000, **capacity))
+    gate = Gate(rules, Scheduler([LaneSpec("default")]), Admission({}, TenantRules()), now=0.0)
+    gate.set_endpoints({A: 1000})
+    return gate
+
+
+def _admit(gate: Gate, tenant: str, prompt: int = 100, *, stream: bool = True,
+           now: float = 0.0) -> Passage:
+    passage = gate.admit(Passage, tenant, None, model="m", prompt_tokens=prompt,
+                         max_tokens=100, stream=stream, now=now)
+    assert isinstance(passage, Passage)
+    return passage
+
+
+def _backlog(gate: Gate) -> tuple[list[Passage], list[Passage]]:
+    """A flood of 100-token prompts (expected to grow to 200 each) that fills the 1,000-token
+    endpoint by its prompts and keeps five more waiting: (running, waiting)."""
+    flood = [_admit(gate, "flood") for _ in range(15)]
+    running = [p for p in flood if p.dispatched_at is not None]
+    assert len(running) == 10  # each arrived with nothing else queued: its prompt fit
+    return running, [p for p in flood if p.dispatched_at is None]
+
+
+# -- growth room --
+
+@pytest.mark.parametrize("growth_room", [False, True])
+def test_growth_room_holds_a_backlogged_request_the_running_ones_will_grow_into(
+        growth_room: bool) -> None:
+    gate = _gate(growth_room=growth_room)
+    running, waiting = _backlog(gate)
+    for passage in running[:3]:
+        gate.complete(passage, Usage(100, 0, 0), "ok", 1.0)
+    # 700 tokens held now, room for three more prompts; but the seven still running are
+    # expected to grow to 1,400: no room for anything once they have.
+    sent = [p for p in waiting if p.dispatched_at is not None]
+    assert len(sent) == (0 if growth_room else 3)
+
+
+def test_growth_room_sends_a_backlogged_request_that_fits_once_all_have_grown() -> None:
+    gate = _gate(growth_room=True)
+    running, waiting = _backlog(gate)
+    for passage in running[:7]:
+        gate.complete(passage, Usage(100, 0, 0), "ok", 1.0)
+    # Three running, expected at 600: room for two more of 200 each.
+    assert [p.dispatched_at for p in waiting] == [1.0, 1.0, None, None, None]
+
+
+def test_growth_room_never_holds_a_light_tenants_request() -> None:
+    gate = _gate(growth_room=True)
+    running, waiting = _backlog(gate)
+    for passage in running[:3]:
+        gate.complete(passage, Usage(100, 0, 0), "ok", 1.0)
+    light = _admit(gate, "light", now=1.0)
+    assert light.dispatched_at == 1.0  # its prompt fits beside what is held now
+    assert all(p.dispatched_at is None for p in waiting)
+
+
+# -- prefill pacing --
+
+@pytest.mark.parametrize("bound", [0, 250])
+def test_a_prefill_bound_holds_a_backlogged_request_while_prompts_are_outstanding(
+        bound: int) -> None:
+    gate = _gate(max_prefill_tokens=bound)
+    running, waiting = _backlog(gate)
+    assert gate.endpoints[A].prefill_tokens == 1000  # no first token back yet
+    for passage in running[:3]:
+        gate.complete(passage, Usage(100, 1, 0), "ok", 1.0)
+    # Room for three prompts, but 700 prompt tokens are still to be computed there.
+    sent = [p for p in waiting if p.dispatched_at is not None]
+    assert len(sent) == (0 if bound else 3)
+    assert gate.endpoints[A].prefill_tokens == 700 + 100 * len(sent)
+
+
+def test_first_tokens_end_the_prefill_and_release_what_the_bound_held() -> None:
+    gate = _gate(max_prefill_tokens=250)
+    running, waiting = _backlog(gate)
+    for passage in running[:5]:
+        gate.complete(passage, Usage(100, 1, 0), "ok", 1.0)
+    assert all(p.dispatched_at is None for p in waiting)  # 500 outstanding
+    for passage in running[5:]:
+        gate.charge_output(passage, 1, 1.5)
+    # Nothing outstanding: the first goes whatever its size, the second fits (200), the third
+    # would make 300.
+    assert [p.dispatched_at for p in waiting] == [1.5, 1.5, None, None, None]
+    assert gate.endpoints[A].prefill_tokens == 200
+    gate.charge_output(waiting[0], 1, 2.0)
+    assert waiting[2].dispatched_at == 2.0
+
+
+def test_a_prefill_bound_never_holds_a_light_tenants_request() -> None:
+    gate = _gate(max_prefill_tokens=250)
+    running, waiting = _backlog(gate)
+    for passage in running[:3]:
+        gate.complete(passage, Usage(100, 1, 0), "ok", 1.0)
+    light = _admit(gate, "light", now=1.0)
+    assert light.dispatched_at == 1.0
+    assert all(p.dispatched_at is None for p in waiting)
+    assert gate.endpoints[A].prefill_tokens == 800
+
+
+def test_outstanding_prefill_counts_streams_until_their_first_token_or_end() -> None:
+    gate = _gate()
+    stream, whole = _admit(gate, "a", 300), _admit(gate, "b", 200, stream=False)
+    endpoint = gate.endpoints[A]
+    assert (stream.prefilling, whole.prefilling, endpoint.prefill_tokens) == (True, False, 300)
+    gate.charge_output(stream, 1)
+    gate.charge_output(stream, 1)
+    assert (stream.prefilling, endpoint.prefill_tokens) == (False, 0)
+    cancelled = _admit(gate, "c", 150)
+    gate.complete(cancelled, None, "cancelled", 1.0)
+    assert endpoint.prefill_tokens == 0
+
+
+def test_takes_backlogged_judges_an_endpoint() -> None:
+    rules = CapacityRules(fallback_budget=1000, growth_room=True, max_prefill_tokens=500)
+    empty = EndpointState(A)
+    assert takes_backlogged(empty, 900, 5000, 0.0, rules)  # an empty endpoint takes any
+    busy = EndpointState(A, inflight_tokens=400, inflight_requests=2, projected_tokens=700)
+    assert takes_backlogged(busy, 100, 300, 0.0, rules)
+    assert not takes_backlogged(busy, 100, 301, 0.0, rules)  # 700 + 301 > 1000
+    busy.prefill_tokens = 450
+    assert takes_backlogged(busy, 50, 300, 0.0, rules)
+    assert not takes_backlogged(busy, 51, 300, 0.0, rules)  # 450 + 51 > 500
+    off = CapacityRules(fallback_budget=1000)
+    assert takes_backlogged(busy, 600, 5000, 0.0, off)
+
+
+# -- config --
+
+def test_the_config_keys_reach_the_gate_rules() -> None:
+    config = load(PickerConfig, {"capacity": {"growthRoom": True, "maxPrefillTokens": 4096}})
+    rules = capacity_rules(config)
+    assert (rules.growth_room, rules.max_prefill_tokens) == (True, 4096)
+    default = capacity_rules(load(PickerConfig, {}))
+    assert (default.growth_room, default.max_prefill_tokens) == (False, 0)
+    with pytest.raises(ConfigError, match="maxPrefillTokens"):
+        load(PickerConfig, {"capacity": {"maxPrefillTokens": -1}})
+    with pytest.raises(ConfigError, match="growthRoom"):
+        load(PickerConfig, {"capacity": {"growthRoom": "yes"}})
+
+
+@pytest.mark.parametrize("growth_room", [False, True])
+def test_growth_room_sends_a_light_request_where_its_prefill_starts_soonest(
+        growth_room: bool) -> None:
+    rules = GateRules(capacity=CapacityRules(fallback_budget=1000, growth_room=growth_room))
+    gate = Gate(rules, Scheduler([LaneSpec("default")]), Admission({}, TenantRules()), now=0.0)
+    gate.set_endpoints({A: 1000, B: 1000})
+    prefilling = _admit(gate, "p", 100)  # to A; its prompt is still being computed
+    decoding = _admit(gate, "q", 400)  # to B, the emptier one then
+    gate.charge_output(decoding, 1)
+    assert (prefilling.endpoint.address, decoding.endpoint.address) == (A, B)  # type: ignore
+    light = _admit(gate, "light", 50)
+    # A has more room; B has no prompt outstanding.
+    assert light.endpoint is not None and light.endpoint.address == (B if growth_room else A)
