@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -158,12 +159,15 @@ class Peers:
 
     def stack(self, peer: str, workdir: Path, *, server_args: Sequence[str],
               picker_config: dict[str, Any] | None = None, policy: str = "vtc",
-              endpoints: int = 2, external: Sequence[str] = ()) -> Stack:
+              endpoints: int = 2, external: Sequence[str] = (),
+              response_path: str = "inline") -> Stack:
+        """``response_path`` (fairway's): ``inline`` as upstream's (the same Envoy), or
+        ``meter-stream``, fairway's own Envoy sample's."""
         common: dict[str, Any] = {"endpoints": endpoints, "external_endpoints": list(external),
                                   "server_args": list(server_args)}
         if peer == "fairway":
             return Stack(workdir, policy=policy, picker_config=picker_config or {},
-                         response_path="inline", **common)
+                         response_path=response_path, **common)
         pools = {"upstream": self.upstream,
                  THROUGHPUT_FLAVOUR: dataclasses.replace(self.upstream, queue_depth=5)}
         if peer not in pools:
@@ -368,78 +372,92 @@ async def _ladder(targets: dict[str, tuple[RawTarget, bytes]], plan: PeerPlan,
     return {"rungs": rungs}
 
 
+OVERHEAD_PATHS = ("fairway", METER_PATH := "fairway, meter stream", "upstream")
+"""The paths beside the baseline: fairway and upstream behind the same Envoy (inline), and
+fairway behind its own sample's (the response on an observe-only meter stream)."""
+
+
 def exp_overhead(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
     body = {"model": "sim-model", "prompt": "hello there", "max_tokens": 1, "ignore_eos": True}
+    config = {"tenants": [{"id": "bench"}], "queue": {"maxWait": "10s"}}
     with Stack(workdir / "ovh-base", with_picker=False, endpoints=1,
-               server_args=FAST_SERVER_ARGS) as base:
+               server_args=FAST_SERVER_ARGS) as base, contextlib.ExitStack() as started:
         server = base.endpoint_addresses[0]
-        config = {"tenants": [{"id": "bench"}], "queue": {"maxWait": "10s"}}
-        with peers.stack("fairway", workdir / "ovh-fairway", server_args=(), endpoints=0,
-                         external=[server], picker_config=config) as fairway, \
-                peers.stack("upstream", workdir / "ovh-upstream", server_args=(), endpoints=0,
-                            external=[server]) as upstream:
-            stacks = {"baseline": base, "fairway": fairway, "upstream": upstream}
-            headers = {DEFAULT_TENANT_HEADER: "bench", DESTINATION_HEADER: server}
-            targets = {name: (RawTarget(name, s.gateway_port),
-                              raw_post(s.gateway_port, "/v1/completions", body, headers))
-                       for name, s in stacks.items()}
-            print("  overhead: 200 req/s ABBA, then the rate ladder", flush=True)
-            got = asyncio.run(_ladder(targets, plan,
-                                      lambda: process_cpu(list(stacks.values()))))
+        stacks: dict[str, Stack] = {"baseline": base}
+        for path, peer, response in (("fairway", "fairway", "inline"),
+                                     (METER_PATH, "fairway", "meter-stream"),
+                                     ("upstream", "upstream", "inline")):
+            stacks[path] = started.enter_context(peers.stack(
+                peer, workdir / _stack_name(path), server_args=(), endpoints=0,
+                external=[server], picker_config=config, response_path=response))
+        headers = {DEFAULT_TENANT_HEADER: "bench", DESTINATION_HEADER: server}
+        targets = {name: (RawTarget(name, s.gateway_port),
+                          raw_post(s.gateway_port, "/v1/completions", body, headers))
+                   for name, s in stacks.items()}
+        print("  overhead: 200 req/s ABBA, then the rate ladder", flush=True)
+        got = asyncio.run(_ladder(targets, plan, lambda: process_cpu(list(stacks.values()))))
     return {"server": "one simulated server, 1 ms steps, one-token answers", **got,
             **overhead_summary(got["rungs"])}
 
 
-def _picker_cpu(stats: dict[str, Any], peer: str) -> float:
-    """CPU seconds the picker process of ``peer``'s stack used during one path's blocks."""
+def _stack_name(path: str) -> str:
+    return "ovh-" + path.replace(", ", "-").replace(" ", "-")
+
+
+def _picker_cpu(stats: dict[str, Any], path: str) -> float:
+    """CPU seconds the picker process of ``path``'s stack used during one path's blocks."""
+    prefix = _stack_name(path) + "/"
     return sum(v for k, v in stats.get("cpu_s", {}).items()
-               if k.startswith(f"ovh-{peer}/") and k.rsplit("/", 1)[1] in ("picker", "epp"))
+               if k.startswith(prefix) and k.rsplit("/", 1)[1] in ("picker", "epp"))
 
 
-def cpu_ms_per_request(rung: dict[str, Any], peer: str) -> float | None:
-    """CPU ms per request of ``peer``'s picker on its own path, less what it uses idle (it
+def cpu_ms_per_request(rung: dict[str, Any], path: str) -> float | None:
+    """CPU ms per request of ``path``'s picker on its own blocks, less what it uses idle (it
     scrapes its server while the other paths run) over the same span."""
-    mine = rung[peer]
-    others = [rung[p] for p in ("baseline", *PEERS) if p != peer]
+    mine = rung[path]
+    others = [rung[p] for p in ("baseline", *OVERHEAD_PATHS) if p != path and p in rung]
     idle_span = sum(o["span_s"] for o in others)
-    idle_rate = sum(_picker_cpu(o, peer) for o in others) / idle_span if idle_span else 0.0
-    used = _picker_cpu(mine, peer) - idle_rate * mine["span_s"]
+    idle_rate = sum(_picker_cpu(o, path) for o in others) / idle_span if idle_span else 0.0
+    used = _picker_cpu(mine, path) - idle_rate * mine["span_s"]
     return max(0.0, used) / mine["ok"] * 1000 if mine["ok"] else None
 
 
-def added_ms(rung: dict[str, Any], peer: str) -> dict[str, float | None]:
-    base, mine = rung["baseline"]["latency_ms"], rung[peer]["latency_ms"]
+def added_ms(rung: dict[str, Any], path: str) -> dict[str, float | None]:
+    base, mine = rung["baseline"]["latency_ms"], rung[path]["latency_ms"]
     return {q: mine[q] - base[q] if mine[q] is not None and base[q] is not None else None
             for q in ("p50", "p99")}
 
 
-def sustains(rung: dict[str, Any], peer: str) -> bool:
-    """``peer`` keeps up with the rung's rate with p99 added ≤ ``LADDER_P99_LIMIT_MS``."""
-    mine, p99 = rung[peer], added_ms(rung, peer)["p99"]
+def sustains(rung: dict[str, Any], path: str) -> bool:
+    """``path`` keeps up with the rung's rate with p99 added ≤ ``LADDER_P99_LIMIT_MS``."""
+    mine, p99 = rung[path], added_ms(rung, path)["p99"]
     return (mine["errors"] <= 0.001 * mine["sent"] and mine["achieved_rate"] >= 0.95 * rung["rate"]
             and p99 is not None and p99 <= LADDER_P99_LIMIT_MS)
 
 
 def overhead_summary(rungs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Added latency against the baseline, the highest rate of the ladder each picker sustains
-    (every rung up to it sustained), and its CPU per request at 200 requests/s."""
+    """Added latency against the baseline, the highest rate of the ladder each path sustains
+    (every rung up to it sustained), and its picker's CPU per request at 200 requests/s."""
     out: dict[str, Any] = {"added_ms": {}, "max_sustained_rate": {}, "cpu_ms_per_request": {}}
+    paths = [p for p in OVERHEAD_PATHS if p in rungs[0]]
     for rung in rungs:
-        rung["added_ms"] = {peer: added_ms(rung, peer) for peer in PEERS}
-    for peer in PEERS:
+        rung["added_ms"] = {path: added_ms(rung, path) for path in paths}
+    for path in paths:
         sustained: float | None = None
         for rung in rungs:
-            if not sustains(rung, peer):
+            if not sustains(rung, path):
                 break
             sustained = rung["rate"]
-        out["added_ms"][peer] = rungs[0]["added_ms"][peer]
-        out["max_sustained_rate"][peer] = sustained
-        out["cpu_ms_per_request"][peer] = cpu_ms_per_request(rungs[0], peer)
+        out["added_ms"][path] = rungs[0]["added_ms"][path]
+        out["max_sustained_rate"][path] = sustained
+        out["cpu_ms_per_request"][path] = cpu_ms_per_request(rungs[0], path)
     ratio: dict[str, float | None] = {}
     for key, pick in (("added_p50", lambda p: out["added_ms"][p]["p50"]),
                       ("cpu_per_request", lambda p: out["cpu_ms_per_request"][p])):
-        mine, theirs = pick("fairway"), pick("upstream")
-        ratio[key] = mine / theirs if mine is not None and theirs else None
+        theirs = pick("upstream")
+        for path, name in (("fairway", key), (METER_PATH, f"{key}_meter_stream")):
+            mine = pick(path) if path in paths else None
+            ratio[name] = mine / theirs if mine is not None and theirs else None
     out["fairway_over_upstream"] = ratio
     return out
 
@@ -534,22 +552,28 @@ def render(data: dict[str, Any]) -> str:
         row("pool tokens ÷ FCFS pass-through", engine, "tokens_over_fcfs", ".3f", "≥ 0.97",
             lambda a, b: a > b + 0.01)
     o = data["overhead"]
+    paths = [p for p in OVERHEAD_PATHS if p in o["added_ms"]]
+    ratio = o["fairway_over_upstream"]
     lines += [
         "",
-        "| overhead at 200 req/s | fairway | upstream | fairway ÷ upstream |",
-        "|---|---|---|---|",
-        f"| added p50 ms | {_fmt(o['added_ms']['fairway']['p50'])} | "
-        f"{_fmt(o['added_ms']['upstream']['p50'])} | "
-        f"{_fmt(o['fairway_over_upstream']['added_p50'])} |",
-        f"| added p99 ms | {_fmt(o['added_ms']['fairway']['p99'])} | "
-        f"{_fmt(o['added_ms']['upstream']['p99'])} | |",
-        f"| picker CPU ms per request | {_fmt(o['cpu_ms_per_request']['fairway'])} | "
-        f"{_fmt(o['cpu_ms_per_request']['upstream'])} | "
-        f"{_fmt(o['fairway_over_upstream']['cpu_per_request'])} |",
+        "Overhead at 200 requests/s against the same Envoy without a picker (fairway and "
+        "upstream behind the same Envoy configuration, the response inline; fairway also "
+        "behind its own sample's, the response on an observe-only meter stream):",
+        "",
+        "| overhead at 200 req/s | " + " | ".join(paths) + " |",
+        "|---|" + "---|" * len(paths),
+        "| added p50 ms | " + " | ".join(_fmt(o["added_ms"][p]["p50"]) for p in paths) + " |",
+        "| added p99 ms | " + " | ".join(_fmt(o["added_ms"][p]["p99"]) for p in paths) + " |",
+        "| picker CPU ms per request | "
+        + " | ".join(_fmt(o["cpu_ms_per_request"][p]) for p in paths) + " |",
         f"| highest rate with p99 added ≤ {LADDER_P99_LIMIT_MS:g} ms (req/s, ladder "
         f"{', '.join(f'{r:g}' for r in (OVERHEAD_RATE, *data['ladder']))}) | "
-        f"{_fmt(o['max_sustained_rate']['fairway'], 'g')} | "
-        f"{_fmt(o['max_sustained_rate']['upstream'], 'g')} | |",
+        + " | ".join(_fmt(o["max_sustained_rate"][p], "g") for p in paths) + " |",
+        "",
+        f"fairway ÷ upstream: added p50 {_fmt(ratio['added_p50'])} (meter stream "
+        f"{_fmt(ratio.get('added_p50_meter_stream'))}), CPU per request "
+        f"{_fmt(ratio['cpu_per_request'])} (meter stream "
+        f"{_fmt(ratio.get('cpu_per_request_meter_stream'))}).",
     ]
     lines += _detail_tables(data)
     return "\n".join(lines) + "\n"
@@ -593,7 +617,7 @@ def _detail_tables(data: dict[str, Any]) -> list[str]:
               "| rate | path | p50 ms | p99 ms | added p50 | added p99 | achieved req/s | "
               "errors |", "|---|---|---|---|---|---|---|---|"]
     for rung in data["overhead"]["rungs"]:
-        for path in ("baseline", *PEERS):
+        for path in ("baseline", *(p for p in OVERHEAD_PATHS if p in rung)):
             st = rung[path]
             added = rung.get("added_ms", {}).get(path, {})
             lines.append(f"| {rung['rate']:g} | {path} | {_fmt(st['latency_ms']['p50'])} | "
