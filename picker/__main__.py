@@ -10,6 +10,7 @@ from pathlib import Path
 
 from picker.errors import ConfigError
 from picker.server import RunnerFailed, ServeSettings, serve
+from picker.workers import run_workers
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -59,12 +60,19 @@ def main(argv: list[str] | None = None) -> int:
                           "default $POD_NAME")
     run.add_argument("--grace", type=float, default=130.0,
                      help="seconds running requests get to finish on SIGTERM (default 130)")
+    run.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="serve over N processes sharing the ext_proc port (SO_REUSEPORT), "
+                          "one per core; needs state.backend redis (default 1)")
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cert_path is not None and not args.secure_serving:
         parser.error("--cert-path needs --secure-serving")
+    if args.workers < 1:
+        parser.error("--workers must be 1 or more")
+    if args.workers > 1 and args.lease:
+        parser.error("--workers serve active-active on shared state: run them without --lease")
     settings = ServeSettings(config_path=args.config, host=args.host, grpc_port=args.grpc_port,
                              grpc_health_port=args.grpc_health_port,
                              metrics_port=args.metrics_port, admin_port=args.admin_port,
@@ -73,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                              lease=args.lease, identity=args.identity,
                              kube_server=args.kube_server)
     try:
-        asyncio.run(serve(settings))
+        if args.workers > 1:
+            asyncio.run(run_workers(settings, args.workers, args.log_level.upper()))
+        else:
+            asyncio.run(serve(settings))
     except ConfigError as exc:
         print(f"{args.config or args.config_map}: {exc}", file=sys.stderr)
         return 1

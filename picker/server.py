@@ -46,6 +46,7 @@ from picker.admin.v1 import admin_pb2_grpc
 from picker.config.reload import ConfigWatcher
 from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
+from picker.errors import ConfigError
 from picker.extproc import ExternalProcessor, add_to_server
 from picker.k8s import (
     UNREACHABLE,
@@ -79,6 +80,10 @@ ADMITTING_WHILE_DRAINING = 5.0
 what reaches it: a gateway stops sending to it only once the removal of its endpoint has reached
 the gateway (Kubernetes removes a terminating pod's endpoint as it sends SIGTERM, in no set
 order), and what it sends meanwhile would be refused."""
+
+WORKERS_NEED_REDIS = ("worker processes (--workers) need the redis backend: each dispatches on "
+                      "the shared counters within its lease of the endpoints; on their own "
+                      "they would each book every endpoint")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -187,6 +192,15 @@ class ServeSettings:
     the leader dies; renewed every third of it)."""
     kube_server: str | None = None
     """Kubernetes API URL; unset: in-cluster service account, else kubeconfig."""
+    reuse_port: bool = False
+    """Bind the ext_proc port with ``SO_REUSEPORT``, beside the pod's other worker processes
+    (``picker.workers``); such a picker needs the shared state backend (``state.backend``)."""
+    connection_age: float | None = None
+    """Seconds after which the ext_proc server asks a gateway connection to be dialled again
+    (gRPC's ``max_connection_age``; its streams finish first). None: never."""
+    announce: bool = True
+    """Print the ``listening`` lines that scripts wait for; a worker's supervisor prints the
+    pod's instead."""
 
     @property
     def uses_kubernetes(self) -> bool:
@@ -313,7 +327,8 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
                     state=HealthState(leading=not settings.lease, synced=False))
     await health.update()
     await health_server.start()
-    print(f"picker health listening health={settings.host}:{health_port}", flush=True)
+    if settings.announce:
+        print(f"picker health listening health={settings.host}:{health_port}", flush=True)
     if health_ready is not None:
         health_ready.set_result(health_port)
     try:
@@ -334,6 +349,8 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     metrics.add_role_collector(lambda: health.state.leading, lambda: health.state.ready)
     dispatcher = Dispatcher(config, metrics=metrics)
     live = LiveConfig(dispatcher.apply_config, config)
+    if settings.reuse_port and config.state.backend != "redis":
+        raise ConfigError("state.backend", WORKERS_NEED_REDIS)
     sync = None
     if config.state.backend == "redis":
         # Before serving: counters and budgets as the replicas (or the process before this
@@ -344,7 +361,7 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
             log.info("shared state loaded from %s (key prefix %s)", config.state.redis.url,
                      config.state.redis.key_prefix)
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=_ext_proc_options(settings))
     add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
                                     settings.meter_claim_timeout), server)
     # The ext_proc port answers health too (gateways may check it there), the same answers.
@@ -417,9 +434,10 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
              config.scheduling.policy)
     # Its own line, before the main one: whoever waits for "picker listening" has both, and the
     # main line keeps the shape that scripts already parse.
-    print(f"picker admin listening admin={settings.host}:{admin_port}", flush=True)
-    print(f"picker listening grpc={settings.host}:{grpc_port} "
-          f"metrics={settings.host}:{metrics_port}", flush=True)
+    if settings.announce:
+        print(f"picker admin listening admin={settings.host}:{admin_port}", flush=True)
+        print(f"picker listening grpc={settings.host}:{grpc_port} "
+              f"metrics={settings.host}:{metrics_port}", flush=True)
     if admin_ready is not None:
         admin_ready.set_result(admin_port)
     if ready is not None:
@@ -452,6 +470,13 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         log.info("picker stopped")
     if failed:
         raise RunnerFailed("a background task of the picker failed") from failed[0]
+
+
+def _ext_proc_options(settings: ServeSettings) -> list[tuple[str, int]]:
+    options = [("grpc.so_reuseport", 1 if settings.reuse_port else 0)]
+    if settings.connection_age is not None:
+        options.append(("grpc.max_connection_age_ms", int(settings.connection_age * 1000)))
+    return options
 
 
 async def _drain(dispatcher: Dispatcher, grace: float, deadline: float, shared: bool) -> None:

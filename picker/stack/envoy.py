@@ -417,7 +417,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                  picker_sni: str | None = None, identity: str = "strip",
                  jwt: JwtIdentity | None = None,
                  endpoints: list[str] | None = None,
-                 pool_pods: str | None = None) -> dict[str, Any]:
+                 pool_pods: str | None = None,
+                 picker_streams_per_connection: int | None = None) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
 
     ``picker_port``: the picker's ext_proc port, or the ports of active-active replicas (one
@@ -427,6 +428,9 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
     ``picker_tls``: dial the picker over TLS without verification (the picker's default,
     ``--secure-serving``); False for a picker started with ``--secure-serving=false``.
     ``picker_sni``: the server name sent in the TLS handshake (optional).
+    ``picker_streams_per_connection``: at most this many ext_proc streams on one connection to
+    the picker, so that a busy Envoy opens several; a picker of worker processes
+    (``--workers``) is handed connections, not streams, by the kernel (``SO_REUSEPORT``).
 
     ``access_log``: a file that gets one line per request with the tenant, the upstream Envoy
     chose and the picker's ``envoy.lb`` metadata (the tests read it).
@@ -461,6 +465,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
     overridden = picker_port is not None and bool(endpoints or pool_pods)
     clusters: list[dict[str, Any]] = [
         pool_cluster(endpoints, pool_pods) if overridden else pool_cluster()]
+    picker_http2 = {} if picker_streams_per_connection is None else \
+        {"max_concurrent_streams": picker_streams_per_connection}
     if picker_port is not None:
         clusters.append({
             "name": "picker",
@@ -470,7 +476,7 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                     "@type": "type.googleapis.com/"
                              "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}},
+                    "explicit_http_config": {"http2_protocol_options": picker_http2},
                 },
             },
             "circuit_breakers": PICKER_CIRCUIT_BREAKERS,

@@ -157,6 +157,9 @@ class Stack:
     picker_replicas: int = 1
     """Active-active pickers behind Envoy's one ext_proc cluster (more than one needs
     ``response_path='inline'`` and a shared state backend in ``picker_config``)."""
+    picker_streams_per_connection: int | None = None
+    """Envoy puts at most this many ext_proc streams on one connection to a picker (so that it
+    opens several, for a picker of ``--workers``); None: Envoy's default."""
     picker_processes: list[subprocess.Popen] = field(default_factory=list)
     """The running pickers, in the order of ``replica_ports``."""
     replica_ports: list[dict[str, int]] = field(default_factory=list)
@@ -258,7 +261,8 @@ class Stack:
                 else None,
                 access_log=self.access_log, response_path=self.response_path,
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
-                endpoints=self.endpoint_addresses if self.retries else None)
+                endpoints=self.endpoint_addresses if self.retries else None,
+                picker_streams_per_connection=self.picker_streams_per_connection)
         self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
                      "--base-id", str(self.admin_port), "--concurrency", "1",
                      "--file-flush-interval-msec", "50"], "envoy", None)

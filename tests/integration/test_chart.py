@@ -196,6 +196,7 @@ TEMPLATE_REFUSALS = {
     "redis_url_with_credentials": "state.redis.url must not carry credentials",
     "state_in_config": "config.state is not read: set the top-level `state` values",
     "redis_ca_without_tls": "state.redis.caSecret is used only with TLS",
+    "workers_without_redis": "picker.workers > 1 needs state.backend redis",
 }
 
 
@@ -401,20 +402,38 @@ def test_rbac_is_namespaced_and_least_privilege(case_id: str) -> None:
 # --- the picker ------------------------------------------------------------------------------
 
 
-def _picker_settings(args: list[str]) -> Any:
-    """The picker's own argument parser applied to ``args``; what it would serve with."""
-    seen = []
+def _picker_run(args: list[str]) -> tuple[Any, int]:
+    """The picker's own argument parser applied to ``args``: the settings it would serve with,
+    and over how many worker processes."""
+    seen: list[tuple[Any, int]] = []
 
     async def fake_serve(settings: Any) -> None:
-        seen.append(settings)
+        seen.append((settings, 1))
 
-    original = picker_main.serve
-    picker_main.serve = fake_serve
+    async def fake_workers(settings: Any, workers: int, log_level: str = "INFO") -> None:
+        seen.append((settings, workers))
+
+    originals = picker_main.serve, picker_main.run_workers
+    picker_main.serve, picker_main.run_workers = fake_serve, fake_workers
     try:
         assert picker_main.main(args) == 0
     finally:
-        picker_main.serve = original
+        picker_main.serve, picker_main.run_workers = originals
     return seen[0]
+
+
+def _picker_settings(args: list[str]) -> Any:
+    return _picker_run(args)[0]
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_picker_workers_per_pod(case_id: str) -> None:
+    """``picker.workers`` reaches the picker's own parser as ``--workers`` (left out at 1)."""
+    values = _values(case_id)
+    container = _container(_one(case_id, "Deployment", "picker"))
+    _, workers = _picker_run(container["args"])
+    assert workers == values["picker"]["workers"]
+    assert (workers > 1) == any(arg.startswith("--workers") for arg in container["args"])
 
 
 @pytest.mark.parametrize("case_id", IDS)

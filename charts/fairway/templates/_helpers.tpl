@@ -119,6 +119,9 @@ same as upstream's picker: ext_proc 9002, gRPC health 9003, metrics 9090; the ad
 {{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.namespaceSelector) (not .Values.networkPolicy.gateway.podSelector) }}
 {{- fail "networkPolicy.gateway needs a namespaceSelector or a podSelector (who may reach ext_proc)" }}
 {{- end }}
+{{- if and (gt (int .Values.picker.workers) 1) (ne .Values.state.backend "redis") }}
+{{- fail "picker.workers > 1 needs state.backend redis (the workers share their counters and the endpoints through it)" }}
+{{- end }}
 {{- if hasKey .Values.config "state" }}
 {{- fail "config.state is not read: set the top-level `state` values instead (the chart renders the picker's state section from them, and mounts the Secrets it names)" }}
 {{- end }}

@@ -1,0 +1,171 @@
+"""One pod's picker over worker processes (``--workers 2``) behind real Envoy, on a real
+``redis-server``: both workers take the gateway's requests on the one ext_proc port, the pod's
+health and metrics answer for all of them, a worker killed under load is started again while the
+other serves on, and SIGTERM drains every worker before the pod's process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from picker.stack.launcher import Stack
+from picker.stack.redis import RedisServer
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
+
+pytestmark = pytest.mark.faults
+
+WORKERS = 2
+
+
+def _children(pid: int) -> list[int]:
+    """The worker processes of the supervisor ``pid`` (not multiprocessing's resource
+    tracker)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(int(child))
+    return found
+
+
+def _health(stack: Stack, service: str) -> int | None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.health_port}") as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[Stack]:
+    with RedisServer(tmp_path / "redis") as store, Stack(
+            tmp_path / "stack", endpoints=2, response_path="inline",
+            picker_config={"state": {"backend": "redis", "redis": {"url": store.url},
+                                     "syncInterval": "100ms"}},
+            picker_args=["--workers", str(WORKERS)],
+            picker_streams_per_connection=4) as stack:
+        yield stack
+
+
+async def _load(stack: Stack, seconds: float, clients: int) -> tuple[dict[int, int], list[float]]:
+    """``clients`` closed-loop clients for ``seconds``; status counts, and when each failure
+    ended (``time.monotonic``)."""
+    statuses: dict[int, int] = {}
+    failed_at: list[float] = []
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as session:
+        async def client(i: int) -> None:
+            while time.monotonic() < deadline:
+                async with session.post(f"{stack.gateway_url}/v1/chat/completions",
+                                        data=chat_body(max_tokens=20),
+                                        headers={TENANT_HEADER: f"t{i % 3}",
+                                                 "content-type": "application/json"}) as reply:
+                    await reply.read()
+                statuses[reply.status] = statuses.get(reply.status, 0) + 1
+                if reply.status != 200:
+                    failed_at.append(time.monotonic())
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return statuses, failed_at
+
+
+def test_both_workers_take_requests_on_one_port_and_the_pod_answers_for_them(
+        pod: Stack) -> None:
+    statuses, _ = asyncio.run(_load(pod, 4.0, 24))
+    assert set(statuses) == {200}, statuses
+    served = [metric(pod.metrics_url, "fairway_requests_total", worker=str(i))
+              for i in range(WORKERS)]
+    # Every request is counted once, by the worker that held it; both held some.
+    assert sum(served) == statuses[200], (served, statuses)
+    assert min(served) > 0.1 * sum(served), served
+    assert metric(pod.metrics_url, "fairway_workers_ready") == WORKERS
+    assert metric(pod.metrics_url, "fairway_ready") == WORKERS  # one sample per worker
+    for service in ("", "readiness", "liveness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert _health(pod, service) == SERVING, service
+    assert len(_children(pod.picker_process.pid)) == WORKERS
+
+
+def test_a_killed_worker_is_started_again_while_the_other_serves(pod: Stack) -> None:
+    supervisor = pod.picker_process.pid
+    victim = _children(supervisor)[0]
+
+    async def scenario() -> tuple[dict[int, int], list[float], float, list[int | None]]:
+        load = asyncio.create_task(_load(pod, 8.0, 12))
+        await asyncio.sleep(2.0)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        readiness = []
+        for _ in range(10):  # the pod stays Ready: the other worker serves
+            readiness.append(await asyncio.to_thread(_health, pod, "readiness"))
+            await asyncio.sleep(0.3)
+        statuses, failed_at = await load
+        return statuses, failed_at, killed_at, readiness
+
+    statuses, failed_at, killed_at, readiness = asyncio.run(scenario())
+    assert readiness == [SERVING] * len(readiness), readiness
+    # Only what the dead worker held fails (a retryable 503), within moments of the kill.
+    assert statuses.get(200, 0) > 100, statuses
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.get(503, 0) <= 12, statuses
+    assert all(killed_at - 0.5 <= at <= killed_at + 3.0 for at in failed_at), \
+        [round(at - killed_at, 2) for at in failed_at]
+    assert wait_until(lambda: metric(pod.metrics_url, "fairway_workers_ready") == WORKERS, 20)
+    assert metric(pod.metrics_url, "fairway_worker_restarts_total") == 1
+    assert victim not in _children(supervisor) and len(_children(supervisor)) == WORKERS
+    # The restarted worker takes requests again.
+    before = metric(pod.metrics_url, "fairway_requests_total", worker="0")
+    statuses, _ = asyncio.run(_load(pod, 3.0, 24))
+    assert set(statuses) == {200}, statuses
+    assert metric(pod.metrics_url, "fairway_requests_total", worker="0") > before
+
+
+def test_sigterm_drains_every_worker_then_the_pod_exits(pod: Stack) -> None:
+    supervisor = pod.picker_process
+    workers = _children(supervisor.pid)
+
+    async def scenario() -> dict[int, int]:
+        load = asyncio.create_task(_load(pod, 1.5, 12))
+        await asyncio.sleep(1.0)
+        supervisor.send_signal(signal.SIGTERM)  # the container's main process, as the kubelet
+        return (await load)[0]
+
+    statuses = asyncio.run(scenario())
+    assert supervisor.wait(30) == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    # What was running when SIGTERM came finished; what came after was refused retryably.
+    assert statuses.get(200, 0) > 0 and set(statuses) <= {200, 503}, statuses
+
+
+def _serve(tmp_path: Path, config: dict[str, object], *flags: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run([sys.executable, "-m", "picker", "serve", "--config", str(path),
+                           "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0",
+                           "--admin-port", "0", *flags],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_workers_refuse_the_memory_backend_and_a_lease(tmp_path: Path) -> None:
+    config = {"endpoints": [{"address": "127.0.0.1:1"}]}
+    memory = _serve(tmp_path, config, "--workers", "2")
+    assert memory.returncode == 1
+    assert "state.backend: worker processes (--workers) need the redis backend" in memory.stderr
+    leased = _serve(tmp_path, config, "--workers", "2", "--lease", "ns/name")
+    assert leased.returncode == 2 and "without --lease" in leased.stderr
