@@ -18,6 +18,7 @@ from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.launcher import Stack
+from tests.e2e.conftest import window_shares
 from tests.integration import test_operator as operator_tests
 from tests.integration.test_operator import NS, POOL, Cluster, eventually, running_operator
 
@@ -49,20 +50,11 @@ async def _admin(stack: Stack) -> admin_pb2.ListTenantsResponse:
 
 
 async def _shares(stack: Stack, seconds: float, warmup: float = 1.0) -> dict[str, float]:
-    """Each tenant's share of the service (prompt + 2 × output tokens) of the requests whose
-    first token came between ``warmup`` and the end of sending. Not the whole run's: once sending
-    stops every tenant's last backlog completes, the same amount each, which pulls the shares
-    towards even whatever the weights (by about a tenth here, more on a slow machine)."""
+    """The tenants' shares of what was served while both sent (``window_shares``)."""
     traffic = load_traffic({"duration_s": seconds, "seed": 5, "timeout_s": 30, "tenants": [
         {"name": "alpha", **SPEC}, {"name": "beta", **SPEC}]})
     result = await run_traffic(traffic, stack.gateway_url)
-    service = {"alpha": 0.0, "beta": 0.0}
-    for r in result.records:
-        if r.ok and r.ttft_s is not None and warmup <= r.start_s + r.ttft_s <= seconds:
-            service[r.tenant] += r.prompt_tokens + 2 * r.completion_tokens
-    total = sum(service.values())
-    assert total, result.summary
-    return {t: v / total for t, v in service.items()}
+    return {"alpha": 0.0, "beta": 0.0, **window_shares(result.records, warmup, seconds)}
 
 
 async def test_a_weight_changed_in_a_tenant_policy_moves_the_traffic_split(

@@ -32,7 +32,14 @@ from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.gateways import FLAVOURS, Flavour, Wiring, gateway_config
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+from tests.e2e.conftest import (
+    TENANT_HEADER,
+    chat_body,
+    metric,
+    settled_metric,
+    wait_until,
+    window_shares,
+)
 from tests.faults.helpers import assert_openai_error
 from tests.faults.test_gateway_retries import assert_retried_to_the_live_server, picker_config
 
@@ -141,11 +148,10 @@ def test_backlogged_tenants_split_service_by_weight(gateway: tuple[Flavour, Stac
     flavour, stack = gateway
     spec = {"backlog": 24, "prompt_tokens": [40, 120], "output_tokens": [20, 60],
             "stream_fraction": 0.5, "include_usage": True}
-    traffic = load_traffic({"duration_s": 6, "seed": 3, "timeout_s": 30, "tenants": [
+    traffic = load_traffic({"duration_s": 5, "seed": 3, "timeout_s": 30, "tenants": [
         {"name": "a", **spec}, {"name": "b", **spec}]})
     result = asyncio.run(run_traffic(traffic, stack.gateway_url))
-    tenants = result.summary["tenants"]
-    shares = {t: s["service_share"] for t, s in tenants.items()}
+    shares = window_shares(result.records, 1.0, traffic.duration_s)
     assert wait_until(lambda: metric(stack.metrics_url, "fairway_endpoint_inflight_tokens") == 0)
     # Weights 1:2; first-come-first-served would give each one half. Where the picker does not
     # see the response (kgateway 2.0) it orders on what it charged at admission; both tenants

@@ -18,12 +18,12 @@ import pytest
 import yaml
 from cryptography import x509
 
-from picker.sim.load import run_traffic, summarize
+from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.envoy import UPSTREAM_TLS
 from picker.stack.launcher import Stack
 from picker.tls import server_certificate
-from tests.e2e.conftest import metric, wait_until
+from tests.e2e.conftest import metric, wait_until, window_shares
 
 pytestmark = pytest.mark.e2e
 
@@ -66,12 +66,8 @@ def test_backlogged_tenants_split_service_by_weight_over_tls(stack: Stack) -> No
     result = asyncio.run(run_traffic(traffic, stack.gateway_url))
     tenants = result.summary["tenants"]
     assert tenants["light"]["ok"] > 0 and tenants["heavy"]["ok"] > 0
-    # Weights 1:3; without fairness (FCFS) each would get one half. Measured over the requests
-    # that ended while both tenants were backlogged: after the run's end the queues drain (both
-    # tenants' last requests are served whatever their weights), which only dilutes the split.
-    backlogged = summarize([r for r in result.records
-                            if r.end_s is not None and r.end_s <= traffic.duration_s])
-    shares = {t: s["service_share"] for t, s in backlogged["tenants"].items()}
+    # Weights 1:3; without fairness (FCFS) each would get one half.
+    shares = window_shares(result.records, 1.0, traffic.duration_s)
     assert shares["heavy"] == pytest.approx(3 / 4, abs=0.06), (shares, tenants)
     # Every request went through the picker (one ext_proc stream each), over TLS.
     stats = _envoy_stats(stack)

@@ -102,7 +102,9 @@ def test_both_workers_take_requests_on_one_port_and_the_pod_answers_for_them(
     assert len(_children(pod.picker_process.pid)) == WORKERS
 
 
-def test_a_killed_worker_is_started_again_while_the_other_serves(pod: Stack) -> None:
+def test_a_killed_worker_is_started_again_and_sigterm_drains_every_worker(pod: Stack) -> None:
+    """A worker SIGKILLed under load is started again while the other serves; then SIGTERM to
+    the pod (its main process, as the kubelet sends it) drains both before the pod exits."""
     supervisor = pod.picker_process.pid
     victim = _children(supervisor)[0]
 
@@ -135,19 +137,16 @@ def test_a_killed_worker_is_started_again_while_the_other_serves(pod: Stack) -> 
     assert set(statuses) == {200}, statuses
     assert metric(pod.metrics_url, "fairway_requests_total", worker="0") > before
 
+    workers = _children(supervisor)
 
-def test_sigterm_drains_every_worker_then_the_pod_exits(pod: Stack) -> None:
-    supervisor = pod.picker_process
-    workers = _children(supervisor.pid)
-
-    async def scenario() -> dict[int, int]:
+    async def terminate() -> dict[int, int]:
         load = asyncio.create_task(_load(pod, 1.5, 12))
         await asyncio.sleep(1.0)
-        supervisor.send_signal(signal.SIGTERM)  # the container's main process, as the kubelet
+        pod.picker_process.send_signal(signal.SIGTERM)
         return (await load)[0]
 
-    statuses = asyncio.run(scenario())
-    assert supervisor.wait(30) == 0
+    statuses = asyncio.run(terminate())
+    assert pod.picker_process.wait(30) == 0
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
     # What was running when SIGTERM came finished; what came after was refused retryably.
     assert statuses.get(200, 0) > 0 and set(statuses) <= {200, 503}, statuses
