@@ -688,9 +688,20 @@ class _Exchange:
         course: the request is settled on its estimate, not for free.
         """
         ticket = self.ticket
-        if ticket is not None and ticket.outcome is None:
-            unmetered = self.response_unseen and self.meter is None
-            self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
+        if ticket is None or ticket.outcome is not None:
+            return
+        # Envoy can end the stream before its last, empty end_of_stream message: the client
+        # had the whole body by its length and closed the connection. A response whose usage
+        # was read whole was delivered whole.
+        usage = self.meter.finish() if self.meter is not None and not self.response_failed \
+            else None
+        if usage is not None:
+            assert self.meter is not None
+            ticket.finish_reason = self.meter.finish_reason
+            self.dispatcher.complete(ticket, usage, "ok")
+            return
+        unmetered = self.response_unseen and self.meter is None
+        self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
 
 
 UNCLAIMED_LOG_INTERVAL = 60.0

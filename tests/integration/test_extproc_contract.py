@@ -684,6 +684,30 @@ async def test_non_streaming_response_is_settled_to_its_usage(pool: Picker) -> N
         usage["prompt_tokens"] + 2 * usage["completion_tokens"]
 
 
+async def test_a_whole_body_whose_end_never_came_is_settled_to_its_usage(pool: Picker) -> None:
+    """Envoy may close the stream before its last, empty end_of_stream message (the client read
+    the whole body by its Content-Length and left): the usage in the body is what was served,
+    not nothing."""
+    body = chat_body("Hello, world! " * 10, max_tokens=7)
+    stream = pool.open()
+    routed = await route(stream, body, headers={TENANT_HEADER: "b"})
+    upstream = await fetch(routed.header, CHAT, body)
+    await stream.send(response_headers(200, upstream.content_type))
+    await stream.reply()
+    for piece in split(upstream.data, 3):
+        await stream.send(response_body(piece, False))
+        await stream.reply()
+    await stream.close()
+
+    usage = json.loads(upstream.data)["usage"]
+    await pool.eventually("fairway_requests_total", 1, tenant="b", outcome="ok")
+    assert await pool.metric("fairway_service_tokens_total", tenant="b",
+                             kind="completion") == usage["completion_tokens"] == 7
+    assert await pool.metric("fairway_service_tokens_total", tenant="b",
+                             kind="prompt") == usage["prompt_tokens"]
+    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+
+
 async def test_error_response_is_not_charged_for_output(pool: Picker) -> None:
     body = chat_body(max_tokens=4)
     stream = pool.open()
