@@ -65,7 +65,7 @@ class Plan:
 
     @property
     def fair_duration(self) -> float:
-        return 4.0 if self.quick else 24.0
+        return 3.0 if self.quick else 24.0
 
     @property
     def fair_warmup(self) -> float:
@@ -73,7 +73,7 @@ class Plan:
 
     @property
     def flood_duration(self) -> float:
-        return 3.5 if self.quick else 20.0
+        return 2.5 if self.quick else 20.0
 
     @property
     def light_start(self) -> float:
@@ -81,7 +81,7 @@ class Plan:
 
     @property
     def drift_duration(self) -> float:
-        return 3.0 if self.quick else 24.0
+        return 2.5 if self.quick else 24.0
 
     @property
     def backlog_scale(self) -> float:
