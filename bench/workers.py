@@ -10,7 +10,10 @@ several and the kernel has connections to spread). The picker's CPU is its proce
 workers'. Writes ``bench/results/workers.md`` and ``.json``.
 
 On this 2-core machine Envoy, the server and the load client share the cores with the picker, so
-the ceiling a second worker can lift is what they leave.
+the ceiling a second worker can lift is what they leave. A second measure (``direct``) takes
+them away: ghz, a gRPC load generator in Go (``scripts/ghz_tool``, built from Go modules and
+cached), plays Envoy's side of the inline ext_proc stream against the picker alone, at 8, 16 and
+32 concurrent streams.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ import contextlib
 import json
 import os
 import platform
+import resource
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+from google.protobuf import descriptor_pb2, json_format
 
 from bench.gateway.common import client_cpu, clock_ticks, loadavg, process_cpu, tree_ticks
 from bench.gateway.overhead import (
@@ -43,6 +53,7 @@ from picker.sim.traffic import DEFAULT_TENANT_HEADER
 from picker.stack.envoy import DESTINATION_HEADER
 from picker.stack.launcher import Stack
 from picker.stack.redis import RedisServer
+from scripts.gomodules import GoBuild
 
 STREAMS_PER_CONNECTION = 8
 VARIANTS: dict[str, tuple[int, str, bool]] = {
@@ -162,6 +173,132 @@ def run_variant(label: str, workers: int, backend: str, budgets: bool, base: Sta
             **summary(rows)}
 
 
+# -- the picker alone, driven by ghz ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+GHZ = GoBuild("ghz", "v0.93.0", ROOT / "scripts" / "ghz_tool", ("github.com/bojand/ghz/cmd/ghz",),
+              "-s -w", "about a minute")
+"""ghz, a gRPC load generator in Go: it plays Envoy's side of the ext_proc stream for a fraction
+of the CPU that Envoy, a model server and a Python client take together."""
+EXT_PROC_CALL = "envoy.service.ext_proc.v3.ExternalProcessor.Process"
+DIRECT_VARIANTS = ("1 process, memory", "1 process, redis", "2 workers, redis")
+DIRECT_CONCURRENCY = (8, 16, 32)
+DIRECT_CONNECTIONS = 8
+"""Connections ghz opens: the kernel spreads connections, not streams, over the workers."""
+
+
+def write_protoset(path: Path) -> Path:
+    """ext_proc's service and every file it imports, as a FileDescriptorSet for ghz."""
+    files = descriptor_pb2.FileDescriptorSet()
+    seen: set[str] = set()
+
+    def add(descriptor: Any) -> None:
+        if descriptor.name in seen:
+            return
+        seen.add(descriptor.name)
+        for dependency in descriptor.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        descriptor.CopyToProto(proto)
+        files.file.append(proto)
+
+    add(ext_proc_pb2.DESCRIPTOR)
+    path.write_bytes(files.SerializeToString())
+    return path
+
+
+def exchange_messages() -> list[dict[str, Any]]:
+    """One request as Envoy's inline path sends it (the overhead benchmark's: a one-token
+    completion): headers, the whole body, the response's headers and its body."""
+    def headers(fields: dict[str, str]) -> base_pb2.HeaderMap:
+        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode())
+                                           for k, v in fields.items()])
+
+    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    body = json.dumps({"model": "sim-model", "prompt": "hello there", "max_tokens": 1,
+                       "ignore_eos": True}).encode()
+    answer = json.dumps({"object": "text_completion", "choices": [
+        {"index": 0, "text": " hi", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
+    messages = [
+        ext_proc_pb2.ProcessingRequest(
+            request_headers=ext_proc_pb2.HttpHeaders(headers=headers({
+                ":method": "POST", ":path": "/v1/completions", ":scheme": "http",
+                ":authority": "gateway", "content-type": "application/json",
+                DEFAULT_TENANT_HEADER: "bench"})),
+            protocol_config=ext_proc_pb2.ProtocolConfiguration(request_body_mode=duplex,
+                                                              response_body_mode=duplex)),
+        ext_proc_pb2.ProcessingRequest(request_body=ext_proc_pb2.HttpBody(body=body,
+                                                                         end_of_stream=True)),
+        ext_proc_pb2.ProcessingRequest(response_headers=ext_proc_pb2.HttpHeaders(
+            headers=headers({":status": "200", "content-type": "application/json"}))),
+        ext_proc_pb2.ProcessingRequest(response_body=ext_proc_pb2.HttpBody(
+            body=answer, end_of_stream=True)),
+    ]
+    return [json_format.MessageToDict(m, preserving_proto_field_name=True) for m in messages]
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def ghz_run(ghz: Path, protoset: Path, data: Path, port: int, concurrency: int,
+            seconds: float, picker_pid: int) -> dict[str, Any]:
+    """ghz at ``concurrency`` streams for ``seconds``, as fast as the picker answers."""
+    ticks = clock_ticks()
+    picker_before, ghz_before, started = tree_ticks(picker_pid) or 0, _children_cpu(), \
+        time.monotonic()
+    done = subprocess.run(
+        [str(ghz), "--insecure", "--protoset", str(protoset), "--call", EXT_PROC_CALL,
+         "--data-file", str(data), "-c", str(concurrency), "--connections",
+         str(DIRECT_CONNECTIONS), "-z", f"{seconds:g}s", "-O", "json", f"127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=seconds + 60, check=False)
+    wall = time.monotonic() - started
+    picker_cpu = ((tree_ticks(picker_pid) or 0) - picker_before) / ticks
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(f"ghz failed ({done.returncode}): {done.stderr[-2000:]}")
+    got = json.loads(done.stdout)
+    latency = {row["percentage"]: row["latency"] / 1e6
+               for row in got.get("latencyDistribution") or []}
+    ok = got.get("statusCodeDistribution", {}).get("OK", 0)
+    return {"concurrency": concurrency, "rps": got["rps"], "ok": ok,
+            "not_ok": sum(n for code, n in got.get("statusCodeDistribution", {}).items()
+                          if code != "OK"),
+            "p50_ms": latency.get(50), "p99_ms": latency.get(99),
+            "picker_cores": picker_cpu / wall, "ghz_cores": (_children_cpu() - ghz_before) / wall,
+            "picker_cpu_ms_per_request": picker_cpu / ok * 1000 if ok else None}
+
+
+def run_direct(workdir: Path, plan: WorkersPlan) -> dict[str, Any]:
+    """Each variant's picker (plaintext ext_proc, one simulated server scraped, never sent a
+    request) driven by ghz at each concurrency, the variants in the order A B C C B A."""
+    ghz = GHZ.binaries() / "ghz"
+    protoset = write_protoset(workdir / "ext_proc.protoset")
+    data = workdir / "exchange.json"
+    data.write_text(json.dumps(exchange_messages()))
+    seconds = 2.0 if plan.quick else 6.0
+    order = list(DIRECT_VARIANTS) if plan.quick else [*DIRECT_VARIANTS, *DIRECT_VARIANTS[::-1]]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in DIRECT_VARIANTS}
+    concurrencies = DIRECT_CONCURRENCY[:1] if plan.quick else DIRECT_CONCURRENCY
+    for label in order:
+        workers, backend, _ = VARIANTS[label]
+        name = "direct-" + label.replace(" ", "-").replace(",", "")
+        with _store(workdir / f"{name}-redis", backend) as store:
+            config: dict[str, Any] = {"queue": {"maxWait": "10s"}}
+            if store is not None:
+                config["state"] = {"backend": "redis", "redis": {"url": store.url}}
+            with Stack(workdir / name, endpoints=1, server_args=FAST_SERVER_ARGS,
+                       picker_config=config, response_path="inline", secure_serving=False,
+                       gateway_retries=False,
+                       picker_args=["--workers", str(workers)] if workers > 1 else []) as stack:
+                print(f"  direct, {label}", flush=True)
+                for concurrency in concurrencies:
+                    runs[label].append(ghz_run(ghz, protoset, data, stack.grpc_port,
+                                               concurrency, seconds, stack.picker_process.pid))
+    return {"seconds": seconds, "connections": DIRECT_CONNECTIONS, "runs": runs}
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -206,7 +343,46 @@ def report(data: dict[str, Any]) -> str:
                 f"{_fmt(row['added_p50_ms'])} | {_fmt(row['added_p99_ms'])} | "
                 f"{_fmt(row['picker_cpu_ms_per_request'])} | {_fmt(row['picker_cores'])} | "
                 f"{_fmt(row['redis_cores'])} | {_fmt(sum(p['cpu_s'].values()) / p['span_s'])} |")
+    if "direct" in data:
+        lines += direct_report(data["direct"])
     return "\n".join(lines) + "\n"
+
+
+def direct_report(direct: dict[str, Any]) -> list[str]:
+    first = next(iter(direct["runs"].values()))
+    twice = len(first) > len({r["concurrency"] for r in first})
+    lines = ["", "## The picker alone, driven by ghz", "",
+             "ghz (a Go gRPC load generator, built from Go modules) plays Envoy's side of the "
+             "inline ext_proc stream (headers, body, response headers, response body: the "
+             "one-token completion above) as fast as the picker answers, over "
+             f"{direct['connections']} plaintext connections, {direct['seconds']:g} s a run"
+             f"{TWICE if twice else ''}"
+             ". No Envoy, model server or Python client competes with the picker here, only "
+             "ghz.",
+             "",
+             "| variant | concurrent streams | requests/s | p50 ms | p99 ms "
+             "| picker cores busy | picker CPU ms / request | ghz cores busy | not OK |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, runs in direct["runs"].items():
+        for concurrency in sorted({r["concurrency"] for r in runs}):
+            same = [r for r in runs if r["concurrency"] == concurrency]
+
+            def mean(key: str, rows: list[dict[str, Any]] = same) -> float | None:
+                values = [r[key] for r in rows if r[key] is not None]
+                return sum(values) / len(values) if values else None
+
+            lines.append(
+                f"| {label} | {concurrency} | {_fmt(mean('rps'), 0)} | {_fmt(mean('p50_ms'))} | "
+                f"{_fmt(mean('p99_ms'))} | {_fmt(mean('picker_cores'))} | "
+                f"{_fmt(mean('picker_cpu_ms_per_request'), 3)} | {_fmt(mean('ghz_cores'))} | "
+                f"{sum(r['not_ok'] for r in same)} |")
+    lines.append("")
+    lines.append("Not OK: streams ghz had open when its time ran out (cancelled on its side).")
+    return lines
+
+
+MEASURES = ("ladder", "direct")
+TWICE = "; each variant ran twice (A B C C B A) and each cell is the mean"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,24 +392,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="/tmp/fairway-bench-workers")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--only", choices=sorted(VARIANTS), action="append",
-                        help="run only these variants (repeatable)")
+                        help="the ladder: only these variants (repeatable)")
+    parser.add_argument("--measure", choices=MEASURES, action="append",
+                        help="only this measure (repeatable; default both), the other kept from "
+                             "the last run's JSON")
     args = parser.parse_args(argv)
     plan = WorkersPlan(args.quick)
     workdir = Path(args.workdir)
-    data: dict[str, Any] = {
-        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpus": os.cpu_count(), "python": platform.python_version(),
-        "loadavg_before": loadavg(), "variants": {}}
-    with Stack(workdir / "base", with_picker=False, endpoints=1,
-               server_args=FAST_SERVER_ARGS) as base:
-        for label, (workers, backend, budgets) in VARIANTS.items():
-            if args.only and label not in args.only:
-                continue
-            data["variants"][label] = run_variant(label, workers, backend, budgets, base,
-                                                  workdir, plan)
+    workdir.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "workers_quick" if args.quick else "workers"
+    kept = out / f"{name}.json"
+    data: dict[str, Any] = json.loads(kept.read_text()) if args.measure and kept.exists() \
+        else {}
+    data.update({"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "loadavg_before": loadavg()})
+    measures = args.measure or MEASURES
+    if "ladder" in measures:
+        data["variants"] = {}
+        with Stack(workdir / "base", with_picker=False, endpoints=1,
+                   server_args=FAST_SERVER_ARGS) as base:
+            for label, (workers, backend, budgets) in VARIANTS.items():
+                if args.only and label not in args.only:
+                    continue
+                data["variants"][label] = run_variant(label, workers, backend, budgets, base,
+                                                      workdir, plan)
+    if "direct" in measures:
+        data["direct"] = run_direct(workdir, plan)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(report(data))
     print(report(data))

@@ -63,3 +63,24 @@ def test_the_ladder_summary() -> None:
     # 600 is within both limits although 400 was not; 800 delivered only 87.5 %.
     assert got == {"p99_within_10ms": 600, "delivered_95": 600, "most_delivered": 700}
     assert summary([_row(200, 150, 1.0)])["p99_within_10ms"] is None
+
+
+def test_ghz_is_given_one_whole_exchange_and_the_service_it_calls(tmp_path: Any) -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+    from google.protobuf import descriptor_pb2, json_format
+
+    from bench.workers import EXT_PROC_CALL, exchange_messages, write_protoset
+
+    kinds = [json_format.ParseDict(m, ext_proc_pb2.ProcessingRequest()).WhichOneof("request")
+             for m in exchange_messages()]
+    assert kinds == ["request_headers", "request_body", "response_headers", "response_body"]
+    files = descriptor_pb2.FileDescriptorSet.FromString(
+        write_protoset(tmp_path / "set").read_bytes()).file
+    names = [f.name for f in files]
+    service, method = EXT_PROC_CALL.rsplit(".", 1)
+    (own,) = [f for f in files if f.package == service.rsplit(".", 1)[0]
+              and any(s.name == service.rsplit(".", 1)[1] for s in f.service)]
+    assert method in [m.name for s in own.service for m in s.method]
+    # Every import comes before the file that imports it, as a FileDescriptorSet must have it.
+    for index, file in enumerate(files):
+        assert all(names.index(dependency) < index for dependency in file.dependency)
