@@ -37,7 +37,16 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from google.protobuf import descriptor_pb2, json_format
 
-from bench.gateway.common import client_cpu, clock_ticks, loadavg, process_cpu, tree_ticks
+from bench.gateway.common import (
+    PICKER_METRICS,
+    client_cpu,
+    clock_ticks,
+    fetch_metrics,
+    loadavg,
+    msum,
+    process_cpu,
+    tree_ticks,
+)
 from bench.gateway.overhead import (
     ADMISSION_RULES,
     FAST_SERVER_ARGS,
@@ -49,7 +58,8 @@ from bench.gateway.overhead import (
     fixed_rate,
     raw_post,
 )
-from picker.sim.traffic import DEFAULT_TENANT_HEADER
+from picker.sim.load import run_traffic
+from picker.sim.traffic import DEFAULT_TENANT_HEADER, load_traffic
 from picker.stack.envoy import DESTINATION_HEADER
 from picker.stack.launcher import Stack
 from picker.stack.redis import RedisServer
@@ -299,17 +309,101 @@ def run_direct(workdir: Path, plan: WorkersPlan) -> dict[str, Any]:
     return {"seconds": seconds, "connections": DIRECT_CONNECTIONS, "runs": runs}
 
 
+# -- weighted shares over workers -------------------------------------------------------------
+
+SHARE_WEIGHTS = {"a": 1.0, "b": 2.0, "c": 3.0}
+SHARE_VARIANTS = ("1 process, memory", "2 workers, redis")
+SHARE_SERVER_ARGS = ["--kv-budget-tokens", "1024", "--step-ms", "5"]
+"""Small engines, so that the tenants' backlogs wait in the picker's fair queue."""
+SHARE_SPEC = {"backlog": 20, "prompt_tokens": [40, 120], "output_tokens": [20, 60],
+              "stream_fraction": 0.5, "include_usage": True}
+
+
+async def _shares_run(stack: Stack, plan: WorkersPlan) -> dict[str, Any]:
+    """Three backlogged tenants weighted 1:2:3 through Envoy; each one's share of the picker's
+    weighted service (summed over the workers) between the warm-up and the end of sending."""
+    duration, warmup = (6.0, 1.5) if plan.quick else (24.0, 4.0)
+    traffic = load_traffic({"duration_s": duration, "seed": 7, "timeout_s": 60, "tenants": [
+        {"name": t, **SHARE_SPEC} for t in SHARE_WEIGHTS]})
+    run = asyncio.create_task(run_traffic(traffic, stack.gateway_url))
+
+    async def service() -> dict[str, float]:
+        got = await asyncio.to_thread(fetch_metrics, stack.metrics_url, PICKER_METRICS)
+        return {t: msum(got, "fairway_weighted_service_total", tenant=t) for t in SHARE_WEIGHTS}
+
+    await asyncio.sleep(warmup)
+    before = await service()
+    await asyncio.sleep(duration - warmup)
+    after = await service()
+    result = await run
+    served = {t: after[t] - before[t] for t in SHARE_WEIGHTS}
+    total = sum(served.values()) or 1.0
+    weight_sum = sum(SHARE_WEIGHTS.values())
+    shares = {t: served[t] / total for t in SHARE_WEIGHTS}
+    errors = {t: abs(shares[t] - w / weight_sum) / (w / weight_sum)
+              for t, w in SHARE_WEIGHTS.items()}
+    per_worker = {}
+    for line in (await asyncio.to_thread(fetch_metrics, stack.metrics_url,
+                                         frozenset({"fairway_requests_total"})))\
+            .get("fairway_requests_total", ()):
+        labels, value = line
+        per_worker[labels.get("worker", "-")] = per_worker.get(labels.get("worker", "-"), 0) + value
+    return {"window_s": [warmup, duration], "shares": shares, "worst_error": max(errors.values()),
+            "statuses": sorted({r.status for r in result.records if r.status is not None}),
+            "requests_by_worker": per_worker}
+
+
+def run_shares(workdir: Path, plan: WorkersPlan) -> dict[str, Any]:
+    runs = {}
+    for label in SHARE_VARIANTS:
+        workers, backend, _ = VARIANTS[label]
+        name = "shares-" + label.replace(" ", "-").replace(",", "")
+        with _store(workdir / f"{name}-redis", backend) as store:
+            config: dict[str, Any] = {
+                "tenants": [{"id": t, "weight": w} for t, w in SHARE_WEIGHTS.items()]}
+            if store is not None:
+                config["state"] = {"backend": "redis", "redis": {"url": store.url}}
+            with Stack(workdir / name, endpoints=2, picker_config=config,
+                       server_args=SHARE_SERVER_ARGS, response_path="inline",
+                       picker_args=["--workers", str(workers)] if workers > 1 else [],
+                       picker_streams_per_connection=STREAMS_PER_CONNECTION) as stack:
+                print(f"  shares, {label}", flush=True)
+                runs[label] = asyncio.run(_shares_run(stack, plan))
+    return runs
+
+
+def shares_report(runs: dict[str, Any]) -> list[str]:
+    lines = ["", "## Weighted shares over workers", "",
+             "Three backlogged tenants weighted 1:2:3 (20 requests outstanding each, prompts "
+             "40–120, outputs 20–60 tokens, half streamed) through Envoy to two simulated "
+             "servers of 1,024 tokens; each tenant's share of the picker's weighted service, "
+             "summed over the workers, between the warm-up and the end of sending. Goal: within "
+             "5 % of its weight's share.", "",
+             "| variant | window (s) | a | b | c | worst error | requests by worker | "
+             "statuses |", "|---|---|---:|---:|---:|---:|---|---|"]
+    for label, got in runs.items():
+        share = got["shares"]
+        by_worker = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(got["requests_by_worker"].items()))
+        lines.append(f"| {label} | {got['window_s'][0]:g}–{got['window_s'][1]:g} | "
+                     f"{share['a']:.3f} | {share['b']:.3f} | {share['c']:.3f} | "
+                     f"{got['worst_error']:.1%} | {by_worker} | "
+                     f"{', '.join(str(x) for x in got['statuses'])} |")
+    return lines
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
 def report(data: dict[str, Any]) -> str:
+    measured = ", ".join(f"{name} {at}" for name, at in data.get("measured", {}).items()) \
+        or data["generated"]
     lines = [
         "# Worker processes per pod (`--workers`)",
         "",
-        f"Generated by `python -m bench.workers` on {data['generated']} "
-        f"({data['cpus']} cores shared by Envoy, the server, the load client and the picker; "
-        f"load average before {data['loadavg_before']}). The overhead benchmark's request path "
+        f"Generated by `python -m bench.workers` ({measured}; {data['cpus']} cores shared by "
+        "Envoy, the server, the load client and the picker). The overhead benchmark's request "
+        "path "
         "(one simulated server with 1 ms steps, one-token answers, open loop) climbing a rate "
         "ladder, each rate in ABBA blocks against the same Envoy without ext_proc; every variant "
         "behind the same Envoy configuration (the inline response path over TLS, at most "
@@ -345,6 +439,8 @@ def report(data: dict[str, Any]) -> str:
                 f"{_fmt(row['redis_cores'])} | {_fmt(sum(p['cpu_s'].values()) / p['span_s'])} |")
     if "direct" in data:
         lines += direct_report(data["direct"])
+    if "shares" in data:
+        lines += shares_report(data["shares"])
     return "\n".join(lines) + "\n"
 
 
@@ -381,7 +477,7 @@ def direct_report(direct: dict[str, Any]) -> list[str]:
     return lines
 
 
-MEASURES = ("ladder", "direct")
+MEASURES = ("ladder", "direct", "shares")
 TWICE = "; each variant ran twice (A B C C B A) and each cell is the mean"
 
 
@@ -409,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "loadavg_before": loadavg()})
     measures = args.measure or MEASURES
+    data.setdefault("measured", {}).update(
+        {m: f"{data['generated']}, load average before {data['loadavg_before']}"
+         for m in measures})
     if "ladder" in measures:
         data["variants"] = {}
         with Stack(workdir / "base", with_picker=False, endpoints=1,
@@ -420,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       workdir, plan)
     if "direct" in measures:
         data["direct"] = run_direct(workdir, plan)
+    if "shares" in measures:
+        data["shares"] = run_shares(workdir, plan)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(report(data))
