@@ -10,7 +10,7 @@ from pathlib import Path
 
 from picker.errors import ConfigError
 from picker.server import RunnerFailed, ServeSettings, serve
-from picker.workers import run_workers
+from picker.workers import CONNECTION_AGE, run_workers
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, default=1, metavar="N",
                      help="serve over N processes sharing the ext_proc port (SO_REUSEPORT), "
                           "one per core; needs state.backend redis (default 1)")
+    run.add_argument("--connection-age", type=float, default=CONNECTION_AGE, metavar="SECONDS",
+                     help="with --workers: a worker asks a gateway connection to be dialled "
+                          "again after this long, so connections spread over the workers "
+                          f"(default {CONNECTION_AGE:g})")
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--cert-path needs --secure-serving")
     if args.workers < 1:
         parser.error("--workers must be 1 or more")
+    if args.connection_age <= 0:
+        parser.error("--connection-age must be positive")
     if args.workers > 1 and args.lease:
         parser.error("--workers serve active-active on shared state: run them without --lease")
     settings = ServeSettings(config_path=args.config, host=args.host, grpc_port=args.grpc_port,
@@ -82,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                              kube_server=args.kube_server)
     try:
         if args.workers > 1:
-            asyncio.run(run_workers(settings, args.workers, args.log_level.upper()))
+            asyncio.run(run_workers(settings, args.workers, args.log_level.upper(),
+                                    connection_age=args.connection_age))
         else:
             asyncio.run(serve(settings))
     except ConfigError as exc:

@@ -81,7 +81,8 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def worker_settings(settings: ServeSettings, index: int, grpc_port: int) -> ServeSettings:
+def worker_settings(settings: ServeSettings, index: int, grpc_port: int,
+                    connection_age: float = CONNECTION_AGE) -> ServeSettings:
     """Worker ``index``'s settings: the pod's ext_proc port shared, its health and metrics on
     private loopback ports (the supervisor answers for the pod), its admin API on the admin
     port + ``index``, and a name of its own."""
@@ -90,7 +91,7 @@ def worker_settings(settings: ServeSettings, index: int, grpc_port: int) -> Serv
                    grpc_health_port=0, metrics_port=0,
                    admin_port=settings.admin_port + index if settings.admin_port else 0,
                    identity=f"{identity}-w{index}" if identity else None,
-                   connection_age=CONNECTION_AGE, announce=False)
+                   connection_age=connection_age, announce=False)
 
 
 def _die_with_parent() -> None:
@@ -199,14 +200,18 @@ class Supervisor:
     """Starts the workers, restarts the ones that die, answers health and metrics for the pod,
     and on SIGTERM passes it on and waits for every worker to drain."""
 
-    def __init__(self, settings: ServeSettings, workers: int, log_level: str = "INFO") -> None:
+    def __init__(self, settings: ServeSettings, workers: int, log_level: str = "INFO",
+                 connection_age: float = CONNECTION_AGE) -> None:
         if workers < 2:
             raise ValueError("--workers must be 2 or more (1 is the picker without workers)")
         if settings.lease:
             raise ValueError("workers serve active-active on shared state: run them without "
                              "--lease")
+        if connection_age <= 0:
+            raise ValueError("--connection-age must be positive")
         self.settings = settings
         self.count = workers
+        self.connection_age = connection_age
         self.log_level = log_level
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[Worker] = []
@@ -241,13 +246,15 @@ class Supervisor:
     async def start(self) -> int:
         """Start every worker; returns the ext_proc port. The first binds it (0: any free
         port), the others then share what it bound."""
-        first = Worker(0, worker_settings(self.settings, 0, self.settings.grpc_port))
+        first = Worker(0, worker_settings(self.settings, 0, self.settings.grpc_port,
+                                          self.connection_age))
         self.workers.append(first)
         if not await self._started(first):
             raise RuntimeError("the first worker did not start (its log says why)")
         port = first.ports["grpc"]
         first.settings = replace(first.settings, grpc_port=port)
-        rest = [Worker(i, worker_settings(self.settings, i, port)) for i in range(1, self.count)]
+        rest = [Worker(i, worker_settings(self.settings, i, port, self.connection_age))
+                for i in range(1, self.count)]
         self.workers.extend(rest)
         if not all(await asyncio.gather(*(self._started(w) for w in rest))):
             raise RuntimeError("a worker did not start (its log says why)")
@@ -332,7 +339,8 @@ def _check_backend(config: PickerConfig) -> None:
 
 
 async def run_workers(settings: ServeSettings, workers: int, log_level: str = "INFO",
-                      stop: asyncio.Event | None = None) -> None:
+                      stop: asyncio.Event | None = None,
+                      connection_age: float = CONNECTION_AGE) -> None:
     """Serve one pod's picker over ``workers`` processes until SIGTERM/SIGINT (or ``stop``)."""
     if settings.cert_path is not None and not settings.secure_serving:
         raise ValueError("--cert-path needs --secure-serving")
@@ -345,7 +353,7 @@ async def run_workers(settings: ServeSettings, workers: int, log_level: str = "I
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(settings, workers, log_level)
+    supervisor = Supervisor(settings, workers, log_level, connection_age)
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)

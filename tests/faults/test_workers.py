@@ -28,18 +28,21 @@ from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
 pytestmark = pytest.mark.faults
 
 WORKERS = 2
+CONNECTION_AGE = 2.0
+"""Seconds a worker keeps a gateway connection (30 by default): a restarted worker is dialled
+within about this long, however Envoy's connections stood."""
 
 
 def _children(pid: int) -> list[int]:
     """The worker processes of the supervisor ``pid`` (not multiprocessing's resource
-    tracker)."""
+    tracker), oldest first: as started, worker 0 first."""
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             with contextlib.suppress(OSError):
                 if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                     found.append(int(child))
-    return found
+    return sorted(found)
 
 
 def _health(stack: Stack, service: str) -> int | None:
@@ -60,7 +63,7 @@ def pod(tmp_path: Path) -> Iterator[Stack]:
             tmp_path / "stack", endpoints=2, response_path="inline",
             picker_config={"state": {"backend": "redis", "redis": {"url": store.url},
                                      "syncInterval": "100ms"}},
-            picker_args=["--workers", str(WORKERS)],
+            picker_args=["--workers", str(WORKERS), "--connection-age", str(CONNECTION_AGE)],
             picker_streams_per_connection=4) as stack:
         yield stack
 
@@ -131,9 +134,10 @@ def test_a_killed_worker_is_started_again_and_sigterm_drains_every_worker(pod: S
     assert wait_until(lambda: metric(pod.metrics_url, "fairway_workers_ready") == WORKERS, 20)
     assert metric(pod.metrics_url, "fairway_worker_restarts_total") == 1
     assert victim not in _children(supervisor) and len(_children(supervisor)) == WORKERS
-    # The restarted worker takes requests again.
+    # The restarted worker (0: the oldest was killed) takes requests again, once Envoy's
+    # connections have been dialled anew (each ends after CONNECTION_AGE).
     before = metric(pod.metrics_url, "fairway_requests_total", worker="0")
-    statuses, _ = asyncio.run(_load(pod, 3.0, 24))
+    statuses, _ = asyncio.run(_load(pod, 3 * CONNECTION_AGE, 24))
     assert set(statuses) == {200}, statuses
     assert metric(pod.metrics_url, "fairway_requests_total", worker="0") > before
 
@@ -161,10 +165,13 @@ def _serve(tmp_path: Path, config: dict[str, object], *flags: str) -> subprocess
                           capture_output=True, text=True, timeout=30)
 
 
-def test_workers_refuse_the_memory_backend_and_a_lease(tmp_path: Path) -> None:
+def test_workers_refuse_the_memory_backend_a_lease_and_a_zero_connection_age(
+        tmp_path: Path) -> None:
     config = {"endpoints": [{"address": "127.0.0.1:1"}]}
     memory = _serve(tmp_path, config, "--workers", "2")
     assert memory.returncode == 1
     assert "state.backend: worker processes (--workers) need the redis backend" in memory.stderr
     leased = _serve(tmp_path, config, "--workers", "2", "--lease", "ns/name")
     assert leased.returncode == 2 and "without --lease" in leased.stderr
+    ageless = _serve(tmp_path, config, "--workers", "2", "--connection-age", "0")
+    assert ageless.returncode == 2 and "--connection-age must be positive" in ageless.stderr
