@@ -410,7 +410,8 @@ def _picker_run(args: list[str]) -> tuple[Any, int]:
     async def fake_serve(settings: Any) -> None:
         seen.append((settings, 1))
 
-    async def fake_workers(settings: Any, workers: int, log_level: str = "INFO") -> None:
+    async def fake_workers(settings: Any, workers: int, log_level: str = "INFO",
+                           **options: Any) -> None:
         seen.append((settings, workers))
 
     originals = picker_main.serve, picker_main.run_workers
