@@ -4,8 +4,12 @@ A servicer that only reads each message's body length (grpc.aio, as the picker s
 thread-pool server for comparison) receives meter-stream-like messages (an observability-mode
 ``ProcessingRequest`` with one 150-byte SSE chunk) from a client in another process: back to back
 (dense, many messages per read, as under load) and spaced 5 ms apart on 4 streams (one wake-up per
-message, as chunks of a few streams arrive). The server's CPU per message is the floor under the
-picker's cost per streamed chunk: what no change inside the picker's own code can remove.
+message, as chunks of a few streams arrive), and on 40 streams 4 ms apart (10,000 messages a
+second, a pool's rate). The server's CPU per message is the floor under the picker's cost per
+streamed chunk: what no change inside the picker's own code can remove. Each server runs on
+asyncio's own event loop and on uvloop (libuv's), and beside grpcio's C core stands grpclib, a
+pure-Python gRPC over h2 that parses frames in the event loop itself: whether another transport
+or loop would move the floor.
 
 And per request, in the shape Envoy gives each routed request at 200 requests/s (open loop): the
 request path's stream (headers, answered; body, answered; trailers) and the meter stream
@@ -36,7 +40,8 @@ CHUNK = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"
          b'"choices":[{"index":0,"text":" tok","logprobs":null,"finish_reason":null}]}\n\n')
 REQUEST_RATE = 200.0
 REQUEST_SECONDS = 10.0
-RUNS = (("dense", 1, 20_000, 0.0), ("dense", 4, 20_000, 0.0), ("spaced 5 ms", 4, 4_000, 0.005))
+RUNS = (("dense", 1, 20_000, 0.0), ("dense", 4, 20_000, 0.0), ("spaced 5 ms", 4, 4_000, 0.005),
+        ("spaced 4 ms", 40, 40_000, 0.004))
 """(name, streams, messages in all, seconds between a stream's messages)."""
 
 
@@ -53,6 +58,21 @@ class _AioServicer(pb_grpc.ExternalProcessorServicer):
             seen += len(message.response_body.body)
         if seen < 0:
             yield pb.ProcessingResponse()
+
+
+class _GrpclibServicer:
+    """The same servicer on grpclib: its handler table, by the method's full name."""
+
+    async def Process(self, stream: Any) -> None:
+        seen = 0
+        async for message in stream:
+            seen += len(message.response_body.body)
+
+    def __mapping__(self) -> dict[str, Any]:
+        from grpclib.const import Cardinality, Handler
+        return {"/envoy.service.ext_proc.v3.ExternalProcessor/Process":
+                Handler(self.Process, Cardinality.STREAM_STREAM, pb.ProcessingRequest,
+                        pb.ProcessingResponse)}
 
 
 class _RequestServicer(pb_grpc.ExternalProcessorServicer):
@@ -116,7 +136,7 @@ async def _serve_aio(servicer: pb_grpc.ExternalProcessorServicer) -> tuple[grpc.
     return server, port
 
 
-async def _requests() -> list[dict[str, Any]]:
+async def _requests(loop_name: str) -> list[dict[str, Any]]:
     server, port = await _serve_aio(_RequestServicer())
     out = []
     for shape, what in (("both", "request path + meter stream (2 RPCs, 6 messages in, 2 out)"),
@@ -126,7 +146,7 @@ async def _requests() -> list[dict[str, Any]]:
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.grpc_floor", "--request-client", str(port), shape)
         await client.wait()
-        out.append({"server": "grpc.aio", "shape": what, "rate": REQUEST_RATE,
+        out.append({"server": f"grpc.aio, {loop_name}", "shape": what, "rate": REQUEST_RATE,
                     "ms_per_request": (_cpu() - before) / (REQUEST_RATE * REQUEST_SECONDS)
                     * 1000})
     await server.stop(0)
@@ -167,17 +187,35 @@ def _drive(port: int, streams: int, count: int, spacing: float) -> list[str]:
             str(count), str(spacing)]
 
 
-async def _aio() -> list[dict[str, Any]]:
-    server, port = await _serve_aio(_AioServicer())
+async def _in_loop(transport: str, loop_name: str) -> list[dict[str, Any]]:
+    """``transport``: ``grpc.aio`` or ``grpclib``, served on the running loop."""
+    if transport == "grpclib":
+        from grpclib.server import Server
+        lib = Server([_GrpclibServicer()])
+        await lib.start("127.0.0.1", 0)
+        port = lib._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    else:
+        server, port = await _serve_aio(_AioServicer())
     out = []
     for name, streams, count, spacing in RUNS:
         before = _cpu()
         client = await asyncio.create_subprocess_exec(*_drive(port, streams, count, spacing))
         await client.wait()
-        out.append({"server": "grpc.aio", "arrival": name, "streams": streams,
+        out.append({"server": f"{transport}, {loop_name}", "arrival": name, "streams": streams,
                     "messages": count, "us_per_message": (_cpu() - before) / count * 1e6})
-    await server.stop(0)
+    if transport == "grpclib":
+        lib.close()
+        await lib.wait_closed()
+    else:
+        await server.stop(0)
     return out
+
+
+def _run_in(loop_name: str, coroutine: Any) -> Any:
+    if loop_name == "uvloop":
+        import uvloop
+        return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
 
 
 def _threads() -> list[dict[str, Any]]:
@@ -200,26 +238,30 @@ def main() -> None:
         asyncio.run(_request_client(int(sys.argv[2]), sys.argv[3]))
         return
     if sys.argv[1:2] == ["--requests"]:
-        print(json.dumps(asyncio.run(_requests())))
+        print(json.dumps(_run_in(sys.argv[2], _requests(sys.argv[2]))))
         return
     if sys.argv[1:2] == ["--client"]:
         port, streams, count = (int(a) for a in sys.argv[2:5])
         _client(port, streams, count, float(sys.argv[5]))
         return
-    if sys.argv[1:2] == ["aio"]:
-        print(json.dumps(asyncio.run(_aio())))
+    if sys.argv[1:2] == ["serve"]:
+        transport, loop_name = sys.argv[2], sys.argv[3]
+        print(json.dumps(_run_in(loop_name, _in_loop(transport, loop_name))))
         return
     if sys.argv[1:2] == ["threads"]:
         print(json.dumps(_threads()))
         return
 
-    def in_own_process(mode: str) -> Any:
+    def in_own_process(*mode: str) -> Any:
         # Each server in its own process: one server's threads must not bill another's.
-        return json.loads(subprocess.run([sys.executable, "-m", "bench.grpc_floor", mode],
+        return json.loads(subprocess.run([sys.executable, "-m", "bench.grpc_floor", *mode],
                                          check=True, capture_output=True, text=True).stdout)
 
-    print(json.dumps({"messages": in_own_process("aio") + in_own_process("threads"),
-                      "requests": in_own_process("--requests")}))
+    messages = [row for transport in ("grpc.aio", "grpclib") for loop_name in ("asyncio", "uvloop")
+                for row in in_own_process("serve", transport, loop_name)]
+    print(json.dumps({"messages": messages + in_own_process("threads"),
+                      "requests": [row for loop_name in ("asyncio", "uvloop")
+                                   for row in in_own_process("--requests", loop_name)]}))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from picker import eventloop
 from picker.config.schema import PickerConfig, load_config
 from picker.errors import ConfigError
 from picker.server import (
@@ -79,6 +80,19 @@ START_TIMEOUT = 120.0
 PR_SET_PDEATHSIG = 1
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def workers_problem(settings: ServeSettings, workers: int,
+                    connection_age: float = CONNECTION_AGE) -> str | None:
+    """Why ``workers`` processes cannot serve with these settings, said as the flags spell it;
+    None: they can."""
+    if workers < 2:
+        return "--workers must be 2 or more (1 is the picker without workers)"
+    if settings.lease:
+        return "--workers serve active-active on shared state: run them without --lease"
+    if connection_age <= 0:
+        return "--connection-age must be positive"
+    return None
 
 
 def worker_settings(settings: ServeSettings, index: int, grpc_port: int,
@@ -127,7 +141,7 @@ def _run_worker(settings: ServeSettings, index: int, log_level: str, report: Con
         finally:
             teller.cancel()
 
-    asyncio.run(main())
+    eventloop.run(main(), settings.event_loop)
 
 
 @dataclass
@@ -202,13 +216,9 @@ class Supervisor:
 
     def __init__(self, settings: ServeSettings, workers: int, log_level: str = "INFO",
                  connection_age: float = CONNECTION_AGE) -> None:
-        if workers < 2:
-            raise ValueError("--workers must be 2 or more (1 is the picker without workers)")
-        if settings.lease:
-            raise ValueError("workers serve active-active on shared state: run them without "
-                             "--lease")
-        if connection_age <= 0:
-            raise ValueError("--connection-age must be positive")
+        problem = workers_problem(settings, workers, connection_age)
+        if problem:
+            raise ValueError(problem)
         self.settings = settings
         self.count = workers
         self.connection_age = connection_age
@@ -342,8 +352,6 @@ async def run_workers(settings: ServeSettings, workers: int, log_level: str = "I
                       stop: asyncio.Event | None = None,
                       connection_age: float = CONNECTION_AGE) -> None:
     """Serve one pod's picker over ``workers`` processes until SIGTERM/SIGINT (or ``stop``)."""
-    if settings.cert_path is not None and not settings.secure_serving:
-        raise ValueError("--cert-path needs --secure-serving")
     if settings.secure_serving:
         certificate_source(settings)  # a bad --cert-path fails here, before any worker starts
     if settings.config_path is not None:

@@ -9,7 +9,13 @@ import pytest
 
 from bench.workers import summary
 from picker.server import ServeSettings
-from picker.workers import RESTART_BACKOFF, Supervisor, Worker, worker_settings
+from picker.workers import (
+    RESTART_BACKOFF,
+    Supervisor,
+    Worker,
+    worker_settings,
+    workers_problem,
+)
 
 
 def test_a_worker_shares_the_ext_proc_port_and_keeps_its_other_ports_private() -> None:
@@ -23,10 +29,18 @@ def test_a_worker_shares_the_ext_proc_port_and_keeps_its_other_ports_private() -
     assert worker_settings(ServeSettings(admin_port=0), 3, 1234).admin_port == 0
 
 
-@pytest.mark.parametrize("workers, lease", [(1, None), (2, "ns/lease")])
-def test_the_supervisor_refuses_one_worker_and_a_lease(workers: int, lease: str | None) -> None:
-    with pytest.raises(ValueError):
-        Supervisor(ServeSettings(lease=lease), workers)
+@pytest.mark.parametrize("workers, lease, age, problem", [
+    (1, None, 30.0, "--workers must be 2 or more"),
+    (2, "ns/lease", 30.0, "run them without --lease"),
+    (2, None, 0.0, "--connection-age must be positive"),
+])
+def test_the_supervisor_refuses_one_worker_a_lease_and_no_connection_age(
+        workers: int, lease: str | None, age: float, problem: str) -> None:
+    settings = ServeSettings(lease=lease)
+    assert problem in (workers_problem(settings, workers, age) or "")
+    with pytest.raises(ValueError, match=problem):
+        Supervisor(settings, workers, connection_age=age)
+    assert workers_problem(ServeSettings(), 2) is None
 
 
 class _Dead:
