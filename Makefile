@@ -41,8 +41,10 @@ demo: setup-demo
 experiments: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 
+# Two workers (pytest-xdist): the load-driving tiers (e2e, faults) keep one to themselves, one
+# test at a time (tests/conftest.py); the pure, integration and cluster tests run on the other.
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # Style, the import contracts of pyproject.toml (layers; docs/architecture.md) and types.
 lint: setup

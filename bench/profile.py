@@ -43,7 +43,6 @@ from bench.gateway.overhead import (
     fixed_rate,
     raw_post,
 )
-from picker.eventloop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from picker.sim.traffic import DEFAULT_TENANT_HEADER
 from picker.stack.envoy import DESTINATION_HEADER
 from picker.stack.launcher import Stack
@@ -174,11 +173,10 @@ def _phase(stack: Stack, name: str, out: Path, seconds: float,
 
 def profile(out: Path, seconds: float, workdir: Path | None = None, *,
             response_path: str = "meter-stream", secure_serving: bool = True,
-            event_loop: str = DEFAULT_EVENT_LOOP,
             phases: tuple[str, ...] = ("requests", "stream")) -> dict[str, Any]:
     picker_config: dict[str, Any] = {"tenants": [{"id": "bench", **ADMISSION_RULES}],
                                      "queue": {"maxWait": "10s"}}
-    results: dict[str, Any] = {"event_loop": event_loop}
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fairway-profile-") as scratch:
         tmp = workdir or Path(scratch)
         with Stack(Path(tmp) / "fast", with_picker=False, endpoints=1,
@@ -187,7 +185,6 @@ def profile(out: Path, seconds: float, workdir: Path | None = None, *,
                       server_args=["--step-ms", f"{STREAM_STEP_MS:g}"]) as streamer, \
                 Stack(Path(tmp) / "picked", policy="vtc", endpoints=0,
                       response_path=response_path, secure_serving=secure_serving,
-                      picker_args=["--event-loop", event_loop],
                       picker_config={**picker_config, "endpoints": [
                           {"address": fast.endpoint_addresses[0]}]}) as picked:
             server = fast.endpoint_addresses[0]
@@ -249,8 +246,7 @@ def _table(counts: dict[str, int], total: int, per_unit_ms: float, unit: str) ->
 def report(results: dict[str, Any], seconds: float) -> str:
     lines = ["# Where the picker's CPU goes", "",
              f"`python -m bench.profile` ({seconds:g} s a phase; py-spy at {SAMPLE_RATE} "
-             f"samples/s, non-blocking: the picker is never paused), the picker on "
-             f"{results.get('event_loop', 'asyncio')}'s event loop, Python "
+             f"samples/s, non-blocking: the picker is never paused), Python "
              f"{platform.python_version()}, {os.cpu_count()} cores shared by Envoy, the "
              f"picker, the simulated servers and the load client; "
              f"load average {loadavg()}. Flame graphs: `profile_requests.svg`, "
@@ -298,12 +294,10 @@ def main() -> None:
                         help="ext_proc without TLS (--secure-serving=false)")
     parser.add_argument("--quick", action="store_true",
                         help="CPU per request and per chunk only: no report, no floor")
-    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default=DEFAULT_EVENT_LOOP,
-                        help=f"the picker's event loop (default: {DEFAULT_EVENT_LOOP})")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = profile(args.out, args.seconds, args.workdir, response_path=args.response_path,
-                      secure_serving=not args.plaintext, event_loop=args.event_loop)
+                      secure_serving=not args.plaintext)
     if args.quick:
         for phase in ("requests", "stream"):
             got = results[phase]

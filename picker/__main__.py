@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
 
-from picker import eventloop
 from picker.errors import ConfigError
 from picker.server import RunnerFailed, ServeSettings, serve
 from picker.workers import CONNECTION_AGE, run_workers, workers_problem
@@ -67,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
                      help="with --workers: a worker asks a gateway connection to be dialled "
                           "again after this long, so connections spread over the workers "
                           f"(default {CONNECTION_AGE:g})")
-    run.add_argument("--event-loop", choices=eventloop.EVENT_LOOPS,
-                     default=eventloop.DEFAULT_EVENT_LOOP,
-                     help="the processes' event loop (default uvloop: less CPU per gRPC "
-                          "message; asyncio: the standard library's)")
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -84,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             admin_port=args.admin_port, secure_serving=args.secure_serving,
             cert_path=args.cert_path, grace=args.grace, config_map=args.config_map,
             pool=args.pool, lease=args.lease, identity=args.identity,
-            kube_server=args.kube_server, event_loop=args.event_loop)
+            kube_server=args.kube_server)
     except ValueError as exc:
         parser.error(str(exc))
     problem = workers_problem(settings, args.workers, args.connection_age) \
@@ -93,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     try:
         if args.workers > 1:
-            eventloop.run(run_workers(settings, args.workers, args.log_level.upper(),
-                                      connection_age=args.connection_age), settings.event_loop)
+            asyncio.run(run_workers(settings, args.workers, args.log_level.upper(),
+                                    connection_age=args.connection_age))
         else:
-            eventloop.run(serve(settings), settings.event_loop)
+            asyncio.run(serve(settings))
     except ConfigError as exc:
         print(f"{args.config or args.config_map}: {exc}", file=sys.stderr)
         return 1

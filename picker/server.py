@@ -47,7 +47,6 @@ from picker.config.reload import ConfigWatcher
 from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
 from picker.errors import ConfigError
-from picker.eventloop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from picker.extproc import ExternalProcessor, add_to_server
 from picker.k8s import (
     UNREACHABLE,
@@ -202,17 +201,11 @@ class ServeSettings:
     announce: bool = True
     """Print the ``listening`` lines that scripts wait for; a worker's supervisor prints the
     pod's instead."""
-    event_loop: str = DEFAULT_EVENT_LOOP
-    """The event loop the process runs on (``picker.eventloop``): ``uvloop`` or ``asyncio``.
-    Read by whoever starts the loop (the command line, a worker process), not by ``serve``."""
 
     def __post_init__(self) -> None:
         # Said as the flags spell it: the command line shows this message as its usage error.
         if self.cert_path is not None and not self.secure_serving:
             raise ValueError("--cert-path needs --secure-serving")
-        if self.event_loop not in EVENT_LOOPS:
-            raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, "
-                             f"got {self.event_loop!r}")
 
     @property
     def uses_kubernetes(self) -> bool:
@@ -439,10 +432,9 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         log.info("ext_proc served over TLS: %s certificate, sha256 %s",
                  "self-signed" if settings.cert_path is None else str(settings.cert_path),
                  certificates.current.fingerprint)
-    log.info("picker serving ext_proc on %s:%d, metrics on %s:%d, admin on %s:%d, policy %s, "
-             "on %s", settings.host, grpc_port, settings.host, metrics_port, settings.host,
-             admin_port, config.scheduling.policy,
-             type(asyncio.get_running_loop()).__module__.partition(".")[0])
+    log.info("picker serving ext_proc on %s:%d, metrics on %s:%d, admin on %s:%d, policy %s",
+             settings.host, grpc_port, settings.host, metrics_port, settings.host, admin_port,
+             config.scheduling.policy)
     # Its own line, before the main one: whoever waits for "picker listening" has both, and the
     # main line keeps the shape that scripts already parse.
     if settings.announce:

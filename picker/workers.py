@@ -51,7 +51,6 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from picker import eventloop
 from picker.config.schema import PickerConfig, load_config
 from picker.errors import ConfigError
 from picker.server import (
@@ -141,7 +140,7 @@ def _run_worker(settings: ServeSettings, index: int, log_level: str, report: Con
         finally:
             teller.cancel()
 
-    eventloop.run(main(), settings.event_loop)
+    asyncio.run(main())
 
 
 @dataclass
@@ -226,6 +225,9 @@ class Supervisor:
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[Worker] = []
         self.draining = False
+        self._health: dict[int, tuple[int, grpc.aio.Channel]] = {}
+        """Each worker's health channel, by index, with the port it dials: one channel per
+        worker process, not one per poll."""
         self.registry = CollectorRegistry()
         self.registry.register(MergedWorkerMetrics(self.workers))
         self.ready_gauge = Gauge("fairway_workers_ready", "Worker processes of this pod whose "
@@ -292,14 +294,23 @@ class Supervisor:
         port = worker.ports.get("health")
         if not port or not worker.alive:
             return False
+        held = self._health.get(worker.index)
+        if held is None or held[0] != port:  # a restarted worker answers on a new port
+            if held is not None:
+                await held[1].close()
+            held = self._health[worker.index] = (port, grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}"))
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=READINESS),
-                                          timeout=1.0)
+            answer = await health_pb2_grpc.HealthStub(held[1]).Check(
+                health_pb2.HealthCheckRequest(service=READINESS), timeout=1.0)
         except grpc.aio.AioRpcError:
             return False
         return bool(answer.status == _SERVING)
+
+    async def close_health_channels(self) -> None:
+        for _, channel in self._health.values():
+            await channel.close()
+        self._health.clear()
 
     async def watch(self, stop: asyncio.Event, health: health_aio.HealthServicer) -> None:
         """Until ``stop``: restart the dead, read each worker's readiness, publish the pod's."""
@@ -395,6 +406,7 @@ async def run_workers(settings: ServeSettings, workers: int, log_level: str = "I
         supervisor.draining = True
         await supervisor.publish(health)
         await supervisor.stop(settings.grace + 10)
+        await supervisor.close_health_channels()
         for service in HEALTH_SERVICES:
             await health.set(service, _NOT_SERVING)
         await health_server.stop(0.5)

@@ -1,8 +1,14 @@
-"""Marks each test by its tier, from the folder it lives in (run one tier with ``-m``)."""
+"""Marks each test by its tier, from the folder it lives in (run one tier with ``-m``), and
+keeps the tiers that drive real load one at a time when ``make test`` runs two workers."""
 
 from __future__ import annotations
 
 import pytest
+
+LOAD_TIERS = ("e2e", "faults")
+"""Tiers whose tests drive load through Envoy, pickers and servers and judge shares, latency and
+timing: under pytest-xdist they all run on one worker, one after another, as they were tuned (the
+other worker takes the pure, integration and cluster tests beside them)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -16,3 +22,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.faults)
         elif "cluster" in parts:
             item.add_marker(pytest.mark.cluster)
+        if any(tier in parts for tier in LOAD_TIERS):
+            item.add_marker(pytest.mark.xdist_group("load"))

@@ -24,7 +24,6 @@ from bench.gateway.light import exp_light
 from bench.gateway.overhead import exp_overhead
 from bench.gateway.report import goals, plot, render
 from bench.gateway.throughput import throughput
-from picker.eventloop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 
 
 def _strip(value: Any) -> Any:
@@ -75,7 +74,7 @@ def run_all(plan: Plan, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "quick": plan.quick, "goals": sorted(plan.goals), "python": sys.version.split()[0],
         "envoy_version": envoy_version(), "cpu_count": os.cpu_count(),
         "response_path": plan.response_path,
-        "secure_serving": plan.secure_serving, "event_loop": plan.event_loop,
+        "secure_serving": plan.secure_serving,
         "idle_tenant_reserve": plan.idle_tenant_reserve,
         "loadavg_start": load_start, "loadavg_end": loadavg(),
         "runtime_seconds": time.perf_counter() - started, "phase_seconds": phases,
@@ -123,11 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plaintext", action="store_true",
                         help="the picker's ext_proc without TLS (default: TLS, as gateways dial "
                              "it), to measure what TLS costs")
-    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default=DEFAULT_EVENT_LOOP,
-                        help=f"the picker's event loop (default: {DEFAULT_EVENT_LOOP})")
     args = parser.parse_args(argv)
     plan = Plan(args.quick, args.only, args.response_path, args.idle_tenant_reserve,
-                secure_serving=not args.plaintext, event_loop=args.event_loop)
+                secure_serving=not args.plaintext)
     print(f"bench.gateway: {'quick' if plan.quick else 'full'} run of goals "
           f"{sorted(plan.goals)} on {os.cpu_count()} shared cores, load average {loadavg()}",
           flush=True)

@@ -62,12 +62,6 @@ class Plan:
     secure_serving: bool = True
     """The picker serves ext_proc over TLS and Envoy dials it so (the default, as gateways do);
     False: both plaintext, to see what TLS costs."""
-    event_loop: str = "uvloop"
-    """The picker's ``--event-loop`` (``picker.eventloop``)."""
-
-    @property
-    def picker_args(self) -> list[str]:
-        return ["--event-loop", self.event_loop]
 
     @property
     def fair_duration(self) -> float:
@@ -471,8 +465,7 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
     config = merge_sections(picker_overrides(traffic, weights, reserve), picker_config or {})
     stack = Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
                   server_args=list(server_args), picker_config=config,
-                  response_path=plan.response_path, secure_serving=plan.secure_serving,
-                  picker_args=plan.picker_args)
+                  response_path=plan.response_path, secure_serving=plan.secure_serving)
     return run_stack(label, policy, stack, traffic, window, plan.sample_interval)
 
 

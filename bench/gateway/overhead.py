@@ -558,7 +558,7 @@ def exp_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
         config = {**picker_config, "endpoints": [{"address": fast}]}
         with Stack(workdir / "ovh-picker", policy="vtc", endpoints=0,
                    picker_config=config, response_path=plan.response_path,
-                   secure_serving=plan.secure_serving, picker_args=plan.picker_args) as picked:
+                   secure_serving=plan.secure_serving) as picked:
             stacks = [base, picked, streamer]
             probe = _client_probe(lambda: process_cpu(stacks))
             print(f"  overhead: {OVERHEAD_RATE:g} req/s ABBA, then the rate ladder", flush=True)

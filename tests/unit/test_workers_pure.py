@@ -3,6 +3,8 @@ worker (without starting processes), and what ``bench.workers``' ladder conclude
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +43,14 @@ def test_the_supervisor_refuses_one_worker_a_lease_and_no_connection_age(
     with pytest.raises(ValueError, match=problem):
         Supervisor(settings, workers, connection_age=age)
     assert workers_problem(ServeSettings(), 2) is None
+
+
+def test_settings_refuse_a_certificate_without_tls_wherever_they_are_made() -> None:
+    # One check for the command line, serve() and run_workers(): the settings' own.
+    with pytest.raises(ValueError, match="--cert-path needs --secure-serving"):
+        ServeSettings(cert_path=Path("/certs"), secure_serving=False)
+    with pytest.raises(ValueError, match="--cert-path needs --secure-serving"):
+        replace(ServeSettings(cert_path=Path("/certs")), secure_serving=False)
 
 
 class _Dead:
