@@ -74,11 +74,13 @@ bench: setup
 bench-scale: setup
 	$(PY) -m bench.scale --out bench/results
 
-# Issue 16: where the picker's CPU goes (py-spy flame graphs, bench/results/profile.md) and what
+# Issue 16: where the picker's CPU goes (py-spy flame graphs, bench/results/profile.md), what a
+# streamed token costs as streams crowd in (stream_density.md) and what
 # scraping costs (bench/results/scrape.md).
 bench-profile: setup
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) -m bench.profile --out bench/results
+	$(PY) -m bench.profile --density 4,40,160 --seconds 10 --out bench/results
 
 bench-scrape: setup
 	$(PY) -m bench.scrape_cost --out bench/results

@@ -6,8 +6,10 @@ servers) and samples the picker with py-spy in two phases:
 
 * **requests**: short non-streaming completions at a fixed 200 requests/s, one tenant with
   budgets and caps that never bind (admission runs on every request), as the overhead benchmark;
-* **stream**: streamed completions back to back (``STREAMS`` at once, ``STREAM_TOKENS`` tokens,
-  one chunk per engine step of ``STREAM_STEP_MS``): the meter stream's cost per chunk.
+* **stream**: streamed completions back to back (``STREAMS`` at once, ``--streams`` to change,
+  ``STREAM_TOKENS`` tokens, one chunk per engine step of ``STREAM_STEP_MS``): the meter stream's
+  cost per streamed token (an SSE event; at 40 streams a pool's rate, where several may share a
+  wake-up).
 
 Each phase records the picker once as collapsed stacks (``profile_<phase>.txt``, the data the
 tables are made from) and once as a flame graph (``profile_<phase>.svg``), and measures the
@@ -35,11 +37,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.gateway.common import loadavg, process_cpu
+from bench.gateway.common import fetch_metrics, loadavg, msum, process_cpu
 from bench.gateway.overhead import (
     ADMISSION_RULES,
     FAST_SERVER_ARGS,
     RawTarget,
+    envoy_stats,
     fixed_rate,
     raw_post,
 )
@@ -158,31 +161,50 @@ def _phase(stack: Stack, name: str, out: Path, seconds: float,
     pid = stack.picker_processes[0].pid
     asyncio.run(load(2.0))  # warm: connections, the estimates, the JIT of nothing
     raw, svg = out / f"profile_{name}.txt", out / f"profile_{name}.svg"
+    metered_before = _metered(stack)
     cpu_before, wall_before = _picker_cpu(stack), time.monotonic()
     units = asyncio.run(_while(lambda: record(pid, seconds, raw, "raw"), load, seconds))
     cpu, wall = _picker_cpu(stack) - cpu_before, time.monotonic() - wall_before
+    # What the picker charged over the window: had it fallen behind, it would have settled on
+    # estimates (unclaimed meter streams) and its cost per chunk would flatter it.
+    metered = {k: v - metered_before[k] for k, v in _metered(stack).items()}
     asyncio.run(_while(lambda: record(pid, seconds, svg, "flamegraph"), load, seconds))
     samples = parse_collapsed(raw.read_text())
     total = sum(count for _, count in samples)
     return {"cpu_s": cpu, "wall_s": wall, "units": units, "cpu_ms_per_unit": cpu / units * 1000,
+            "units_per_s": units / wall, **metered,
+            "cpu_ms_per_meter_message": cpu / metered["meter_messages"] * 1000
+            if metered["meter_messages"] else None,
             "core_fraction": cpu / wall, "samples": total,
             "activities": dict(attribute(samples, ACTIVITIES, innermost=False).most_common()),
             "kinds": dict(attribute(samples, KINDS, innermost=True).most_common()),
             "top": top_functions(samples)}
 
 
+def _metered(stack: Stack) -> dict[str, float]:
+    got = fetch_metrics(stack.metrics_url, frozenset({"fairway_service_tokens_total",
+                                                      "fairway_meter_unclaimed_total"}))
+    return {"completion_tokens_charged": msum(got, "fairway_service_tokens_total",
+                                              kind="completion"),
+            "meter_unclaimed": msum(got, "fairway_meter_unclaimed_total"),
+            # Envoy sends one message per read from the engine: busy, it reads several events.
+            "meter_messages": envoy_stats(stack).get("meter.stream_msgs_sent", 0.0)}
+
+
 def profile(out: Path, seconds: float, workdir: Path | None = None, *,
             response_path: str = "meter-stream", secure_serving: bool = True,
-            phases: tuple[str, ...] = ("requests", "stream")) -> dict[str, Any]:
+            phases: tuple[str, ...] = ("requests", "stream"),
+            streams: int = STREAMS) -> dict[str, Any]:
     picker_config: dict[str, Any] = {"tenants": [{"id": "bench", **ADMISSION_RULES}],
                                      "queue": {"maxWait": "10s"}}
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"streams": streams}
     with tempfile.TemporaryDirectory(prefix="fairway-profile-") as scratch:
         tmp = workdir or Path(scratch)
         with Stack(Path(tmp) / "fast", with_picker=False, endpoints=1,
                    server_args=FAST_SERVER_ARGS) as fast, \
                 Stack(Path(tmp) / "slow", with_picker=False, endpoints=1,
-                      server_args=["--step-ms", f"{STREAM_STEP_MS:g}"]) as streamer, \
+                      server_args=["--step-ms", f"{STREAM_STEP_MS:g}", "--kv-budget-tokens",
+                                   str(max(8192, streams * 512))]) as streamer, \
                 Stack(Path(tmp) / "picked", policy="vtc", endpoints=0,
                       response_path=response_path, secure_serving=secure_serving,
                       picker_config={**picker_config, "endpoints": [
@@ -211,25 +233,25 @@ def profile(out: Path, seconds: float, workdir: Path | None = None, *,
             stream_raw = raw_post(picked.gateway_port, "/v1/completions", stream_body,
                                   {**headers, DESTINATION_HEADER: slow})
 
-            async def streams(duration: float) -> int:
+            async def stream_load(duration: float) -> int:
                 target = RawTarget("picker", picked.gateway_port)
                 chunks = 0
                 until = time.monotonic() + duration
 
                 def count(data: bytes, _: float) -> None:
                     nonlocal chunks
-                    chunks += 1
+                    chunks += data.count(b"data:")  # events, however the reads fall
 
                 async def one() -> None:
                     while time.monotonic() < until:
                         await target.call(stream_raw, count, timeout=30)
-                await asyncio.gather(*(one() for _ in range(STREAMS)))
+                await asyncio.gather(*(one() for _ in range(streams)))
                 target.close()
                 return chunks
 
             if "stream" in phases:
-                print(f"  profile: {STREAMS} streams of {STREAM_TOKENS} tokens", flush=True)
-                results["stream"] = _phase(picked, "stream", out, seconds, streams)
+                print(f"  profile: {streams} streams of {STREAM_TOKENS} tokens", flush=True)
+                results["stream"] = _phase(picked, "stream", out, seconds, stream_load)
                 results["stream"]["unit"] = "streamed chunk"
     return results
 
@@ -252,7 +274,8 @@ def report(results: dict[str, Any], seconds: float) -> str:
              f"load average {loadavg()}. Flame graphs: `profile_requests.svg`, "
              "`profile_stream.svg`; the collapsed stacks they are drawn from: `.txt`.", ""]
     for phase, title in (("requests", f"Requests: {RATE:g}/s, non-streaming, one token"),
-                         ("stream", f"Meter stream: {STREAMS} streams of {STREAM_TOKENS} tokens, "
+                         ("stream", f"Meter stream: {results.get('streams', STREAMS)} streams "
+                                    f"of {STREAM_TOKENS} tokens, "
                                     f"a chunk every {STREAM_STEP_MS:g} ms each")):
         got = results[phase]
         lines += [f"## {title}", "",
@@ -283,6 +306,46 @@ def report(results: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
+DENSITY_COLUMNS = (("streams", "streams", "{:d}"),
+                   ("units_per_s", "tokens/s streamed", "{:,.0f}"),
+                   ("cpu_ms_per_unit", "picker CPU ms / token", "{:.3f}"),
+                   ("core_fraction", "picker cores", "{:.2f}"),
+                   ("messages_per_unit", "meter messages / token", "{:.2f}"),
+                   ("cpu_ms_per_meter_message", "picker CPU ms / message", "{:.3f}"),
+                   ("meter_unclaimed", "meter streams unclaimed", "{:.0f}"))
+
+
+def density(out: Path, seconds: float, counts: list[int]) -> None:
+    """The meter stream's cost per streamed token as more streams run at once: writes
+    ``stream_density.md`` and ``.json``."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fairway-density-") as graphs:
+        for streams in [*counts, *counts[::-1]]:
+            print(f"  density: {streams} streams", flush=True)
+            got = profile(Path(graphs), seconds, phases=("stream",), streams=streams)["stream"]
+            rows.append({"streams": streams, **{k: got[k] for k in (
+                "units_per_s", "cpu_ms_per_unit", "core_fraction", "cpu_ms_per_meter_message",
+                "meter_unclaimed", "completion_tokens_charged", "units")},
+                "messages_per_unit": got["meter_messages"] / got["units"]})
+    (out / "stream_density.json").write_text(json.dumps(rows, indent=1))
+    lines = ["# The meter stream's cost per streamed token, by how many streams run at once", "",
+             f"`python -m bench.profile --density {','.join(map(str, counts))}` (each count "
+             f"twice, in that order and back; {seconds:g} s of streaming each, {STREAM_TOKENS}-"
+             f"token completions, a chunk every {STREAM_STEP_MS:g} ms per stream, real Envoy "
+             f"dialling the picker over TLS), {os.cpu_count()} cores shared by Envoy, the "
+             f"picker, the simulated server and the load client; load average {loadavg()}. "
+             "A token is an SSE event the client received. Unclaimed meter streams 0: no "
+             "request was settled on its estimate instead of the engine's count. A busy Envoy "
+             "reads several events from an engine at once and sends them as one message.", "",
+             "| " + " | ".join(label for _, label, _ in DENSITY_COLUMNS) + " |",
+             "|" + "---:|" * len(DENSITY_COLUMNS)]
+    for row in sorted(rows, key=lambda r: r["streams"]):
+        lines.append("| " + " | ".join(form.format(row[key]) if row[key] is not None else "-"
+                                       for key, _, form in DENSITY_COLUMNS) + " |")
+    (out / "stream_density.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.profile")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -294,14 +357,30 @@ def main() -> None:
                         help="ext_proc without TLS (--secure-serving=false)")
     parser.add_argument("--quick", action="store_true",
                         help="CPU per request and per chunk only: no report, no floor")
+    parser.add_argument("--streams", type=int, default=STREAMS,
+                        help=f"streams at once in the stream phase (default {STREAMS})")
+    parser.add_argument("--phase", choices=("requests", "stream"), action="append",
+                        help="only this phase (repeatable; default both)")
+    parser.add_argument("--density", metavar="N,N,...",
+                        help="the stream phase alone at each of these stream counts, each twice "
+                             "(in the order given, then reversed): stream_density.md")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.density:
+        density(args.out, args.seconds, [int(n) for n in args.density.split(",")])
+        return
     results = profile(args.out, args.seconds, args.workdir, response_path=args.response_path,
-                      secure_serving=not args.plaintext)
+                      secure_serving=not args.plaintext, streams=args.streams,
+                      phases=tuple(args.phase or ("requests", "stream")))
     if args.quick:
-        for phase in ("requests", "stream"):
+        for phase in args.phase or ("requests", "stream"):
             got = results[phase]
-            print(f"{phase}: {got['cpu_ms_per_unit']:.3f} ms per {got['unit']}")
+            print(f"{phase}: {got['cpu_ms_per_unit']:.3f} ms per {got['unit']}, "
+                  f"{got['units_per_s']:.0f} a second, {got['core_fraction']:.0%} of a core; "
+                  f"completion tokens charged {got['completion_tokens_charged']:.0f}, "
+                  f"meter streams unclaimed {got['meter_unclaimed']:.0f}, "
+                  f"{got['meter_messages'] / got['units']:.2f} meter-stream messages a "
+                  f"{got['unit']}")
         return
     print("  profile: the gRPC floor", flush=True)
     results["grpc_floor"] = json.loads(subprocess.run(
