@@ -115,6 +115,11 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+def traffic_seed(size: Size) -> int:
+    """The seed a size's traffic runs on without ``--seed``."""
+    return _traffic(size).seed
+
+
 def _config(mode: dict[str, Any], spec: PoolSpec,
             extra: dict[str, Any] | None = None) -> PickerConfig:
     """A mode's picker config on this pool; ``extra``: capacity settings added to every mode
