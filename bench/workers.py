@@ -254,17 +254,15 @@ def _children_cpu() -> float:
 
 
 def ghz_run(ghz: Path, protoset: Path, data: Path, port: int, concurrency: int,
-            seconds: float, picker_pid: int, rps: float | None = None) -> dict[str, Any]:
-    """ghz at ``concurrency`` streams for ``seconds``, as fast as the picker answers, or at
-    most ``rps`` requests a second."""
+            seconds: float, picker_pid: int) -> dict[str, Any]:
+    """ghz at ``concurrency`` streams for ``seconds``, as fast as the picker answers."""
     ticks = clock_ticks()
     picker_before, ghz_before, started = tree_ticks(picker_pid) or 0, _children_cpu(), \
         time.monotonic()
     done = subprocess.run(
         [str(ghz), "--insecure", "--protoset", str(protoset), "--call", EXT_PROC_CALL,
          "--data-file", str(data), "-c", str(concurrency), "--connections",
-         str(DIRECT_CONNECTIONS), "-z", f"{seconds:g}s", *(["--rps", f"{rps:g}"] if rps else []),
-         "-O", "json", f"127.0.0.1:{port}"],
+         str(DIRECT_CONNECTIONS), "-z", f"{seconds:g}s", "-O", "json", f"127.0.0.1:{port}"],
         capture_output=True, text=True, timeout=seconds + 60, check=False)
     wall = time.monotonic() - started
     picker_cpu = ((tree_ticks(picker_pid) or 0) - picker_before) / ticks

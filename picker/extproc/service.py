@@ -675,11 +675,17 @@ class _Exchange:
         ticket = self.ticket
         if ticket is None or ticket.outcome is not None:
             return
-        usage = self.meter.finish() if self.meter is not None and not self.response_failed \
+        self._settle(ticket, self._usage(), "error" if self.response_failed else "ok")
+
+    def _usage(self) -> Usage | None:
+        """The engine's usage as the response reported it (None: not reported, or failed)."""
+        return self.meter.finish() if self.meter is not None and not self.response_failed \
             else None
+
+    def _settle(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
         if self.meter is not None:
             ticket.finish_reason = self.meter.finish_reason
-        self.dispatcher.complete(ticket, usage, "error" if self.response_failed else "ok")
+        self.dispatcher.complete(ticket, usage, outcome)
 
     def abandon(self) -> None:
         """The stream ended early (client gone, Envoy reset): settle to what was delivered.
@@ -693,12 +699,9 @@ class _Exchange:
         # Envoy can end the stream before its last, empty end_of_stream message: the client
         # had the whole body by its length and closed the connection. A response whose usage
         # was read whole was delivered whole.
-        usage = self.meter.finish() if self.meter is not None and not self.response_failed \
-            else None
+        usage = self._usage()
         if usage is not None:
-            assert self.meter is not None
-            ticket.finish_reason = self.meter.finish_reason
-            self.dispatcher.complete(ticket, usage, "ok")
+            self._settle(ticket, usage, "ok")
             return
         unmetered = self.response_unseen and self.meter is None
         self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")

@@ -255,6 +255,17 @@ async def relay_response(stream: Stream, status: int, content_type: str,
         assert streamed(await stream.reply(), "response_body") == (chunk, last)
 
 
+async def settled_to_usage(pool: Picker, tenant: str, usage: dict[str, int]) -> None:
+    """The request ended ok, charged the engine's own prompt and completion counts, and gave
+    its endpoint's room back."""
+    await pool.eventually("fairway_requests_total", 1, tenant=tenant, outcome="ok")
+    assert await pool.metric("fairway_service_tokens_total", tenant=tenant,
+                             kind="completion") == usage["completion_tokens"]
+    assert await pool.metric("fairway_service_tokens_total", tenant=tenant,
+                             kind="prompt") == usage["prompt_tokens"]
+    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+
+
 @dataclass
 class Upstream:
     status: int
@@ -411,13 +422,9 @@ async def test_response_is_echoed_chunk_by_chunk_and_settled(pool: Picker) -> No
     assert upstream.status == 200
     await relay_response(stream, 200, upstream.content_type, split(upstream.data, 4))
     usage = json.loads(upstream.data)["usage"]
+    assert usage["completion_tokens"] == 5
 
-    await pool.eventually("fairway_requests_total", 1, tenant="a", outcome="ok")
-    assert await pool.metric("fairway_service_tokens_total", tenant="a",
-                             kind="completion") == usage["completion_tokens"] == 5
-    assert await pool.metric("fairway_service_tokens_total", tenant="a",
-                             kind="prompt") == usage["prompt_tokens"]
-    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+    await settled_to_usage(pool, "a", usage)
 
 
 async def test_trailers_are_answered(pool: Picker) -> None:
@@ -700,12 +707,8 @@ async def test_a_whole_body_whose_end_never_came_is_settled_to_its_usage(pool: P
     await stream.close()
 
     usage = json.loads(upstream.data)["usage"]
-    await pool.eventually("fairway_requests_total", 1, tenant="b", outcome="ok")
-    assert await pool.metric("fairway_service_tokens_total", tenant="b",
-                             kind="completion") == usage["completion_tokens"] == 7
-    assert await pool.metric("fairway_service_tokens_total", tenant="b",
-                             kind="prompt") == usage["prompt_tokens"]
-    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+    assert usage["completion_tokens"] == 7
+    await settled_to_usage(pool, "b", usage)
 
 
 async def test_error_response_is_not_charged_for_output(pool: Picker) -> None:
