@@ -41,8 +41,9 @@ demo: setup-demo
 experiments: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 
-# Two workers (pytest-xdist): the load-driving tiers (e2e, faults) keep one to themselves, one
-# test at a time (tests/conftest.py); the pure, integration and cluster tests run on the other.
+# Two workers (pytest-xdist): the tiers that drive load or keep time (integration, e2e, faults)
+# keep one to themselves, one test at a time (tests/conftest.py); the pure and cluster tests run
+# on the other.
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
