@@ -47,7 +47,7 @@ from bench.gateway.overhead import (
     raw_post,
 )
 from picker.sim.traffic import DEFAULT_TENANT_HEADER
-from picker.stack.envoy import DESTINATION_HEADER
+from picker.stack.envoy import DESTINATION_HEADER, RESPONSE_PATHS
 from picker.stack.launcher import Stack
 
 RATE = 200.0
@@ -351,7 +351,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--workdir", type=Path, help="keep the stacks' logs here")
-    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+    parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream")
     parser.add_argument("--plaintext", action="store_true",
                         help="ext_proc without TLS (--secure-serving=false)")

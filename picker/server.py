@@ -47,7 +47,12 @@ from picker.config.reload import ConfigWatcher
 from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
 from picker.errors import ConfigError
-from picker.extproc import ExternalProcessor, add_to_server
+from picker.extproc import (
+    AccessLogReceiver,
+    ExternalProcessor,
+    add_access_log_to_server,
+    add_to_server,
+)
 from picker.k8s import (
     UNREACHABLE,
     ApiError,
@@ -176,6 +181,10 @@ class ServeSettings:
     meter_claim_timeout: float = 10.0
     """Seconds a request routed with a meter-stream gateway waits for that stream to open (it
     opens at dispatch) before it is settled as gone; only a misconfigured gateway hits this."""
+    log_claim_timeout: float = 330.0
+    """Seconds a request routed with an access-log gateway waits for its log entry, which comes
+    once it has ended (longer than the gateway's route timeout), before it is settled on its
+    estimate."""
     config_map: str | None = None
     """``namespace/name`` of a ConfigMap whose ``picker.yaml`` is the config, watched through the
     Kubernetes API (changes apply within seconds)."""
@@ -365,8 +374,11 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
                      config.state.redis.key_prefix)
 
     server = grpc.aio.server(options=_ext_proc_options(settings))
-    add_to_server(ExternalProcessor(dispatcher, lambda: dispatcher.config,
-                                    settings.meter_claim_timeout), server)
+    processor = ExternalProcessor(dispatcher, lambda: dispatcher.config,
+                                  settings.meter_claim_timeout, settings.log_claim_timeout)
+    add_to_server(processor, server)
+    # The access-log response path: the gateway's access log on the same port.
+    add_access_log_to_server(AccessLogReceiver(processor), server)
     # The ext_proc port answers health too (gateways may check it there), the same answers.
     health_pb2_grpc.add_HealthServicer_to_server(health.servicers[1], server)
     address = f"{settings.host}:{settings.grpc_port}"

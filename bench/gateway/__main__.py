@@ -24,6 +24,7 @@ from bench.gateway.light import exp_light
 from bench.gateway.overhead import exp_overhead
 from bench.gateway.report import goals, plot, render
 from bench.gateway.throughput import throughput
+from picker.stack.envoy import RESPONSE_PATHS
 
 
 def _strip(value: Any) -> Any:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="short runs: a smoke run, not a measurement")
     parser.add_argument("--only", type=_goal_set, default=frozenset({1, 2, 3, 4, 5}),
                         help="comma-separated goals to run (1..5; 3 needs the runs of 1 and 2)")
-    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+    parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream",
                         help="how Envoy hands responses to the picker (default: meter-stream)")
     parser.add_argument("--idle-tenant-reserve", default="0s", metavar="DURATION",

@@ -390,9 +390,10 @@ class Dispatcher:
         if self.gate.served_by(ticket, address, now) and primary is not None:
             self._log_ejected(primary.address, "the gateway retried on a fallback", now)
 
-    def on_first_byte(self, ticket: Ticket) -> None:
+    def on_first_byte(self, ticket: Ticket, at: float | None = None) -> None:
+        """The engine's first byte came (``at``, when reported after the fact; else now)."""
         if ticket.first_byte_at is None:
-            ticket.first_byte_at = self.clock()
+            ticket.first_byte_at = self.clock() if at is None else at
             self.metrics.ttft.labels(ticket.tenant, ticket.lane) \
                 .observe(ticket.first_byte_at - ticket.arrived_at)
 

@@ -30,6 +30,10 @@ The response comes back one of two ways, and the tenant is charged as tokens str
   ``observability_mode`` (Envoy does not wait for answers). The picker names the request in its
   ``fairway`` dynamic metadata; the second filter forwards that namespace, which is how its
   stream finds the request. Metering then leaves the response's critical path.
+* **access log** (``fairway-response-path: access-log``): no response stream. Envoy reads the
+  engine's ``usage`` itself and its gRPC access log brings it, with the request's name, when
+  the request has ended (``picker.extproc.accesslog``): a stream's output is charged at its end,
+  and streamed chunks cost the picker nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -68,6 +73,9 @@ from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
 
+if TYPE_CHECKING:
+    from picker.extproc.accesslog import LoggedResponse
+
 log = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -82,6 +90,7 @@ METER_NAMESPACE = "fairway"
 METER_KEY = "request"
 RESPONSE_PATH_METADATA = "fairway-response-path"
 METER_STREAM = "meter-stream"
+ACCESS_LOG = "access-log"
 
 _MODE = processing_mode_pb2.ProcessingMode
 
@@ -297,6 +306,23 @@ def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None
     return changed
 
 
+USAGE_OPTION_KINDS = frozenset({ApiKind.COMPLETIONS, ApiKind.CHAT})
+"""The APIs whose streams take ``stream_options`` (OpenAI's, and vLLM's continuous usage)."""
+
+
+def ask_continuous_usage(body: dict) -> bool:
+    """Ask a stream for its usage in every chunk (vLLM's ``continuous_usage_stats``, with
+    ``include_usage``); True when the body changed. The client then sees ``usage`` on its chunks
+    and a last usage chunk, as with vLLM's ``--enable-force-include-usage``."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        options = {}
+    if options.get("include_usage") is True and options.get("continuous_usage_stats") is True:
+        return False
+    body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
+    return True
+
+
 def _meter_id(message: pb.ProcessingRequest) -> str | None:
     namespace = message.metadata_context.filter_metadata.get(METER_NAMESPACE)
     if namespace is None:
@@ -345,7 +371,11 @@ class _Exchange:
         """Bytes of this request's body counted in ``bodies``."""
         self.body_complete = False
         self.meter_id = meter_id
-        """Set when the response comes on a separate meter stream (named by this id)."""
+        """Set when the response comes on a separate meter stream or in the access log (named by
+        this id)."""
+        self.logged = False
+        """The response is metered from the gateway's access log: a stream is asked for usage
+        in every chunk (``stream_options``), the one count a cut stream leaves there."""
         self.headers: dict[str, str] = {}
         self.plan = BodyPlan.HOLD
         self.per_chunk = False
@@ -627,8 +657,11 @@ class _Exchange:
 
     def _rewritten(self, inference: InferenceRequest, ticket: Ticket) -> bytes | None:
         """The body as policy wants it, or None when it needs no change."""
-        if not rewrite_body(inference.body, ticket.engine_priority,
-                            ticket.max_tokens, inference.output_cap_key):
+        changed = rewrite_body(inference.body, ticket.engine_priority,
+                               ticket.max_tokens, inference.output_cap_key)
+        if self.logged and inference.stream and inference.kind in USAGE_OPTION_KINDS:
+            changed = ask_continuous_usage(inference.body) or changed
+        if not changed:
             return None
         return json.dumps(inference.body, separators=(",", ":")).encode()
 
@@ -687,6 +720,39 @@ class _Exchange:
             ticket.finish_reason = self.meter.finish_reason
         self.dispatcher.complete(ticket, usage, outcome)
 
+    def settle_logged(self, logged: LoggedResponse) -> None:
+        """Settle from the gateway's access log entry (the ``access-log`` response path)."""
+        self.done = True
+        ticket = self.ticket
+        if ticket is None or ticket.outcome is not None:
+            return
+        dispatcher = self.dispatcher
+        if logged.served is not None:
+            dispatcher.served_by(ticket, logged.served)
+        if logged.failure is not None:
+            # Never reached an engine: settled to nothing, counted against the endpoint.
+            dispatcher.upstream_failed(ticket, logged.failure)
+            return
+        if logged.first_byte is not None and logged.body_bytes:
+            dispatcher.on_first_byte(ticket, at=ticket.arrived_at + logged.first_byte)
+        if logged.failed:
+            dispatcher.complete(ticket, None, "error")
+            return
+        outcome = "cancelled" if logged.client_gone else "ok"
+        usage = logged.usage(prompt_only=self.kind is ApiKind.EMBEDDINGS)
+        if usage is not None:
+            dispatcher.complete(ticket, usage, outcome)
+        elif logged.completion_tokens is not None:
+            # Output counted but no prompt count: the prompt stays at its estimate.
+            dispatcher.on_output_tokens(ticket, logged.completion_tokens)
+            dispatcher.complete(ticket, None, outcome)
+        elif logged.client_gone and not logged.body_bytes:
+            dispatcher.complete(ticket, None, "cancelled")
+        else:
+            # Output went out uncounted (an engine that reports no usage, or a stream cut
+            # before its usage): the output estimate, never nothing.
+            dispatcher.complete(ticket, None, "unmetered")
+
     def abandon(self) -> None:
         """The stream ended early (client gone, Envoy reset): settle to what was delivered.
 
@@ -703,7 +769,9 @@ class _Exchange:
         if usage is not None:
             self._settle(ticket, usage, "ok")
             return
-        unmetered = self.response_unseen and self.meter is None
+        # A response the picker was never to see (no body sent; or the access log's entry, lost):
+        # its output went uncounted, so it is charged the estimate.
+        unmetered = (self.response_unseen or self.logged) and self.meter is None
         self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
 
 
@@ -715,11 +783,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` backed by the fair dispatcher."""
 
     def __init__(self, dispatcher: Dispatcher, config: Callable[[], PickerConfig],
-                 meter_claim_timeout: float = 10.0) -> None:
+                 meter_claim_timeout: float = 10.0, log_claim_timeout: float = 330.0) -> None:
         self.dispatcher = dispatcher
         self._config = config
         self.meter_claim_timeout = meter_claim_timeout
         """Seconds a routed request waits for its meter stream before it is settled as gone."""
+        self.log_claim_timeout = log_claim_timeout
+        """Seconds a request routed by an access-log gateway waits for its log entry (which
+        comes when it ends) before it is settled on its estimate."""
         # A restarted picker must not take an old request's meter stream for a new request.
         self._id_prefix = os.urandom(4).hex()
         self._ids = itertools.count(1)
@@ -732,11 +803,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        metered = any(key == RESPONSE_PATH_METADATA and value == METER_STREAM
-                      for key, value in context.invocation_metadata() or ())
+        path = next((value for key, value in context.invocation_metadata() or ()
+                     if key == RESPONSE_PATH_METADATA), None)
+        metered = path in (METER_STREAM, ACCESS_LOG)
         meter_id = f"{self._id_prefix}-{next(self._ids)}" if metered else None
         config = self._config()
         exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies)
+        exchange.logged = path == ACCESS_LOG
         handed_over = False
         messages = aiter(request_iterator)
         try:
@@ -784,9 +857,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                           "fairway_faults_total)", exc_info=error)
 
     def _await_meter(self, meter_id: str, exchange: _Exchange) -> None:
-        """The request is routed; its response will come on a meter stream named ``meter_id``."""
-        timer = asyncio.get_running_loop().call_later(self.meter_claim_timeout, self._unclaimed,
-                                                      meter_id)
+        """The request is routed; its response will come on a meter stream named ``meter_id``,
+        or in the access log when it has ended."""
+        timeout = self.log_claim_timeout if exchange.logged else self.meter_claim_timeout
+        timer = asyncio.get_running_loop().call_later(timeout, self._unclaimed, meter_id)
         self._awaiting_meter[meter_id] = (exchange, timer)
 
     def _unclaimed(self, meter_id: str) -> None:
@@ -798,12 +872,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # One line a minute at most: a gateway without its metering filter would otherwise
             # log every request (each is counted in fairway_requests_total all the same).
             if now - self._unclaimed_logged_at >= UNCLAIMED_LOG_INTERVAL:
-                log.warning("no meter stream within %gs for %d request(s) (the latest %s): is the "
-                            "gateway's metering filter missing? settled as gone (counted in "
-                            "fairway_meter_unclaimed_total)",
-                            self.meter_claim_timeout, self._unclaimed_since_log, meter_id)
+                log.warning("no meter stream or access log entry in time for %d request(s) (the "
+                            "latest %s): is the gateway's metering filter or access log "
+                            "missing? settled as gone (counted in "
+                            "fairway_meter_unclaimed_total)", self._unclaimed_since_log, meter_id)
                 self._unclaimed_logged_at, self._unclaimed_since_log = now, 0
             exchange.abandon()
+
+    def settle_logged(self, logged: LoggedResponse) -> None:
+        """The gateway's access log reports that a request routed for that path has ended."""
+        exchange, timer = self._awaiting_meter.pop(logged.request_id, (None, None))
+        if exchange is None:
+            return
+        if timer is not None:
+            timer.cancel()
+        exchange.settle_logged(logged)
+
+    def fault_logged(self, error: Exception) -> None:
+        """A bug met while settling from an access log entry: counted, logged once per kind."""
+        self._fault(error)
 
     async def _meter(self, first: pb.ProcessingRequest,
                      messages: AsyncIterator[pb.ProcessingRequest]) -> None:

@@ -13,6 +13,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from picker.stack.envoy import RESPONSE_PATHS
 from picker.stack.launcher import Stack
 
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV budget of each simulated server")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="decode step time of each simulated server")
-    parser.add_argument("--response-path", choices=("meter-stream", "inline"),
+    parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream",
                         help="how Envoy hands responses to the picker (see README)")
     parser.add_argument("--workdir", type=Path, default=None,

@@ -11,13 +11,18 @@ the picker and the model server read the same path. Without a picker (``picker_p
 same listener routes on that header as the client sent it: the baseline for measuring the
 picker's overhead.
 
-The response reaches the picker one of two ways (``response_path``):
+The response reaches the picker one of three ways (``response_path``):
 
 * ``meter-stream`` (default): the picker's filter handles the request only; a second ext_proc
   filter in ``observability_mode`` sends the response to the picker without waiting for answers,
   so streamed chunks are not delayed by the picker.
 * ``inline``: one filter, the response streamed through the picker too (``FULL_DUPLEX_STREAMED``
   both ways), as a Gateway API Inference Extension gateway configures it.
+* ``access-log``: no response stream at all. Envoy reads the engine's ``usage`` itself
+  (``sse_to_metadata`` for streams, ``json_to_metadata`` for whole answers, ``usage_filters``)
+  and sends it, with the picker's request name, in its gRPC access log (``ACCESS_LOG_FLUSH``
+  batches entries): no picker message per streamed token, and the tenant is charged a stream's
+  output when the stream ends instead of as it streams.
 """
 
 from __future__ import annotations
@@ -115,7 +120,27 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
-RESPONSE_PATHS = ("meter-stream", "inline")
+RESPONSE_PATHS = ("meter-stream", "inline", "access-log")
+ACCESS_LOG_FLUSH = "0.02s"
+"""How long Envoy's gRPC access log holds entries before sending them (``access-log`` path): a
+finished request's room on its endpoint is freed up to this much later."""
+USAGE_NAMESPACE = "fairway.usage"
+"""Where ``usage_filters`` write the engine's token counts (the picker reads them from the
+access log entry: ``picker.extproc.accesslog``)."""
+USAGE_SELECTORS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("usage", "prompt_tokens"), "prompt"),
+    (("usage", "completion_tokens"), "completion"),
+    (("usage", "prompt_tokens_details", "cached_tokens"), "cached"),
+    # Anthropic's /v1/messages and the Responses API name them input and output tokens.
+    (("usage", "input_tokens"), "prompt"),
+    (("usage", "output_tokens"), "completion"),
+    (("message", "usage", "input_tokens"), "prompt"),
+    (("response", "usage", "input_tokens"), "prompt"),
+    (("response", "usage", "output_tokens"), "completion"),
+)
+"""JSON paths of a response's token counts, and the key each is written under. The last value
+seen wins, so a stream with vLLM's ``continuous_usage_stats`` (which the picker asks for on this
+path) leaves the count delivered so far when a client leaves mid-stream."""
 METER_DEFERRED_CLOSE = "0.25s"
 """How long Envoy keeps a meter stream open after the HTTP stream ends; a client that disconnects
 mid-stream is settled this much later."""
@@ -357,7 +382,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
                                     "timeout": f"{request_timeout_s}s"}
     if not inline:
         grpc_service["initial_metadata"] = [{"key": "fairway-response-path",
-                                             "value": "meter-stream"}]
+                                             "value": response_path}]
     picker = _ext_proc(
         grpc_service,
         stat_prefix="picker",
@@ -386,6 +411,8 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
         },
     )
     filters = [{"name": "envoy.filters.http.ext_proc", "typed_config": picker}]
+    if response_path == "access-log":
+        return filters + usage_filters()
     if not inline:
         meter = _ext_proc(
             {"envoy_grpc": {"cluster_name": "picker"}, "timeout": f"{request_timeout_s}s"},
@@ -408,6 +435,53 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
         )
         filters.append({"name": "fairway.meter", "typed_config": meter})
     return filters
+
+
+def usage_filters() -> list[dict[str, Any]]:
+    """Filters that write a response's token counts into ``USAGE_NAMESPACE`` metadata: every SSE
+    event's JSON for a stream (``sse_to_metadata``, an API Envoy 1.40 still marks
+    work-in-progress), the whole body for an answer that is not streamed."""
+    def action(key: str) -> dict[str, Any]:
+        return {"metadata_namespace": USAGE_NAMESPACE, "key": key, "type": "NUMBER"}
+
+    def selectors(path: tuple[str, ...]) -> list[dict[str, str]]:
+        return [{"key": part} for part in path]
+
+    sse_rules = [{"rule": {"selectors": selectors(path), "on_present": action(key)}}
+                 for path, key in USAGE_SELECTORS]
+    json_rules = [{"selectors": selectors(path), "on_present": action(key)}
+                  for path, key in USAGE_SELECTORS]
+    return [
+        {"name": "fairway.usage.sse", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.sse_to_metadata.v3."
+                     "SseToMetadata",
+            "response_rules": {
+                "content_parser": {"name": "envoy.content_parsers.json", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.content_parsers.json.v3."
+                             "JsonContentParser",
+                    "rules": sse_rules}},
+                # A vLLM chunk with logprobs can pass the 8 KiB default.
+                "max_event_size": 262_144}}},
+        {"name": "fairway.usage.json", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3."
+                     "JsonToMetadata",
+            # The media type is compared whole: vLLM sends the first, aiohttp servers the second.
+            "response_rules": {"rules": json_rules, "allow_content_types": [
+                "application/json", "application/json; charset=utf-8"]}}},
+    ]
+
+
+def picker_access_log(request_timeout_s: int) -> dict[str, Any]:
+    """Envoy's gRPC access log to the picker (``access-log`` path): each finished request's
+    status, flags, upstream and dynamic metadata (the picker's request name, the usage)."""
+    return {"name": "envoy.access_loggers.http_grpc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3."
+                 "HttpGrpcAccessLogConfig",
+        "common_config": {
+            "log_name": "fairway", "transport_api_version": "V3",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "picker"},
+                             "timeout": f"{request_timeout_s}s"},
+            "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
 
 
 def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int] | None,
@@ -503,7 +577,7 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                            {"early_header_mutation_extensions": early_header_removal()}),
                         **({} if picker_port is None else
                            {"local_reply_config": local_reply_config()}),
-                        "access_log": [] if access_log is None else [{
+                        "access_log": ([] if access_log is None else [{
                             "name": "envoy.access_loggers.file",
                             "typed_config": {
                                 "@type": "type.googleapis.com/"
@@ -512,7 +586,9 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                                 "log_format": {"text_format_source": {
                                     "inline_string": ACCESS_LOG_FORMAT}},
                             },
-                        }],
+                        }]) + ([picker_access_log(request_timeout_s)]
+                               if picker_port is not None and response_path == "access-log"
+                               else []),
                         "stream_idle_timeout": f"{request_timeout_s}s",
                         "route_config": {"virtual_hosts": [{
                             "name": "pool",

@@ -3,7 +3,8 @@
 One stack serves the module: two simulated vLLM servers with a small KV budget (so the pool is
 easily saturated), the picker with VTC, and Envoy routing on the picker's answer, the response
 reaching the picker on a meter stream. The tests of the response path run again against a second
-stack whose Envoy streams the response through the picker inline (the GIE way).
+stack whose Envoy streams the response through the picker inline (the GIE way), and a third whose
+Envoy reads the usage itself and reports it in its gRPC access log.
 """
 
 from __future__ import annotations
@@ -53,11 +54,19 @@ def inline_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-@pytest.fixture(params=["meter-stream", "inline"])
+@pytest.fixture(scope="module")
+def logged_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with _stack(tmp_path_factory, "access-log") as running:
+        yield running
+
+
+STACKS = {"meter-stream": "stack", "inline": "inline_stack", "access-log": "logged_stack"}
+
+
+@pytest.fixture(params=list(STACKS))
 def any_stack(request: pytest.FixtureRequest) -> Stack:
-    """Each response path in turn: the tests of routing, streaming and charging run on both."""
-    return request.getfixturevalue("stack" if request.param == "meter-stream" else
-                                   "inline_stack")
+    """Each response path in turn: the tests of routing, streaming and charging run on each."""
+    return request.getfixturevalue(STACKS[request.param])
 
 
 async def _post(session: aiohttp.ClientSession, stack: Stack, tenant: str, body: bytes,
@@ -107,9 +116,15 @@ def test_streaming_response_arrives_chunk_by_chunk(any_stack: Stack) -> None:
     assert headers["Content-Type"].startswith("text/event-stream")
     events = [e for e in body.decode().split("\n\n") if e.strip()]
     assert events[-1] == "data: [DONE]"
-    contents = [json.loads(e[6:])["choices"][0]["delta"].get("content")
-                for e in events[:-1]]
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
     assert sum(1 for c in contents if c) == 5
+    if stack.response_path == "access-log":
+        # The picker asked for usage in every chunk: the count a cut stream leaves in the log.
+        assert all(c["usage"] is not None for c in chunks)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    else:
+        assert all(c["choices"] and c.get("usage") is None for c in chunks)
 
 
 @pytest.mark.parametrize(("stream", "usage"), [(False, False), (True, True), (True, False)])

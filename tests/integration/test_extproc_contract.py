@@ -335,7 +335,7 @@ class Picker:
 
 @contextlib.asynccontextmanager
 async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_timeout: float = 10.0,
-                         **config: Any) -> AsyncIterator[Picker]:
+                         log_claim_timeout: float = 330.0, **config: Any) -> AsyncIterator[Picker]:
     """serve() in-process over ``endpoints`` simulated servers; ``config`` keys are merged in."""
     async with contextlib.AsyncExitStack() as stack:
         sims = [await stack.enter_async_context(SimServer(SimServerConfig(step_ms=2.0)))
@@ -352,7 +352,8 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_time
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
         settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
                                  admin_port=0, grace=1.0,
-                                 meter_claim_timeout=meter_claim_timeout)
+                                 meter_claim_timeout=meter_claim_timeout,
+                                 log_claim_timeout=log_claim_timeout)
         task = asyncio.create_task(serve(settings, stop, ready))
         try:
             grpc_port, metrics_port = await asyncio.wait_for(
