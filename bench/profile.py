@@ -147,6 +147,10 @@ def _picker_cpu(stack: Stack) -> float:
     return next(v for k, v in process_cpu([stack]).items() if k.endswith("/picker"))
 
 
+def _envoy_cpu(stack: Stack) -> float:
+    return next(v for k, v in process_cpu([stack]).items() if k.endswith("/envoy"))
+
+
 async def _while(action: Callable[[], None], load: Callable[[float], Any],
                  seconds: float) -> Any:
     """Run ``load`` for ``seconds`` + 2 while ``action`` (a recording) runs in a thread."""
@@ -163,8 +167,11 @@ def _phase(stack: Stack, name: str, out: Path, seconds: float,
     raw, svg = out / f"profile_{name}.txt", out / f"profile_{name}.svg"
     metered_before = _metered(stack)
     cpu_before, wall_before = _picker_cpu(stack), time.monotonic()
+    envoy_before = _envoy_cpu(stack)
     units = asyncio.run(_while(lambda: record(pid, seconds, raw, "raw"), load, seconds))
     cpu, wall = _picker_cpu(stack) - cpu_before, time.monotonic() - wall_before
+    # Envoy's too: on the access-log path it, not the picker, reads every chunk's JSON.
+    envoy = _envoy_cpu(stack) - envoy_before
     # What the picker charged over the window: had it fallen behind, it would have settled on
     # estimates (unclaimed meter streams) and its cost per chunk would flatter it.
     metered = {k: v - metered_before[k] for k, v in _metered(stack).items()}
@@ -172,6 +179,7 @@ def _phase(stack: Stack, name: str, out: Path, seconds: float,
     samples = parse_collapsed(raw.read_text())
     total = sum(count for _, count in samples)
     return {"cpu_s": cpu, "wall_s": wall, "units": units, "cpu_ms_per_unit": cpu / units * 1000,
+            "envoy_cpu_ms_per_unit": envoy / units * 1000,
             "units_per_s": units / wall, **metered,
             "cpu_ms_per_meter_message": cpu / metered["meter_messages"] * 1000
             if metered["meter_messages"] else None,
@@ -310,39 +318,48 @@ DENSITY_COLUMNS = (("streams", "streams", "{:d}"),
                    ("units_per_s", "tokens/s streamed", "{:,.0f}"),
                    ("cpu_ms_per_unit", "picker CPU ms / token", "{:.3f}"),
                    ("core_fraction", "picker cores", "{:.2f}"),
+                   ("envoy_cpu_ms_per_unit", "Envoy CPU ms / token", "{:.3f}"),
                    ("messages_per_unit", "meter messages / token", "{:.2f}"),
                    ("cpu_ms_per_meter_message", "picker CPU ms / message", "{:.3f}"),
                    ("meter_unclaimed", "meter streams unclaimed", "{:.0f}"))
 
 
-def density(out: Path, seconds: float, counts: list[int]) -> None:
-    """The meter stream's cost per streamed token as more streams run at once: writes
-    ``stream_density.md`` and ``.json``."""
+def density(out: Path, seconds: float, counts: list[int],
+            response_path: str = "meter-stream") -> None:
+    """The response path's cost per streamed token as more streams run at once: writes
+    ``stream_density.md`` and ``.json`` (``stream_density_access_log.*`` for that path)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="fairway-density-") as graphs:
         for streams in [*counts, *counts[::-1]]:
             print(f"  density: {streams} streams", flush=True)
-            got = profile(Path(graphs), seconds, phases=("stream",), streams=streams)["stream"]
+            got = profile(Path(graphs), seconds, phases=("stream",), streams=streams,
+                          response_path=response_path)["stream"]
             rows.append({"streams": streams, **{k: got[k] for k in (
-                "units_per_s", "cpu_ms_per_unit", "core_fraction", "cpu_ms_per_meter_message",
-                "meter_unclaimed", "completion_tokens_charged", "units")},
+                "units_per_s", "cpu_ms_per_unit", "envoy_cpu_ms_per_unit", "core_fraction",
+                "cpu_ms_per_meter_message", "meter_unclaimed", "completion_tokens_charged",
+                "units")},
                 "messages_per_unit": got["meter_messages"] / got["units"]})
-    (out / "stream_density.json").write_text(json.dumps(rows, indent=1))
-    lines = ["# The meter stream's cost per streamed token, by how many streams run at once", "",
-             f"`python -m bench.profile --density {','.join(map(str, counts))}` (each count "
+    name = "stream_density" if response_path == "meter-stream" else \
+        f"stream_density_{response_path.replace('-', '_')}"
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"# The {response_path} path's cost per streamed token, by how many streams run at "
+             "once", "",
+             f"`python -m bench.profile --density {','.join(map(str, counts))}"
+             + ("" if response_path == "meter-stream" else f" --response-path {response_path}")
+             + "` (each count "
              f"twice, in that order and back; {seconds:g} s of streaming each, {STREAM_TOKENS}-"
              f"token completions, a chunk every {STREAM_STEP_MS:g} ms per stream, real Envoy "
              f"dialling the picker over TLS), {os.cpu_count()} cores shared by Envoy, the "
              f"picker, the simulated server and the load client; load average {loadavg()}. "
-             "A token is an SSE event the client received. Unclaimed meter streams 0: no "
-             "request was settled on its estimate instead of the engine's count. A busy Envoy "
+             "A token is an SSE event the client received. Unclaimed: requests settled on their "
+             "estimate because their meter stream or log entry never came. A busy Envoy "
              "reads several events from an engine at once and sends them as one message.", "",
              "| " + " | ".join(label for _, label, _ in DENSITY_COLUMNS) + " |",
              "|" + "---:|" * len(DENSITY_COLUMNS)]
     for row in sorted(rows, key=lambda r: r["streams"]):
         lines.append("| " + " | ".join(form.format(row[key]) if row[key] is not None else "-"
                                        for key, _, form in DENSITY_COLUMNS) + " |")
-    (out / "stream_density.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -367,7 +384,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.density:
-        density(args.out, args.seconds, [int(n) for n in args.density.split(",")])
+        density(args.out, args.seconds, [int(n) for n in args.density.split(",")],
+                args.response_path)
         return
     results = profile(args.out, args.seconds, args.workdir, response_path=args.response_path,
                       secure_serving=not args.plaintext, streams=args.streams,

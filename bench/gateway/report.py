@@ -629,7 +629,7 @@ def render(data: dict[str, Any]) -> str:
         f"Mode {mode}; goals run: {', '.join(str(g) for g in meta['goals'])}; "
         f"{meta['runtime_seconds']:.0f} s. Envoy {meta['envoy_version']}, Python "
         f"{meta['python']}. Response path: {meta.get('response_path', 'inline')} "
-        "(`--response-path`; README, \"Two response paths\"). Envoy dials the picker "
+        "(`--response-path`; README, \"Three response paths\"). Envoy dials the picker "
         f"{'over TLS' if meta.get('secure_serving', False) else 'in plaintext'} "
         "(`--plaintext`).",
         "",

@@ -47,6 +47,9 @@ class EndpointState:
     admit one that was waiting, so the scraped waiting count is that much too high."""
     released_since_scrape: int = 0
     """Tokens those requests held: the scraped KV use is that much too high."""
+    inflight_at_scrape: int = 0
+    """``inflight_tokens`` when the last scrape answered: what the picker has sent, seen grow and
+    freed here since moves the scraped KV use by as much."""
     draining: bool = False
     """Going away: gets no new requests; its in-flight requests finish."""
     health: EndpointHealth = field(default_factory=EndpointHealth)
@@ -79,6 +82,7 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
         endpoint.learned_budget = kv_budget_tokens
     endpoint.scraped_at = now
     endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
+    endpoint.inflight_at_scrape = endpoint.inflight_tokens
 
 
 BINDING_MARGIN = 0.05
@@ -131,11 +135,16 @@ class CapacityRules:
 
 def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
     """Tokens in use on the endpoint: the picker's own count, or the scraped KV use if higher
-    (other clients may share the server)."""
+    (other clients may share the server; a response path that shows no stream's growth).
+
+    The scraped figure is moved by what the picker's count did since the scrape (requests sent
+    and grown, requests freed): held at the scrape's value instead, it would let every request
+    sent until the next scrape into the same room whenever it is the higher of the two.
+    """
     used = float(endpoint.inflight_tokens)
     if endpoint.kv_usage is not None and endpoint.fresh(now, rules.stale_after):
         scraped = endpoint.kv_usage * endpoint.budget(rules.fallback_budget)
-        used = max(used, scraped - endpoint.released_since_scrape)
+        used = max(used, scraped + endpoint.inflight_tokens - endpoint.inflight_at_scrape)
     return used
 
 

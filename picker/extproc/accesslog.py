@@ -11,7 +11,9 @@ end would: the usage, the status, whether the client left, which endpoint served
 
 What this path gives up, for no picker message per streamed token: a stream's output is charged
 when it ends, not as it streams (a tenant's counter lags by what its running streams have
-produced so far), its first token is seen only then (TTFT is recorded late; prefill pacing,
+produced so far), the picker does not see a stream grow (only its engine's scraped KV use
+does: a light tenant is served worse under a flood, ``bench/results/overhead.md``), its first
+token is seen only then (TTFT is recorded late; prefill pacing,
 ``capacity.maxPrefillTokens``, sees the prefill end only at the request's end), and a finished
 request's room is freed up to one flush interval late.
 """

@@ -160,11 +160,26 @@ def test_completions_since_the_scrape_discount_its_waiting_count() -> None:
 
 
 def test_tokens_released_since_the_scrape_discount_its_kv_use() -> None:
-    full = _endpoint(kv_usage=1.0, scraped_at=NOW, inflight_requests=1)
+    full = _endpoint(kv_usage=1.0, scraped_at=NOW, inflight_requests=2, inflight_tokens=400,
+                     inflight_at_scrape=400)
     assert not has_room(full, NOW, RULES)
-    full.released_since_scrape = 400
+    full.inflight_tokens -= 400  # the request finished: what it held is free
+    full.inflight_requests -= 1
     assert has_room(full, NOW, RULES, prompt_tokens=400)
     assert not has_room(full, NOW, RULES, prompt_tokens=401)
+
+
+def test_requests_sent_since_the_scrape_add_to_a_higher_scraped_kv_use() -> None:
+    # The engine holds more than the picker counts (streams whose growth the access-log path
+    # does not show): each request sent since the scrape takes from the scraped figure's room,
+    # or every request until the next scrape would be let into the same room.
+    endpoint = _endpoint(kv_usage=0.6, scraped_at=NOW, inflight_requests=2, inflight_tokens=200,
+                         inflight_at_scrape=200)
+    assert has_room(endpoint, NOW, RULES, prompt_tokens=300)
+    endpoint.inflight_tokens += 300  # one sent: 600 + 300 of 1000 in use
+    endpoint.inflight_requests += 1
+    assert has_room(endpoint, NOW, RULES, prompt_tokens=100)
+    assert not has_room(endpoint, NOW, RULES, prompt_tokens=101)
 
 
 # -- when scraped figures decide the room (the scraper's cadence) --
