@@ -20,7 +20,6 @@ request's room is freed up to one flush interval late.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -35,8 +34,6 @@ from picker.extproc.service import (
     UPSTREAM_FAILURE_DETAILS,
     ExternalProcessor,
 )
-
-log = logging.getLogger(__name__)
 
 USAGE_NAMESPACE = "fairway.usage"
 """The metadata namespace Envoy's usage filters write (``picker.stack.envoy.usage_filters``)."""
@@ -138,7 +135,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                     if logged is not None:
                         self.processor.settle_logged(logged)
                 except Exception as error:  # one bad entry must not drop the rest of the batch
-                    self.processor.fault_logged(error)
+                    self.processor.count_fault(error)
         return als_pb2.StreamAccessLogsResponse()
 
 

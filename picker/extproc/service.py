@@ -363,7 +363,8 @@ class _Exchange:
     """One HTTP request's ext_proc conversation."""
 
     def __init__(self, dispatcher: Dispatcher, config: PickerConfig,
-                 meter_id: str | None = None, bodies: BodyBudget | None = None) -> None:
+                 meter_id: str | None = None, bodies: BodyBudget | None = None,
+                 logged: bool = False) -> None:
         self.dispatcher = dispatcher
         self.config = config
         self.bodies = bodies if bodies is not None else BodyBudget()
@@ -373,7 +374,7 @@ class _Exchange:
         self.meter_id = meter_id
         """Set when the response comes on a separate meter stream or in the access log (named by
         this id)."""
-        self.logged = False
+        self.logged = logged
         """The response is metered from the gateway's access log: a stream is asked for usage
         in every chunk (``stream_options``), the one count a cut stream leaves there."""
         self.headers: dict[str, str] = {}
@@ -808,8 +809,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         metered = path in (METER_STREAM, ACCESS_LOG)
         meter_id = f"{self._id_prefix}-{next(self._ids)}" if metered else None
         config = self._config()
-        exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies)
-        exchange.logged = path == ACCESS_LOG
+        exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies,
+                             logged=path == ACCESS_LOG)
         handed_over = False
         messages = aiter(request_iterator)
         try:
@@ -831,7 +832,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 try:
                     replies = await exchange.handle(message)
                 except Exception as error:  # the one guard: a bug must not fail the stream bare
-                    self._fault(error)
+                    self.count_fault(error)
                     replies = exchange.fault(error)
                 if exchange.routed and exchange.body_complete:
                     exchange.release_body()
@@ -848,7 +849,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if not handed_over:
                 exchange.abandon()
 
-    def _fault(self, error: Exception) -> None:
+    def count_fault(self, error: Exception) -> None:
+        """A bug met while handling a message or a log entry: counted, logged once per kind."""
         kind = type(error).__name__
         self.dispatcher.metrics.faults.labels(kind).inc()
         if kind not in self._faults_logged:  # once per kind: a flood must not flood the log
@@ -887,10 +889,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if timer is not None:
             timer.cancel()
         exchange.settle_logged(logged)
-
-    def fault_logged(self, error: Exception) -> None:
-        """A bug met while settling from an access log entry: counted, logged once per kind."""
-        self._fault(error)
 
     async def _meter(self, first: pb.ProcessingRequest,
                      messages: AsyncIterator[pb.ProcessingRequest]) -> None:

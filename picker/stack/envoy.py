@@ -471,16 +471,17 @@ def usage_filters() -> list[dict[str, Any]]:
     ]
 
 
-def picker_access_log(request_timeout_s: int) -> dict[str, Any]:
+def picker_access_log() -> dict[str, Any]:
     """Envoy's gRPC access log to the picker (``access-log`` path): each finished request's
-    status, flags, upstream and dynamic metadata (the picker's request name, the usage)."""
+    status, flags, upstream and dynamic metadata (the picker's request name, the usage). The
+    stream is long-lived and carries every request's entry, so it gets no deadline: one would
+    cut it, and the entries in flight with it, every so often."""
     return {"name": "envoy.access_loggers.http_grpc", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3."
                  "HttpGrpcAccessLogConfig",
         "common_config": {
             "log_name": "fairway", "transport_api_version": "V3",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "picker"},
-                             "timeout": f"{request_timeout_s}s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}},
             "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
 
 
@@ -586,7 +587,7 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                                 "log_format": {"text_format_source": {
                                     "inline_string": ACCESS_LOG_FORMAT}},
                             },
-                        }]) + ([picker_access_log(request_timeout_s)]
+                        }]) + ([picker_access_log()]
                                if picker_port is not None and response_path == "access-log"
                                else []),
                         "stream_idle_timeout": f"{request_timeout_s}s",

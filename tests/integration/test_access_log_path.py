@@ -124,6 +124,12 @@ async def test_a_stream_is_asked_for_usage_in_every_chunk(picker: Picker) -> Non
         "include_usage": True, "continuous_usage_stats": True})
     _, _, sent = await route_logged(picker, body, "b")
     assert sent == body
+    # A client that turns the counts off (to leave uncounted mid-stream) is overruled.
+    refused = chat_body(max_tokens=5, stream=True, stream_options={
+        "include_usage": False, "continuous_usage_stats": False})
+    _, _, sent = await route_logged(picker, refused, "b")
+    assert json.loads(sent)["stream_options"] == {"include_usage": True,
+                                                  "continuous_usage_stats": True}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
