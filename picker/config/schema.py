@@ -222,10 +222,24 @@ class Capacity:
     the prefill, is what its request waits for; with ``growthRoom``, 1.2 to 1.5 at 256k and
     500k (1.3 to 2.0 with ``growthRoom`` alone). Held requests are judged again when a first
     token comes back (the server and the simulator alike). ``0`` (default): no bound."""
+    ready_reserve: bool = field(default=False, metadata=_camel("ready_reserve"))
+    """With ``idleTenantReserve``: keep the reserve where a light tenant's request starts at the
+    engine's next step, on an endpoint computing no prompt. A step runs its prompt chunks to
+    the end and vLLM finishes a running request's prompt before starting a waiting one's, so
+    room on an endpoint busy with a flood's prefill is room a light request waits that prefill
+    for (a step of 8,192 prompt tokens lasts longer than a light request alone waits for its
+    first token). A backlogged tenant's request then leaves only while another endpoint in
+    service, with no prefill outstanding, keeps the room: flood prefills take turns across the
+    pool. Not work-conserving. Measured in the pool simulator (``bench/isolation_together.py``,
+    priority engines, with ``growthRoom`` and ``maxPrefillTokens: 8192``, three seeds): see
+    the README's "Latency isolation" for the figures. ``false`` (default): the reserve counts
+    on any endpoint with the room."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_budget_tokens, int) and self.kv_budget_tokens < 1:
             raise ConfigError("kvBudgetTokens", "must be >= 1 or auto")
+        if self.ready_reserve and not self.idle_tenant_reserve:
+            raise ConfigError("readyReserve", "needs idleTenantReserve (a reserve to place)")
 
     @property
     def slow_scrape_cadence(self) -> float:

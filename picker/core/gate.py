@@ -805,8 +805,14 @@ class Gate:
             self.occupancy.add(passage.lane, passage.tenant, tokens, self.scheduler.weights)
         if passage.prefilling:
             self._prefilled(passage)
-            if now is not None and self.rules.capacity.max_prefill_tokens:
+            if now is not None and self._prefill_holds():
                 self.pump(now)
+
+    def _prefill_holds(self) -> bool:
+        """Whether a rule may hold a request until some endpoint's prefill ends."""
+        capacity = self.rules.capacity
+        return bool(capacity.max_prefill_tokens or (
+            capacity.ready_reserve and self.rules.idle_tenant_reserve))
 
     def _prefilled(self, passage: Passage) -> None:
         """The request's prompt is no longer outstanding prefill on its endpoint."""

@@ -131,6 +131,10 @@ class CapacityRules:
     max_prefill_tokens: int = 0
     """A backlogged tenant's request goes to an endpoint only while the prefill outstanding
     there, its own prompt included, stays within this (``takes_backlogged``); 0: no bound."""
+    ready_reserve: bool = False
+    """The idle-tenant reserve counts only on an endpoint that computes no prompt: none
+    outstanding there (``prefill_tokens``), and not the one a backlogged tenant's request is
+    about to go to (``keeps_reserve``); False: on any endpoint with the room."""
 
 
 def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
@@ -220,8 +224,20 @@ def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_toke
 def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,
                   reserve: float, now: float, rules: CapacityRules) -> bool:
     """Whether, with a request expected to grow to ``tokens`` on ``chosen``, some endpoint will
-    still have ``reserve`` tokens free."""
+    still have ``reserve`` tokens free.
+
+    With ``ready_reserve`` the room must also be where a light tenant's request starts at the
+    engine's next step: vLLM runs a step's prompt chunks to the end and computes a running
+    request's remaining prompt before a waiting one's, so room on an endpoint busy with a
+    prefill (outstanding there, or the one ``chosen`` is about to start) is room the light
+    request waits a prefill for. Only where ``chosen`` is the sole endpoint in service does its
+    room count: nothing readier exists, and holding the flood would leave the pool idle.
+    """
+    ready = rules.ready_reserve and any(
+        e is not chosen and e.in_service(now) for e in endpoints)
     for endpoint in endpoints:
+        if ready and (endpoint is chosen or endpoint.prefill_tokens > 0):
+            continue
         free = free_tokens(endpoint, now, rules)
         if endpoint is chosen:
             free -= tokens

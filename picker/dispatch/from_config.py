@@ -52,7 +52,8 @@ def capacity_rules(config: PickerConfig) -> CapacityRules:
         c.fallback_kv_budget_tokens
     return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
                          stale_after=c.metrics_stale_after, growth_room=c.growth_room,
-                         max_prefill_tokens=c.max_prefill_tokens)
+                         max_prefill_tokens=c.max_prefill_tokens,
+                         ready_reserve=c.ready_reserve)
 
 
 def gate_rules(config: PickerConfig) -> GateRules:

@@ -1,7 +1,8 @@
-"""The room rules for a backlogged tenant's requests (``capacity.growthRoom`` and
-``capacity.maxPrefillTokens``; ``picker.core.selection.takes_backlogged``), driven through the
-pure gate: each holds a flood's request that the default would send, and neither ever holds a
-request of a tenant that is not backlogged."""
+"""The room rules for a backlogged tenant's requests (``capacity.growthRoom``,
+``capacity.maxPrefillTokens`` and ``capacity.readyReserve``; ``picker.core.selection``'s
+``takes_backlogged`` and ``keeps_reserve``), driven through the pure gate: each holds a flood's
+request that the default would send, and none ever holds a request of a tenant that is not
+backlogged."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from picker.config.strict import load
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, TenantRules
 from picker.core.gate import Gate, GateRules, Passage
-from picker.core.selection import CapacityRules, EndpointState, takes_backlogged
+from picker.core.selection import CapacityRules, EndpointState, keeps_reserve, takes_backlogged
 from picker.dispatch.from_config import capacity_rules
 from picker.errors import ConfigError
 
@@ -149,6 +150,75 @@ def test_takes_backlogged_judges_an_endpoint() -> None:
     assert takes_backlogged(busy, 600, 5000, 0.0, off)
 
 
+# -- the ready reserve --
+
+def _on(gate: Gate, tenant: str, prompt: int, endpoint: str, now: float) -> Passage:
+    """A stream of one output token at most, pinned to ``endpoint``."""
+    passage = gate.admit(Passage, tenant, None, model="m", prompt_tokens=prompt, max_tokens=1,
+                         stream=True, now=now, subset=frozenset({endpoint}))
+    assert isinstance(passage, Passage)
+    return passage
+
+
+def _flood_held_beside_a_prefill(ready: bool) -> tuple[Gate, Passage, list[Passage]]:
+    """Two 1,000-token endpoints and a reserve for a light tenant served at 0 s (its footprint
+    100: 50 prompt, 50 output). B computes another tenant's 300-token prompt; the flood, pinned
+    to A, is backlogged there when two of its six running requests end at 1.5 s and leave
+    room for both waiting ones and the reserve."""
+    rules = GateRules(capacity=CapacityRules(fallback_budget=1000, ready_reserve=ready),
+                      idle_tenant_reserve=10.0)
+    gate = Gate(rules, Scheduler([LaneSpec("default")]), Admission({}, TenantRules()), now=0.0)
+    gate.set_endpoints({A: 1000, B: 1000})
+    light = gate.admit(Passage, "light", None, model="m", prompt_tokens=50, max_tokens=50,
+                       stream=True, now=0.0)
+    assert isinstance(light, Passage)
+    gate.complete(light, Usage(50, 50, 0), "ok", 0.0)
+    other = _on(gate, "other", 300, B, 1.0)
+    flood = [_on(gate, "flood", 150, A, 1.0) for _ in range(8)]
+    assert [p.dispatched_at for p in flood] == [1.0] * 6 + [None, None]
+    for passage in flood[:6]:
+        gate.charge_output(passage, 1, 1.2)  # A computes no prompt now
+    for passage in flood[:2]:
+        gate.complete(passage, Usage(150, 1, 0), "ok", 1.5)
+    return gate, other, flood
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_a_ready_reserve_is_not_kept_where_a_prefill_is_under_way(ready: bool) -> None:
+    gate, other, flood = _flood_held_beside_a_prefill(ready)
+    assert gate.endpoints[B].prefill_tokens == 300
+    # Unready, A keeps the reserve beside the flood's next prompt (1000 - 604 - 151 >= 100).
+    # Ready, A is about to compute that prompt and B is computing one: a light request would
+    # wait a prefill on either, so the flood waits for B's to end.
+    assert [p.dispatched_at for p in flood[6:]] == ([None, None] if ready else [1.5, 1.5])
+    gate.charge_output(other, 1, 2.0)  # its first token: B can start a light request at once
+    assert [p.dispatched_at for p in flood[6:]] == ([2.0, 2.0] if ready else [1.5, 1.5])
+
+
+def test_a_ready_reserve_never_holds_a_light_tenants_request() -> None:
+    gate, _, flood = _flood_held_beside_a_prefill(ready=True)
+    assert flood[6].dispatched_at is None
+    light = gate.admit(Passage, "light", None, model="m", prompt_tokens=50, max_tokens=50,
+                       stream=True, now=1.6)
+    assert isinstance(light, Passage) and light.dispatched_at == 1.6
+
+
+def test_keeps_reserve_judges_readiness() -> None:
+    rules = CapacityRules(fallback_budget=1000, ready_reserve=True)
+    chosen, other = EndpointState(A), EndpointState(B)
+    # The chosen endpoint is about to compute the flood's prompt: only the other counts.
+    assert keeps_reserve([chosen, other], chosen, 200, 300, 0.0, rules)
+    other.prefill_tokens = 1
+    assert not keeps_reserve([chosen, other], chosen, 200, 300, 0.0, rules)
+    assert keeps_reserve([chosen, other], chosen, 200, 300, 0.0,
+                         CapacityRules(fallback_budget=1000))  # unready: room is enough
+    # Alone in service, the chosen endpoint's room counts: there is nowhere readier.
+    other.draining = True
+    assert keeps_reserve([chosen, other], chosen, 700, 300, 0.0, rules)
+    assert not keeps_reserve([chosen, other], chosen, 701, 300, 0.0, rules)
+    assert keeps_reserve([chosen], chosen, 700, 300, 0.0, rules)
+
+
 # -- config --
 
 def test_the_config_keys_reach_the_gate_rules() -> None:
@@ -161,6 +231,10 @@ def test_the_config_keys_reach_the_gate_rules() -> None:
         load(PickerConfig, {"capacity": {"maxPrefillTokens": -1}})
     with pytest.raises(ConfigError, match="growthRoom"):
         load(PickerConfig, {"capacity": {"growthRoom": "yes"}})
+    ready = load(PickerConfig, {"capacity": {"idleTenantReserve": "10s", "readyReserve": True}})
+    assert capacity_rules(ready).ready_reserve and not default.ready_reserve
+    with pytest.raises(ConfigError, match="readyReserve"):
+        load(PickerConfig, {"capacity": {"readyReserve": True}})
 
 
 @pytest.mark.parametrize("growth_room", [False, True])
