@@ -172,18 +172,30 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+def run_mode(size: Size, mode: dict[str, Any], engines: str, *, seed: int | None = None,
+             capacity: dict[str, Any] | None = None, light_only: bool = False) -> dict[str, Any]:
+    """One picker config (``mode``, with ``capacity`` added) over engines of one policy on a
+    size's traffic (``light_only``: the light tenant's alone): the run's numbers."""
+    spec = replace(size.spec, engine_policy=engines)
+    started = time.process_time()
+    run = simulate(_config(mode, spec, capacity), _traffic(size, light_only, seed), spec,
+                   warmup_s=WARMUP_S, drain_s=DRAIN_S)
+    return _numbers(run, time.process_time() - started)
+
+
+def light_alone(size: Size, seed: int | None = None) -> dict[str, Any]:
+    """The light tenant alone on the size's pool (priority engines), what the flood is judged
+    against."""
+    return run_mode(size, {"scheduling": {"enginePolicy": "priority"}}, "priority", seed=seed,
+                    light_only=True)
+
+
 def run_size(size: Size, modes: Iterable[str] | None = None,
              capacity: dict[str, Any] | None = None, seed: int | None = None) -> dict[str, Any]:
     """Every mode on one size (``modes``: only these, with the pass-through they are compared
     with), and the light tenant alone. ``capacity``: settings added to every mode's capacity
     (the light tenant alone runs the default). ``seed``: the traffic's, instead of its own."""
-    results: dict[str, Any] = {}
-    alone_spec = replace(size.spec, engine_policy="priority")
-    started = time.process_time()
-    alone = simulate(_config({"scheduling": {"enginePolicy": "priority"}}, alone_spec),
-                     _traffic(size, light_only=True, seed=seed), alone_spec, warmup_s=WARMUP_S,
-                     drain_s=DRAIN_S)
-    results["light alone"] = _numbers(alone, time.process_time() - started)
+    results: dict[str, Any] = {"light alone": light_alone(size, seed)}
     chosen = set(MODES) if modes is None else set(modes)
     unknown = chosen - set(MODES)
     if unknown:
@@ -191,13 +203,8 @@ def run_size(size: Size, modes: Iterable[str] | None = None,
     chosen |= {"fcfs pass-through" if MODES[m][1] == "fcfs"
                else "fcfs pass-through, priority engines" for m in chosen}
     for name, (mode, engines) in MODES.items():
-        if name not in chosen:
-            continue
-        spec = replace(size.spec, engine_policy=engines)
-        started = time.process_time()
-        run = simulate(_config(mode, spec, capacity), _traffic(size, seed=seed), spec,
-                       warmup_s=WARMUP_S, drain_s=DRAIN_S)
-        results[name] = _numbers(run, time.process_time() - started)
+        if name in chosen:
+            results[name] = run_mode(size, mode, engines, seed=seed, capacity=capacity)
     alone_p95 = results["light alone"]["light_ttft_p95_ms"]
     for name, numbers in results.items():
         engines = MODES.get(name, ({}, "priority"))[1]

@@ -3,9 +3,11 @@
 It answers: *does the gateway give a light tenant under a flood what the simulator says, at the
 pool sizes users run?* Each size of ``bench.isolation`` from 8k up runs through a fresh stack
 (real Envoy, the picker, two simulated vLLM servers in priority mode with the size's KV, token
-budget per step and prefill cost) in three modes: the light tenant alone, FCFS pass-through, and
-the picker with ``scheduling.enginePolicy: priority``; then the same traffic goes through the
-pool simulator, which runs the picker's own gate over a model of the same engines.
+budget per step and prefill cost) in its modes: the light tenant alone and FCFS pass-through (the
+baselines), the picker with ``scheduling.enginePolicy: priority``, and the same with
+``bench.isolation_together``'s *ready* profile (the idle-tenant reserve kept ready, growth room,
+prefill pacing); then the same traffic goes through the pool simulator, which runs the picker's
+own gate over a model of the same engines.
 
 Two cores carry Envoy, the picker, both servers and the load client, so time runs ``SCALE``
 times slower than in the simulator's own table (``bench/results/isolation.md``): each engine
@@ -13,8 +15,10 @@ step and each prefill token take ``SCALE`` times as long, and the tenants send `
 fewer requests a second. The ratios the goals are about (p95 ÷ alone, tokens ÷ FCFS) keep their
 meaning; milliseconds are ``SCALE`` times larger.
 
-Run: ``python -m bench.isolation_envoy --out bench/results`` (about 7 minutes a size; ``--only
-64k`` for one).
+Run: ``python -m bench.isolation_envoy --out bench/results`` (each mode runs the traffic's
+duration and then its clients' timeout: about 4 minutes at 8k, 10 from 64k up; ``--only 64k``
+for one size, ``--mode M`` for one picker mode besides the baselines, ``--report NAME`` for the
+file it writes).
 """
 
 from __future__ import annotations
@@ -53,12 +57,20 @@ from picker.stack.launcher import merge_sections
 SCALE = 2.0
 """How many times slower than the simulator's table the stack runs (see the module docstring)."""
 
+READY = {"idleTenantReserve": 10.0, "growthRoom": True, "maxPrefillTokens": 4096,
+         "readyReserve": True}
+"""``bench.isolation_together``'s *ready* profile; the reserve's window (seconds) is scaled with
+time, as the tenants' rates are."""
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (scheduling policy, picker config over the run's)
     "light alone": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
     "fcfs pass-through": ("fcfs", {}),
     "vtc, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
+    "vtc + ready reserve, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"},
+                                                      "capacity": READY}),
 }
+BASELINES = ("light alone", "fcfs pass-through")
+"""Every run has these: the ratios are against them."""
 
 
 def scaled_spec(spec: PoolSpec, scale: float) -> PoolSpec:
@@ -86,11 +98,14 @@ def server_args(spec: PoolSpec) -> list[str]:
             "--scheduling-policy", spec.engine_policy]
 
 
-def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec,
-                 traffic: Traffic) -> dict[str, Any]:
+def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec, traffic: Traffic,
+                 scale: float) -> dict[str, Any]:
+    capacity = dict(extra.get("capacity", {}))
+    if "idleTenantReserve" in capacity:
+        capacity["idleTenantReserve"] = f"{capacity['idleTenantReserve'] * scale:g}s"
     # The picker holds a request as long as its client waits for it.
     return {**extra, "scheduling": {"policy": policy, **extra.get("scheduling", {})},
-            "capacity": {"kvBudgetTokens": spec.kv_budget_tokens},
+            "capacity": {**capacity, "kvBudgetTokens": spec.kv_budget_tokens},
             "queue": {"maxWait": f"{traffic.timeout_s:g}s"}}
 
 
@@ -125,16 +140,18 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
         numbers["tokens_vs_fcfs"] = numbers["tokens_per_s"] / fcfs if fcfs else None
 
 
-def run_size(size: Size, scale: float, workdir: Path, plan: Plan) -> dict[str, Any]:
-    """The three modes through Envoy, and the same in the simulator."""
+def run_size(size: Size, scale: float, workdir: Path, plan: Plan,
+             modes: tuple[str, ...]) -> dict[str, Any]:
+    """The modes through Envoy, and the same in the simulator."""
     spec = scaled_spec(size.spec, scale)
     gateway: dict[str, dict[str, Any]] = {}
     simulator: dict[str, dict[str, Any]] = {}
-    for name, (policy, extra) in MODES.items():
+    for name in modes:
+        policy, extra = MODES[name]
         traffic = scaled_traffic(size, scale, light_only=name == "light alone")
         window = (WARMUP_S, traffic.duration_s)
-        config = _mode_config(policy, extra, spec, traffic)
-        run = run_gateway(f"{size.name.split()[0]}-{name.split(',')[0].replace(' ', '-')}",
+        config = _mode_config(policy, extra, spec, traffic, scale)
+        run = run_gateway(f"{size.name.split()[0]}-{_slug(name)}",
                           policy, traffic, {}, window, workdir, plan,
                           server_args=server_args(spec), picker_config=config)
         gateway[name] = _gateway_numbers(run)
@@ -148,6 +165,10 @@ def run_size(size: Size, scale: float, workdir: Path, plan: Plan) -> dict[str, A
     _ratios(simulator)
     return {"spec": spec.__dict__, "source": size.source, "gateway": gateway,
             "simulator": simulator}
+
+
+def _slug(mode: str) -> str:
+    return mode.split(",")[0].replace(" + ", "-").replace(" ", "-")
 
 
 def _sim_config(traffic: Traffic, config: dict[str, Any], spec: PoolSpec) -> PickerConfig:
@@ -175,7 +196,8 @@ def write_report(data: dict[str, Any], out: Path) -> None:
                   "| mode | where | light p50 ms | light p95 ms | p95 ÷ alone | tokens/s | "
                   "÷ FCFS | preemptions /1k req | light n (no first token) |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for mode in MODES:
+        modes = list(size["gateway"])
+        for mode in modes:
             for where in ("gateway", "simulator"):
                 n = size[where][mode]
                 lines.append(
@@ -184,7 +206,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
                     f"{_cell(n['light_ttft_p95_ms'], '.0f')} | {_cell(n['ttft_ratio'])} | "
                     f"{_cell(n['tokens_per_s'], '.0f')} | {_cell(n['tokens_vs_fcfs'], '.3f')} | "
                     f"{_cell(n['preemptions_per_1000'], '.1f')} | {_light_n(n)} |")
-        for mode in MODES:
+        for mode in modes:
             numbers = size["gateway"][mode]
             never = numbers.get("light_without_first_token", 0)
             if never:
@@ -193,20 +215,22 @@ def write_report(data: dict[str, Any], out: Path) -> None:
                 lines += ["", f"{mode}, through Envoy: {never} light requests got no first "
                           f"token ({why}); each counts at the time it ended, so a refusal "
                           "that came at once pulls the percentiles down."]
-        busy = [size["gateway"][m].get("cpu_busy_fraction") for m in MODES]
+        busy = [size["gateway"][m].get("cpu_busy_fraction") for m in modes]
         busy_known = [b for b in busy if b is not None]
         if busy_known:
             lines += ["", f"The stack's processes kept {statistics.fmean(busy_known):.0%} of "
-                      "both cores busy on average over the three runs."]
+                      f"both cores busy on average over the {len(busy_known)} runs."]
         lines.append("")
-    lines += ["## Goals", "", "| size | where | p95 ÷ alone ≤ 1.5 | tokens ÷ FCFS ≥ 0.97 |",
+    lines += ["## Goals", "", "| size | mode, where | p95 ÷ alone ≤ 1.5 | tokens ÷ FCFS ≥ 0.97 |",
               "|---|---|---|---|"]
     for name, size in data["sizes"].items():
-        for where in ("gateway", "simulator"):
-            n = size[where]["vtc, priority engines"]
+        judged = [m for m in size["gateway"] if m not in BASELINES]
+        for mode, where in ((m, w) for m in judged for w in ("gateway", "simulator")):
+            n = size[where][mode]
             ratio, tokens = n["ttft_ratio"], n["tokens_vs_fcfs"]
+            place = "through Envoy" if where == "gateway" else "simulator"
             lines.append(
-                f"| {name} | {'through Envoy' if where == 'gateway' else 'simulator'} | "
+                f"| {name} | {mode}, {place} | "
                 f"{_cell(ratio)} {_verdict(ratio is not None and ratio <= RATIO_GOAL)} | "
                 f"{_cell(tokens, '.3f')} "
                 f"{_verdict(tokens is not None and tokens >= TOKENS_GOAL)} |")
@@ -222,7 +246,13 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--only", action="append", help="run only this size (repeatable)")
     parser.add_argument("--scale", type=float, default=SCALE)
+    parser.add_argument("--mode", action="append", choices=[m for m in MODES
+                                                            if m not in BASELINES],
+                        help="run only this picker mode besides the baselines (repeatable)")
+    parser.add_argument("--report", default="isolation_envoy",
+                        help="the report's file name, without .md or .json")
     args = parser.parse_args()
+    modes = BASELINES + tuple(args.mode or (m for m in MODES if m not in BASELINES))
     sizes = [s for s in SIZES if isinstance(s.traffic, dict)
              and (not args.only or s.name.split()[0] in args.only)]
     plan = Plan(quick=False, goals=frozenset())
@@ -230,12 +260,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fairway-isolation-") as tmp:
         for size in sizes:
             print(f"{size.name}:", flush=True)
-            data["sizes"][size.name] = run_size(size, args.scale, Path(tmp), plan)
+            data["sizes"][size.name] = run_size(size, args.scale, Path(tmp), plan, modes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "isolation_envoy.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
-    write_report(data, out / "isolation_envoy.md")
-    print(f"wrote {out / 'isolation_envoy.md'}")
+    (out / f"{args.report}.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    write_report(data, out / f"{args.report}.md")
+    print(f"wrote {out / args.report}.md")
 
 
 if __name__ == "__main__":

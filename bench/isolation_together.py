@@ -1,81 +1,133 @@
-"""Do the idle-tenant reserve, growth room and prefill pacing together meet issue 12's goals?
+"""What do the isolation settings buy together, and what do they cost, against issue 12's goals?
 
 ``python -m bench.isolation_together`` runs, in the pool simulator of ``bench.isolation`` (same
-pools, shapes and step times, engines in vLLM's priority mode), the default configuration and
-the three settings together (``capacity.idleTenantReserve: 10s``, ``growthRoom: true``,
-``maxPrefillTokens: 4096``) on every size, each on its traffic's own seed and on two more, and
-writes ``isolation_together.md`` and ``.json``: the light tenant's p95 TTFT under the flood ÷
-its p95 alone (goal ≤ 1.5) and the pool's tokens ÷ FCFS pass-through's (goal ≥ 0.97), with what
-the settings cost against the default.
+pools, shapes and step times, engines in vLLM's priority mode), three picker configurations on
+every size, each on its traffic's own seed and on two more: the default; *together*, the
+idle-tenant reserve, growth room and prefill pacing (``capacity.idleTenantReserve: 10s``,
+``growthRoom: true``, ``maxPrefillTokens: 4096``); and *ready*, the same with
+``readyReserve: true`` (the reserve kept where no prefill is under way). It writes
+``isolation_together.md`` and ``.json``: the light tenant's p95 TTFT under the flood ÷ its p95
+alone (goal ≤ 1.5) and the pool's tokens ÷ FCFS pass-through's (goal ≥ 0.97), with what each
+costs against the default. ``--endpoints 4`` runs the pools with four engines each and the flood
+twice as heavy (the light tenant unchanged): how the cost of a ready reserve falls as the pool
+widens, since only one endpoint of the pool has to be kept ready.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import SIZES, run_size, traffic_seed
+from bench.isolation import MODES, SIZES, Size, light_alone, run_mode, traffic_seed
 
-TOGETHER = "vtc + reserve, priority engines"
-DEFAULT = "vtc, priority engines"
-CAPACITY = {"growthRoom": True, "maxPrefillTokens": 4096}
-"""Added to the reserve mode's ``idleTenantReserve: 10s``."""
+PRIORITY = {"scheduling": {"enginePolicy": "priority"}}
+TOGETHER = {"idleTenantReserve": "10s", "growthRoom": True, "maxPrefillTokens": 4096}
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "together": TOGETHER,
+    "ready": {**TOGETHER, "readyReserve": True},
+}
+"""Capacity settings over the default, by name."""
 SEEDS = (None, 13, 14)
 """None: the traffic's own seed (5 for the 1k hard case, 12 from 8k up)."""
+RATIO_GOAL = 1.5
+TOKENS_GOAL = 0.97
 
 
 def _met(numbers: dict[str, Any]) -> bool:
-    return numbers["ttft_ratio"] <= 1.5 and numbers["tokens_vs_fcfs"] >= 0.97
+    return numbers["ttft_ratio"] <= RATIO_GOAL and numbers["tokens_vs_fcfs"] >= TOKENS_GOAL
 
 
-def measure() -> dict[str, list[dict[str, Any]]]:
+def widened(size: Size, endpoints: int) -> Size:
+    """The size with ``endpoints`` engines and the flood's rate scaled with them."""
+    if endpoints == size.spec.endpoints:
+        return size
+    assert isinstance(size.traffic, dict), "only sizes with traffic written out widen"
+    factor = endpoints / size.spec.endpoints
+    traffic = {**size.traffic, "tenants": [
+        {**t, "rate": t["rate"] * factor} if t["name"] == "flood" else t
+        for t in size.traffic["tenants"]]}
+    return replace(size, spec=replace(size.spec, endpoints=endpoints), traffic=traffic)
+
+
+def measure_run(size: Size, seed: int | None) -> dict[str, Any]:
+    """Every profile on one size and seed, against the light tenant alone and FCFS."""
+    alone = light_alone(size, seed)
+    fcfs_mode, _ = MODES["fcfs pass-through, priority engines"]
+    fcfs = run_mode(size, fcfs_mode, "priority", seed=seed)
+    run: dict[str, Any] = {"seed": seed if seed is not None else traffic_seed(size),
+                           "alone_p95_ms": alone["light_ttft_p95_ms"],
+                           "fcfs_tokens_per_s": fcfs["tokens_per_s"]}
+    for name, capacity in PROFILES.items():
+        numbers = run_mode(size, PRIORITY, "priority", seed=seed, capacity=capacity)
+        numbers["ttft_ratio"] = numbers["light_ttft_p95_ms"] / alone["light_ttft_p95_ms"]
+        numbers["tokens_vs_fcfs"] = numbers["tokens_per_s"] / fcfs["tokens_per_s"]
+        run[name] = numbers
+    return run
+
+
+def measure(endpoints: int, only: list[str] | None) -> dict[str, list[dict[str, Any]]]:
     data: dict[str, list[dict[str, Any]]] = {}
     for seed in SEEDS:
         for size in SIZES:
-            default = run_size(size, [DEFAULT], seed=seed)
-            together = run_size(size, [TOGETHER], CAPACITY, seed=seed)
-            data.setdefault(size.name, []).append({
-                "seed": seed if seed is not None else traffic_seed(size),
-                "default": default[DEFAULT], "together": together[TOGETHER]})
-            print(f"{size.name}, seed {data[size.name][-1]['seed']}: p95 ÷ alone "
-                  f"{default[DEFAULT]['ttft_ratio']:.2f} -> {together[TOGETHER]['ttft_ratio']:.2f}",
-                  flush=True)
+            if only and size.name.split()[0] not in only:
+                continue
+            if endpoints != size.spec.endpoints and not isinstance(size.traffic, dict):
+                continue  # the 1k hard case's traffic is a file: its flood is a backlog
+            run = measure_run(widened(size, endpoints), seed)
+            data.setdefault(size.name, []).append(run)
+            print(f"{size.name}, seed {run['seed']}: " + "; ".join(
+                f"{name} ×{run[name]['ttft_ratio']:.2f} tokens ×{run[name]['tokens_vs_fcfs']:.3f}"
+                for name in PROFILES), flush=True)
     return data
 
 
-def render(data: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["# Latency isolation: the idle-tenant reserve, growth room and prefill pacing "
-             "together (pool simulator)", "", (__doc__ or "").split("\n\n")[1].replace("\n", " "),
-             "", "| size | seed | default: p95 ÷ alone | together: p95 ÷ alone | together: tokens "
-             "÷ FCFS | together: tokens ÷ default | preemptions /1k (default → together) | "
-             "both goals |", "|---|---:|---:|---:|---:|---:|---|---|"]
+def render(data: dict[str, list[dict[str, Any]]], endpoints: int) -> str:
+    lines = [f"# Latency isolation: the isolation settings together (pool simulator, "
+             f"{endpoints} endpoints)", "", (__doc__ or "").split("\n\n")[1].replace("\n", " "),
+             "", "| size | seed | p95 ÷ alone: default / together / ready | tokens ÷ FCFS: "
+             "default / together / ready | tokens ÷ default: together / ready | preemptions "
+             "/1k: default / together / ready | both goals: together / ready |",
+             "|---|---:|---|---|---|---|---|"]
     for size, runs in data.items():
         for run in runs:
-            d, t = run["default"], run["together"]
+            d, t, r = (run[name] for name in PROFILES)
             lines.append(
-                f"| {size} | {run['seed']} | {d['ttft_ratio']:.2f} | {t['ttft_ratio']:.2f} | "
-                f"{t['tokens_vs_fcfs']:.3f} | {t['tokens_per_s'] / d['tokens_per_s']:.3f} | "
-                f"{d['preemptions_per_1000']:.0f} → {t['preemptions_per_1000']:.0f} | "
-                f"{'met' if _met(t) else 'NOT met'} |")
+                f"| {size} | {run['seed']} | {d['ttft_ratio']:.2f} / {t['ttft_ratio']:.2f} / "
+                f"{r['ttft_ratio']:.2f} | {d['tokens_vs_fcfs']:.3f} / {t['tokens_vs_fcfs']:.3f} "
+                f"/ {r['tokens_vs_fcfs']:.3f} | {t['tokens_per_s'] / d['tokens_per_s']:.3f} / "
+                f"{r['tokens_per_s'] / d['tokens_per_s']:.3f} | "
+                f"{d['preemptions_per_1000']:.0f} / {t['preemptions_per_1000']:.0f} / "
+                f"{r['preemptions_per_1000']:.0f} | {_verdict(t)} / {_verdict(r)} |")
     runs = [run for size_runs in data.values() for run in size_runs]
-    lines += ["", f"Together the three settings meet both goals in "
-              f"{sum(_met(run['together']) for run in runs)} of {len(runs)} runs. They stay "
-              "opt-in: the default is strictly work-conserving, and each of them holds a flood's "
-              "request whose prompt would fit now."]
+    lines += [""] + [f"*{name}* meets both goals in {sum(_met(run[name]) for run in runs)} of "
+                     f"{len(runs)} runs." for name in PROFILES]
+    lines += ["", "All three but the default hold a flood's request whose prompt would fit now: "
+              "they are opt-in, and the default stays strictly work-conserving."]
     return "\n".join(lines) + "\n"
+
+
+def _verdict(numbers: dict[str, Any]) -> str:
+    return "met" if _met(numbers) else "NOT met"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--endpoints", type=int, default=2,
+                        help="engines per pool (the flood's rate scales with them)")
+    parser.add_argument("--only", action="append", help="run only this size (repeatable)")
     args = parser.parse_args(argv)
-    data = measure()
+    data = measure(args.endpoints, args.only)
+    name = "isolation_together" if args.endpoints == 2 else \
+        f"isolation_together_{args.endpoints}_endpoints"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "isolation_together.json").write_text(json.dumps(data, indent=1, default=str))
-    (args.out / "isolation_together.md").write_text(render(data))
-    print(render(data))
+    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+    (args.out / f"{name}.md").write_text(render(data, args.endpoints))
+    print(render(data, args.endpoints))
     return 0
 
 
