@@ -4,7 +4,8 @@ picker is told which endpoint served.
 
 Through real Envoy, the picker and two simulated servers on 127.0.0.1, one of them SIGKILLed:
 the stack's default Envoy (``override_host`` over a ``STATIC`` cluster, ``RETRY_POLICY``) and
-the committed plain-Envoy samples manifests/gateway/envoy.yaml and envoy-jwt.yaml, whose
+the committed plain-Envoy samples manifests/gateway/envoy.yaml, envoy-jwt.yaml and
+envoy-access-log.yaml, whose
 ``STRICT_DNS`` pool cluster gets the two servers instead of the headless Service's DNS name
 (``tests.faults.helpers.shipped_envoy``). Ejection is held off (many failures needed, slow
 scrapes), so every 200 after the kill is Envoy's retry, not the picker avoiding the dead server.
@@ -128,7 +129,7 @@ def test_without_fallbacks_the_retry_still_leaves_the_dead_server(tmp_path: Path
         assert_retried_to_the_live_server(stack, usage, _tenant_a)
 
 
-@pytest.mark.parametrize("sample", ["envoy.yaml", "envoy-jwt.yaml"])
+@pytest.mark.parametrize("sample", ["envoy.yaml", "envoy-jwt.yaml", "envoy-access-log.yaml"])
 def test_each_shipped_envoy_sample_retries_on_the_live_server(tmp_path: Path,
                                                               sample: str) -> None:
     usage = tmp_path / "usage.jsonl"

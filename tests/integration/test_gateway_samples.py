@@ -55,7 +55,7 @@ GATEWAY_SAMPLES = ["gateway-api.yaml", "envoy-ai-gateway.yaml", "kgateway.yaml",
 POOL_SAMPLE = "inferencepool.yaml"
 POD_DNS_SAMPLE = "envoy-pool-pods.yaml"
 """The headless Service the plain-Envoy samples resolve the pool's pods through."""
-ENVOY_SAMPLES = ["envoy.yaml", "envoy-jwt.yaml"]
+ENVOY_SAMPLES = ["envoy.yaml", "envoy-jwt.yaml", "envoy-access-log.yaml"]
 CHART_VALUES = {"default": {},
                 "creates-pool": {"inferencePool": {"create": True,
                                                    "matchLabels": {"app": "vllm"}}}}

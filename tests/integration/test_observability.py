@@ -451,6 +451,23 @@ def test_gateway_envoy_yaml_is_generated() -> None:
         "manifests/gateway/envoy.yaml is stale: run .venv/bin/python scripts/gen_gateway_envoy.py"
 
 
+def test_every_generated_envoy_sample_is_current() -> None:
+    """envoy-jwt.yaml and envoy-access-log.yaml too: what the script would write now."""
+    assert gen_gateway_envoy.main(["--check"]) == 0
+
+
+def test_the_access_log_sample_is_envoy_yaml_with_the_access_log_response_path() -> None:
+    deployed = yaml.safe_load(gen_gateway_envoy.ACCESS_LOG_OUT.read_text())
+    assert deployed == gen_gateway_envoy.deployment_config(response_path="access-log")
+    manager = deployed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (log,) = manager["typed_config"]["access_log"]
+    assert log["name"] == "envoy.access_loggers.http_grpc"
+    common = log["typed_config"]["common_config"]
+    assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "picker"
+    names = [f["name"] for f in manager["typed_config"]["http_filters"]]
+    assert "fairway.meter" not in names  # no response stream to the picker
+
+
 def test_gateway_envoy_yaml_is_the_tests_config_but_for_addresses() -> None:
     deployed = yaml.safe_load(ENVOY_YAML.read_text())
     undone = copy.deepcopy(deployed)
