@@ -186,8 +186,8 @@ def run_mode(size: Size, mode: dict[str, Any], engines: str, *, seed: int | None
 def light_alone(size: Size, seed: int | None = None) -> dict[str, Any]:
     """The light tenant alone on the size's pool (priority engines), what the flood is judged
     against."""
-    return run_mode(size, {"scheduling": {"enginePolicy": "priority"}}, "priority", seed=seed,
-                    light_only=True)
+    mode, engines = MODES["vtc, priority engines"]
+    return run_mode(size, mode, engines, seed=seed, light_only=True)
 
 
 def run_size(size: Size, modes: Iterable[str] | None = None,

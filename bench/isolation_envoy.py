@@ -47,8 +47,9 @@ from bench.isolation import (
     light_ttfts,
     size_heading,
 )
+from bench.isolation_together import PROFILES
 from picker.config.schema import PickerConfig
-from picker.config.strict import load
+from picker.config.strict import load, parse_duration
 from picker.sim.load import percentile
 from picker.sim.pool import PoolSpec, simulate
 from picker.sim.traffic import Traffic, load_traffic
@@ -57,17 +58,13 @@ from picker.stack.launcher import merge_sections
 SCALE = 2.0
 """How many times slower than the simulator's table the stack runs (see the module docstring)."""
 
-READY = {"idleTenantReserve": 10.0, "growthRoom": True, "maxPrefillTokens": 4096,
-         "readyReserve": True}
-"""``bench.isolation_together``'s *ready* profile; the reserve's window (seconds) is scaled with
-time, as the tenants' rates are."""
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (scheduling policy, picker config over the run's)
     "light alone": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
     "fcfs pass-through": ("fcfs", {}),
     "vtc, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
     "vtc + ready reserve, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"},
-                                                      "capacity": READY}),
+                                                      "capacity": PROFILES["ready"]}),
 }
 BASELINES = ("light alone", "fcfs pass-through")
 """Every run has these: the ratios are against them."""
@@ -101,8 +98,9 @@ def server_args(spec: PoolSpec) -> list[str]:
 def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec, traffic: Traffic,
                  scale: float) -> dict[str, Any]:
     capacity = dict(extra.get("capacity", {}))
-    if "idleTenantReserve" in capacity:
-        capacity["idleTenantReserve"] = f"{capacity['idleTenantReserve'] * scale:g}s"
+    if "idleTenantReserve" in capacity:  # a window in time: as slow as the tenants' rates
+        window = parse_duration(capacity["idleTenantReserve"], "idleTenantReserve")
+        capacity["idleTenantReserve"] = f"{window * scale:g}s"
     # The picker holds a request as long as its client waits for it.
     return {**extra, "scheduling": {"policy": policy, **extra.get("scheduling", {})},
             "capacity": {**capacity, "kvBudgetTokens": spec.kv_budget_tokens},

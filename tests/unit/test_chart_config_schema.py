@@ -17,9 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
-import yaml
+from helm_python import Chart, HelmValuesError
 
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
@@ -74,22 +73,15 @@ def test_every_config_key_has_a_place_in_the_charts_schema() -> None:
     assert _missing(PickerConfig, SCHEMA["properties"]["config"], "config.") == []
 
 
-VALUES = yaml.safe_load((ROOT / "charts" / "fairway" / "values.yaml").read_text())
-
-
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on ``base`` as Helm merges a values file onto the chart's: maps key by key."""
-    merged = dict(base)
-    for key, value in over.items():
-        merged[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(
-            base.get(key), dict) else value
-    return merged
+CHART = Chart.load(ROOT / "charts" / "fairway")
 
 
 def _chart_accepts(config: dict[str, Any]) -> bool:
+    """What ``helm install`` does with a values file setting ``config``: Helm's own merge onto
+    the chart's values, then its schema check."""
     try:
-        jsonschema.validate(_merged(VALUES, {"config": config}), SCHEMA)
-    except jsonschema.ValidationError:
+        CHART.validate_schema(CHART.merge_values({"config": config}))
+    except HelmValuesError:
         return False
     return True
 
