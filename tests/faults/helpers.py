@@ -1,11 +1,16 @@
 """What the fault scenarios share: a client that always returns (status, headers, OpenAI error
-body), the check of an OpenAI error, and the check that the picker's gauges drained to zero."""
+body), the check of an OpenAI error, the check that the picker's gauges drained to zero, and a
+model server killed and restarted on its port."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -183,3 +188,43 @@ class ScrapesUntilExit:
         wanted = set(labels.items())
         return sum(v for (sample, sample_labels), v in self.last.items()
                    if sample == name and wanted <= set(sample_labels))
+
+
+_HELD_PORTS: dict[str, socket.socket] = {}
+"""A killed server's address -> the socket that keeps its port (``kill_server``)."""
+
+
+def kill_server(stack: Stack, index: int) -> None:
+    """SIGKILL the stack's model server ``index`` and hold its port until ``restart_server`` (or
+    the test's end, tests/faults/conftest.py): a socket bound there that never listens, so a
+    connection to the dead server is refused, as to a dead pod.
+
+    Unheld, the freed port may be given to another test's process on the other xdist worker
+    (``picker.stack.launcher.free_port`` takes whatever port the kernel offers), which would
+    then answer, or reset, in the dead server's place."""
+    process = stack.server_processes[index]
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
+    address = stack.endpoint_addresses[index]
+    host, port = address.rsplit(":", 1)
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # The dead server's own connections may linger in TIME_WAIT on the port.
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind((host, int(port)))
+    _HELD_PORTS[address] = hold
+
+
+def restart_server(stack: Stack, index: int, extra: list[str]) -> None:
+    """The stack's model server ``index`` again, on the port ``kill_server`` held."""
+    address = stack.endpoint_addresses[index]
+    held = _HELD_PORTS.pop(address, None)
+    if held is not None:
+        held.close()
+    stack._spawn([sys.executable, "-m", "picker.sim.server", "--port",
+                  address.rsplit(":", 1)[1], *extra], f"server{index}-again", "listening on")
+
+
+def release_held_ports() -> None:
+    """Close every port ``kill_server`` holds."""
+    while _HELD_PORTS:
+        _HELD_PORTS.popitem()[1].close()

@@ -10,10 +10,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -26,6 +22,7 @@ import pytest
 from picker.stack.envoy import envoy_config
 from picker.stack.launcher import Stack, free_port
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
+from tests.faults.helpers import kill_server, restart_server
 
 HEALTH = {"consecutiveFailures": 3, "baseEjectionTime": "500ms", "maxEjectionTime": "2s"}
 """Short ejections, so a restarted server is probed back within the test's bounds."""
@@ -41,22 +38,6 @@ def _post(stack: Stack, body: bytes, timeout: float = 20) -> tuple[int, dict[str
                 response.read()
     except urllib.error.HTTPError as error:
         return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
-
-
-def _server(stack: Stack, index: int) -> subprocess.Popen:
-    return stack.server_processes[index]
-
-
-def _kill(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(10)
-
-
-def _restart(stack: Stack, index: int, extra: list[str]) -> None:
-    """The same server again, on the same port."""
-    port = stack.endpoint_addresses[index].rsplit(":", 1)[1]
-    stack._spawn([sys.executable, "-m", "picker.sim.server", "--port", port, *extra],
-                 f"server{index}-again", "listening on")
 
 
 def _served_by(stack: Stack) -> list[str]:
@@ -102,7 +83,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
                                      outcome="ok") == 1)  # settled a moment after the answer
     prompt = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="a", kind="prompt")
     assert prompt > 0
-    _kill(_server(stack, 0))
+    kill_server(stack, 0)
     statuses = []
     for _ in range(12):
         status, headers, body = _post(stack, chat_body(max_tokens=2))
@@ -127,7 +108,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
     assert settled_metric(stack.metrics_url, "fairway_service_tokens_total", 2.0 * ok,
                           tenant="a", kind="completion") == 2.0 * ok
 
-    _restart(stack, 0, [])
+    restart_server(stack, 0, [])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
     _assert_traffic_returns(stack, 6)
     _assert_gauges_return_to_zero(stack)
@@ -178,7 +159,7 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
         assert wait_until(lambda: metric(stack.metrics_url, "fairway_queued_requests") > 0
                           and metric(stack.metrics_url, "fairway_running_requests") >= 2,
                           timeout=10)
-        _kill(_server(stack, 0))
+        kill_server(stack, 0)
         outcomes = [future.result(timeout=60) for future in results]
     # Mid-stream on the dead server: cut off (200, no [DONE]). Everything else, queued ones
     # included, was served whole by the live server: none saw the dead one.
@@ -191,7 +172,7 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
                           tenant="a", kind="prompt") == prompt * 13
     assert _ejected(stack, 0) == 1.0
 
-    _restart(stack, 0, ["--step-ms", "20"])
+    restart_server(stack, 0, ["--step-ms", "20"])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
     _assert_traffic_returns(stack, 4)
     _assert_gauges_return_to_zero(stack)
