@@ -21,13 +21,16 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 * an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
   over the requests dispatched there and not yet settled.
 * an endpoint's ``prefill_tokens`` is the sum of the prompts of the requests dispatched there,
-  not yet settled, that are ``prefilling`` (streams whose first output token has not come back).
+  not yet settled, that are ``prefilling`` (streams whose first output token has not come back,
+  or, for those whose tokens the picker does not see, that no read of the engine has shown
+  out of its waiting queue: ``scraped``).
 * ``occupancy`` holds, per lane and tenant, the sum of ``reserved_tokens`` over its requests
   dispatched and not yet settled.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -46,6 +49,7 @@ from picker.core.selection import (
     Scorer,
     free_tokens,
     keeps_reserve,
+    observe,
     rank,
     takes_backlogged,
 )
@@ -164,6 +168,10 @@ class Passage:
     prefilling: bool = False
     """A stream dispatched whose first output token has not come back: its prompt counts in its
     endpoint's ``prefill_tokens``."""
+    output_seen: bool = True
+    """The picker sees the response's tokens as they stream (the meter stream, inline); False on
+    the access-log response path, which reports a request only once it has ended: its prefill
+    is then judged from reads of the engine (``Gate.scraped``)."""
 
     @property
     def output_cap(self) -> int | None:
@@ -173,6 +181,22 @@ class Passage:
 
 
 P = TypeVar("P", bound=Passage)
+
+
+def still_waiting(sent: list[P], waiting: float) -> set[P]:
+    """Of the requests ``sent`` to an engine, those still in its waiting queue when it counted
+    ``waiting`` there: the ones vLLM serves last (the highest ``priority`` value, then the
+    latest arrival; with FCFS engines no priority is sent, so the latest).
+
+    An engine counts every waiting request, other pickers' and clients' too, so this errs on
+    the side of waiting: at most ``waiting`` of ``sent``, never fewer than the count allows."""
+    count = math.ceil(waiting)
+    if count <= 0:
+        return set()
+    if count >= len(sent):
+        return set(sent)
+    order = sorted(sent, key=lambda p: (p.engine_priority or 0, p.dispatched_at or 0.0))
+    return set(order[len(order) - count:])
 
 
 class GateListener(Protocol):
@@ -236,6 +260,10 @@ class Gate:
         """This picker's lease: the fraction of each endpoint's budget it may hold."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
+        self._unseen_prefill: dict[str, list[Passage]] = {}
+        """Per endpoint, streams sent there whose tokens the picker does not see
+        (``Passage.output_seen`` false), in dispatch order; some may have ended since (the
+        next ``scraped`` drops them)."""
 
     # -- rules --
 
@@ -308,6 +336,7 @@ class Gate:
         for address in [a for a, e in self.endpoints.items()
                         if e.draining and e.inflight_requests == 0]:
             del self.endpoints[address]
+            self._unseen_prefill.pop(address, None)
 
     def lane_of(self, tenant: str) -> str:
         """The tenant's configured lane, else the first lane."""
@@ -380,18 +409,20 @@ class Gate:
     def admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
               prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
               subset: frozenset[str] | None = None, request_id: str = "",
-              prereserved: int | None = None) -> P | Refused | Turnaway:
+              prereserved: int | None = None, output_seen: bool = True
+              ) -> P | Refused | Turnaway:
         """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
         set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
 
         ``lane``: the lane asked for (already checked with ``choose_lane``); default the
         tenant's. ``prompt_tokens``: the body's estimate. ``prereserved``: tokens already
         reserved for it in the shared store (``budget_needs``); a request not admitted gives
-        them back.
+        them back. ``output_seen``: see ``Passage.output_seen``.
         """
         decision = self._admit(build, tenant, lane, model=model, prompt_tokens=prompt_tokens,
                                max_tokens=max_tokens, stream=stream, now=now, subset=subset,
-                               request_id=request_id, prereserved=prereserved)
+                               request_id=request_id, prereserved=prereserved,
+                               output_seen=output_seen)
         # Refused before anything was reserved here: the store's reservation goes back. (A full
         # queue is turned away after: settling that reservation gives it back.)
         if prereserved is not None and (isinstance(decision, Refused) or (
@@ -409,7 +440,7 @@ class Gate:
     def _admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
                prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
                subset: frozenset[str] | None, request_id: str,
-               prereserved: int | None) -> P | Refused | Turnaway:
+               prereserved: int | None, output_seen: bool) -> P | Refused | Turnaway:
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(e.in_service(now) and (subset is None or e.address in subset)
@@ -437,7 +468,8 @@ class Gate:
             tenant=tenant, lane=decision.lane, request=request, arrived_at=now, model=model,
             body_prompt_tokens=prompt_tokens, body_max_tokens=max_tokens, stream=stream,
             subset=subset, request_id=request_id, reservation=decision.reservation,
-            demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None)
+            demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None,
+            output_seen=output_seen)
         self.passages[request] = passage
         self._waiting.setdefault(passage.lane, {})[request] = passage
         self._place(passage, now)
@@ -760,6 +792,8 @@ class Gate:
         if passage.stream:
             passage.prefilling = True
             primary.prefill_tokens += request.prompt_tokens
+            if not passage.output_seen:
+                self._unseen_prefill.setdefault(primary.address, []).append(passage)
         self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens,
                            self.scheduler.weights)
         on_dispatch(primary.health, now)
@@ -807,6 +841,31 @@ class Gate:
             self._prefilled(passage)
             if now is not None and self._prefill_holds():
                 self.pump(now)
+
+    def scraped(self, endpoint: EndpointState, waiting: float | None, running: float | None,
+                kv_usage: float | None, kv_budget_tokens: int | None, *, sent_at: float,
+                now: float) -> None:
+        """A read of ``endpoint``'s engine, sent at ``sent_at``, answered at ``now`` with these
+        figures (``None``: not exposed); they replace the last ones (``observe``).
+
+        It also ends the prefill of streams there whose tokens the picker does not see
+        (``Passage.output_seen`` false), which no first token would end before the request
+        does: of those sent before the read, the engine's ``waiting`` count are taken as still
+        waiting (``still_waiting``) and the rest as computed. Whatever a prefill rule held
+        goes at the caller's next ``pump``."""
+        observe(endpoint, waiting, running, kv_usage, kv_budget_tokens, now)
+        unseen = self._unseen_prefill.get(endpoint.address)
+        if not unseen:
+            return
+        unseen[:] = [p for p in unseen if p.prefilling and p.endpoint is endpoint]
+        if waiting is None:
+            return  # nothing tells: their prefill counts until they end
+        sent = [p for p in unseen if p.dispatched_at is not None and p.dispatched_at < sent_at]
+        waits = still_waiting(sent, waiting)
+        for passage in sent:
+            if passage not in waits:
+                self._prefilled(passage)
+        unseen[:] = [p for p in unseen if p.prefilling]
 
     def _prefill_holds(self) -> bool:
         """Whether a rule may hold a request until some endpoint's prefill ends."""

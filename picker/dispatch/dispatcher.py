@@ -238,12 +238,13 @@ class Dispatcher:
 
     async def admit(self, tenant: str, inference: InferenceRequest,
                     subset: frozenset[str] | None = None, lane: str | None = None,
-                    request_id: str = "") -> Ticket:
+                    request_id: str = "", output_seen: bool = True) -> Ticket:
         """Admit a request, queue it and wait for its turn; returns it dispatched.
 
         ``lane``: the lane asked for (already checked with ``choose_lane``); default the
-        tenant's. Raises a RequestError subclass when the request is refused; cancellation (the
-        client went away) removes it from the queue uncharged.
+        tenant's. ``output_seen``: whether its tokens will reach the picker as they stream
+        (``Passage.output_seen``). Raises a RequestError subclass when the request is refused;
+        cancellation (the client went away) removes it from the queue uncharged.
         """
         self._check_serving()
         prereserved = await self._reserve_in_store(tenant, inference)
@@ -251,7 +252,8 @@ class Dispatcher:
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,
             max_tokens=inference.max_tokens, stream=inference.stream, now=self.clock(),
-            subset=subset, request_id=request_id, prereserved=prereserved))
+            subset=subset, request_id=request_id, prereserved=prereserved,
+            output_seen=output_seen))
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),
                                           ticket.lane).inc()

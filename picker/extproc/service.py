@@ -623,8 +623,9 @@ class _Exchange:
     async def _admit(self, inference: InferenceRequest) -> Ticket:
         """Admit and queue; returns once the request is dispatched (RequestError if refused)."""
         self.model = inference.model
-        self.ticket = await self.dispatcher.admit(self.tenant, inference, self.subset, self.lane,
-                                                  self.request_id)
+        self.ticket = await self.dispatcher.admit(
+            self.tenant, inference, self.subset, self.lane, self.request_id,
+            output_seen=not (self.logged or self.response_unseen))
         self.routed = True
         return self.ticket
 

@@ -283,6 +283,12 @@ def _endpoints(endpoints: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
     inflight = GaugeMetricFamily("fairway_endpoint_inflight_tokens",
                                  "Tokens the picker has in flight on each endpoint.",
                                  labels=["endpoint"])
+    prefill = GaugeMetricFamily(
+        "fairway_endpoint_prefill_tokens",
+        "Prompt tokens of the streams sent to each endpoint that the picker counts as not yet "
+        "computed: no first token back (on the access-log path: no read of the engine has "
+        "shown them out of its waiting queue). What capacity.maxPrefillTokens and readyReserve "
+        "judge.", labels=["endpoint"])
     waiting = GaugeMetricFamily("fairway_endpoint_waiting_requests",
                                 "Scraped vllm:num_requests_waiting.", labels=["endpoint"])
     kv = GaugeMetricFamily("fairway_endpoint_kv_usage_ratio",
@@ -292,6 +298,7 @@ def _endpoints(endpoints: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
                                 "after an ejection), else 0.", labels=["endpoint"])
     for endpoint in endpoints:
         inflight.add_metric([endpoint.address], endpoint.inflight_tokens)
+        prefill.add_metric([endpoint.address], endpoint.prefill_tokens)
         health = getattr(endpoint, "health", None)
         ejected.add_metric([endpoint.address],
                            float(health is not None and health.ejected_until is not None))
@@ -299,4 +306,4 @@ def _endpoints(endpoints: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
             waiting.add_metric([endpoint.address], endpoint.waiting)
         if endpoint.kv_usage is not None:
             kv.add_metric([endpoint.address], endpoint.kv_usage)
-    yield from (inflight, waiting, kv, ejected)
+    yield from (inflight, prefill, waiting, kv, ejected)

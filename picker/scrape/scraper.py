@@ -21,7 +21,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.core.health import EJECTED
-from picker.core.selection import EndpointState, figures_decide, observe
+from picker.core.selection import EndpointState, figures_decide
 from picker.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class Scraper:
             self._next_at = {a: t for a, t in self._next_at.items() if a in known}
 
     async def _scrape(self, session: aiohttp.ClientSession, address: str, timeout: float) -> None:
+        sent_at = self.dispatcher.clock()
         try:
             async with session.get(f"http://{address}/metrics",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
@@ -189,5 +190,6 @@ class Scraper:
         endpoint = self.dispatcher.endpoints.get(address)
         if endpoint is None:
             return
-        observe(endpoint, figures.waiting, figures.running, figures.kv_usage,
-                figures.kv_budget_tokens, self.dispatcher.clock())
+        self.dispatcher.gate.scraped(endpoint, figures.waiting, figures.running,
+                                     figures.kv_usage, figures.kv_budget_tokens,
+                                     sent_at=sent_at, now=self.dispatcher.clock())

@@ -41,7 +41,7 @@ from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
-from picker.core.selection import figures_decide, observe
+from picker.core.selection import figures_decide
 from picker.core.shared import Replica, StoreModel, StoreReply
 from picker.dispatch.from_config import (
     admission_rules,
@@ -81,6 +81,10 @@ class PoolSpec:
     prefill_s_per_token: float = 0.0
     """A step's extra seconds per prompt token it computes, recompute included (the server's
     ``--prefill-ms-per-1k-tokens`` / 1e6); 0: every step takes ``step_s``."""
+    output_seen_at_end: bool = False
+    """The gateway's access-log response path (manifests/gateway/envoy-access-log.yaml): the
+    picker sees a request's output only once it has ended, so no first token ends a prefill
+    and no stream grows between scrapes; False: the meter stream shows every token."""
 
     def __post_init__(self) -> None:
         if not self.step_s > 0:
@@ -412,7 +416,8 @@ class _Pool:
         passage = self.gates[picker].admit(
             build, planned.tenant, None, model=self.traffic.model,
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
-            stream=planned.stream, now=self.now)
+            stream=planned.stream, now=self.now,
+            output_seen=not self.spec.output_seen_at_end)
         if isinstance(passage, (Refused, Turnaway)):
             self._end(record, passage.reason, self.now)
             return
@@ -470,8 +475,8 @@ class _Pool:
                 due = self.next_scrape.get((picker, address), 0.0)
                 if slow is not None and due > self.now + 1e-9:
                     continue
-                observe(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
-                        None, self.now)
+                gate.scraped(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
+                             None, sent_at=self.now, now=self.now)
                 self.scrapes += 1
                 if slow is not None:
                     fast = figures_decide(endpoint, self.now, gate.rules.capacity)
@@ -514,7 +519,7 @@ class _Pool:
             delivered += 1
             if passage.record.first_token_s is None:
                 passage.record.first_token_s = now
-            if passage.stream:
+            if passage.stream and not self.spec.output_seen_at_end:
                 gates[passage.picker].charge_output(passage, 1, now)
         for seq in out.finished:
             finished = cast(SimPassage, seq.id)

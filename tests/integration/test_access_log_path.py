@@ -5,6 +5,7 @@ Prometheus page; the same path through a real Envoy is ``tests/e2e/test_gateway.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from tests.integration.test_extproc_contract import (
     TENANT_HEADER,
     Picker,
     chat_body,
+    expect_route,
     fetch,
     header_mutation,
     running_picker,
@@ -236,3 +238,24 @@ def test_the_entry_is_read_as_envoy_writes_it() -> None:
     assert prompt_only is not None
     assert prompt_only.usage(prompt_only=True) is not None
     assert prompt_only.usage(prompt_only=False) is None
+
+
+async def test_a_read_of_the_engine_ends_the_prefill_no_first_token_will(picker: Picker) -> None:
+    """No token of an access-log stream reaches the picker before its end, so its prefill ends
+    when a read of the engine shows it out of the waiting queue (``Gate.scraped``); an inline
+    stream's ends with its first token, however many reads come."""
+    inline = picker.open()
+    await send_request(inline, chat_body("tell me a story", max_tokens=9, stream=True),
+                       headers={TENANT_HEADER: "a"})
+    await expect_route(inline, None, end=None)
+    await picker.eventually("fairway_running_requests", 1, tenant="a")
+    inline_prefill = await picker.metric("fairway_endpoint_prefill_tokens")
+    assert inline_prefill > 0
+    await route_logged(picker, chat_body("tell me a longer story", max_tokens=9, stream=True),
+                       "b")
+    await picker.eventually("fairway_running_requests", 1, tenant="b")
+    # The engines wait on nothing: the first read sent after the logged stream ends its prefill.
+    await picker.eventually("fairway_endpoint_prefill_tokens", inline_prefill)
+    await asyncio.sleep(0.3)  # six reads at 50 ms
+    assert await picker.metric("fairway_endpoint_prefill_tokens") == inline_prefill
+    assert await picker.metric("fairway_running_requests") == 2

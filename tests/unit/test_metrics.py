@@ -56,7 +56,7 @@ def test_new_gauges_read_from_the_snapshot() -> None:
 
 def test_existing_gauges_still_read_from_the_snapshot() -> None:
     endpoint = SimpleNamespace(address="10.0.0.1:8000", inflight_tokens=900, waiting=3,
-                               kv_usage=0.4)
+                               kv_usage=0.4, prefill_tokens=700)
     m = _metrics(_snapshot(queued={("acme", "interactive"): 2},
                            running={("globex", "batch"): 1},
                            counters={("acme", "interactive"): 17.5},
@@ -66,6 +66,7 @@ def test_existing_gauges_still_read_from_the_snapshot() -> None:
     assert _value(m, "fairway_virtual_service", tenant="acme", lane="interactive") == 17.5
     assert _value(m, "fairway_endpoint_inflight_tokens", endpoint="10.0.0.1:8000") == 900
     assert _value(m, "fairway_endpoint_waiting_requests", endpoint="10.0.0.1:8000") == 3
+    assert _value(m, "fairway_endpoint_prefill_tokens", endpoint="10.0.0.1:8000") == 700
     assert _value(m, "fairway_endpoint_kv_usage_ratio", endpoint="10.0.0.1:8000") == 0.4
 
 

@@ -23,7 +23,7 @@ from picker.metrics import COMMIT_ENV, PickerMetrics, build_labels
 def _all_families(metrics: PickerMetrics) -> str:
     """The exposition with every family the picker has, each with a sample."""
     endpoint = SimpleNamespace(address="10.0.0.1:8000", inflight_tokens=9, waiting=1,
-                               kv_usage=0.5)
+                               kv_usage=0.5, prefill_tokens=3)
     state = {"queued": {("a", "l"): 1}, "running": {("a", "l"): 1},
              "queued_tokens": {("a", "l"): 1}, "running_tokens": {("a", "l"): 1},
              "counters": {("a", "l"): 1.0}, "debt": {("a", "l"): 0.0},
