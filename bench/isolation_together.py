@@ -10,7 +10,10 @@ idle-tenant reserve, growth room and prefill pacing (``capacity.idleTenantReserv
 alone (goal ≤ 1.5) and the pool's tokens ÷ FCFS pass-through's (goal ≥ 0.97), with what each
 costs against the default. ``--endpoints 4`` runs the pools with four engines each and the flood
 twice as heavy (the light tenant unchanged): how the cost of a ready reserve falls as the pool
-widens, since only one endpoint of the pool has to be kept ready.
+widens, since only one endpoint of the pool has to be kept ready. ``--response-path
+access-log`` runs the picker as behind manifests/gateway/envoy-access-log.yaml, seeing each
+request's output only when it has ended (``PoolSpec.output_seen_at_end``): what prefill pacing
+and the ready reserve are worth when no first token tells the picker a prefill is over.
 """
 
 from __future__ import annotations
@@ -78,7 +81,12 @@ def measure_run(size: Size, seed: int | None) -> dict[str, Any]:
     return run
 
 
-def measure(endpoints: int, only: list[str] | None) -> dict[str, list[dict[str, Any]]]:
+RESPONSE_PATHS = ("meter-stream", "access-log")
+"""How the picker sees output: every token (the meter stream), or each request's once it ended."""
+
+
+def measure(endpoints: int, only: list[str] | None, response_path: str = "meter-stream"
+            ) -> dict[str, list[dict[str, Any]]]:
     data: dict[str, list[dict[str, Any]]] = {}
     for seed in SEEDS:
         for size in SIZES:
@@ -86,7 +94,10 @@ def measure(endpoints: int, only: list[str] | None) -> dict[str, list[dict[str, 
                 continue
             if endpoints != size.spec.endpoints and not isinstance(size.traffic, dict):
                 continue  # the 1k hard case's traffic is a file: its flood is a backlog
-            run = measure_run(widened(size, endpoints), seed)
+            size = widened(size, endpoints)
+            if response_path == "access-log":
+                size = replace(size, spec=replace(size.spec, output_seen_at_end=True))
+            run = measure_run(size, seed)
             data.setdefault(size.name, []).append(run)
             print(f"{size.name}, seed {run['seed']}: " + "; ".join(
                 f"{name} ×{run[name]['ttft_ratio']:.2f} tokens ×{run[name]['tokens_vs_fcfs']:.3f}"
@@ -94,9 +105,12 @@ def measure(endpoints: int, only: list[str] | None) -> dict[str, list[dict[str, 
     return data
 
 
-def render(data: dict[str, list[dict[str, Any]]], endpoints: int) -> str:
+def render(data: dict[str, list[dict[str, Any]]], endpoints: int,
+           response_path: str = "meter-stream") -> str:
+    seen = "" if response_path == "meter-stream" else ", output seen at each request's end"
     lines = [f"# Latency isolation: the isolation settings together (pool simulator, "
-             f"{endpoints} endpoints)", "", (__doc__ or "").split("\n\n")[1].replace("\n", " "),
+             f"{endpoints} endpoints{seen})", "",
+             (__doc__ or "").split("\n\n")[1].replace("\n", " "),
              "", "| size | seed | p95 ÷ alone: default / together / ready | tokens ÷ FCFS: "
              "default / together / ready | tokens ÷ default: together / ready | preemptions "
              "/1k: default / together / ready | both goals: together / ready |",
@@ -129,14 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=2,
                         help="engines per pool (the flood's rate scales with them)")
     parser.add_argument("--only", action="append", help="run only this size (repeatable)")
+    parser.add_argument("--response-path", choices=RESPONSE_PATHS, default="meter-stream",
+                        help="how the picker sees output (access-log: once a request ended)")
     args = parser.parse_args(argv)
-    data = measure(args.endpoints, args.only)
-    name = "isolation_together" if args.endpoints == 2 else \
-        f"isolation_together_{args.endpoints}_endpoints"
+    data = measure(args.endpoints, args.only, args.response_path)
+    name = "isolation_together" + ("" if args.endpoints == 2 else
+                                   f"_{args.endpoints}_endpoints")
+    if args.response_path != "meter-stream":
+        name += "_" + args.response_path.replace("-", "_")
+    report = render(data, args.endpoints, args.response_path)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
-    (args.out / f"{name}.md").write_text(render(data, args.endpoints))
-    print(render(data, args.endpoints))
+    (args.out / f"{name}.md").write_text(report)
+    print(report)
     return 0
 
 

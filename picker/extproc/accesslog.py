@@ -13,9 +13,10 @@ What this path gives up, for no picker message per streamed token: a stream's ou
 when it ends, not as it streams (a tenant's counter lags by what its running streams have
 produced so far), the picker does not see a stream grow (only its engine's scraped KV use
 does: a light tenant is served worse under a flood, ``bench/results/overhead.md``), its first
-token is seen only then (TTFT is recorded late; prefill pacing,
-``capacity.maxPrefillTokens``, sees the prefill end only at the request's end), and a finished
-request's room is freed up to one flush interval late.
+token is seen only then (TTFT is recorded late; the prefill rules, ``capacity.maxPrefillTokens``
+and ``readyReserve``, see a prefill end when a read of the engine shows the request out of its
+waiting queue: ``Gate.scraped``), and a finished request's room is freed up to one flush
+interval late.
 """
 
 from __future__ import annotations
