@@ -208,22 +208,21 @@ class Capacity:
     1.3 to 1.5 (8k), 2.2 to 3.6 (64k), 1.3 to 2.0 (256k, 500k). ``false`` (default): the
     prompt alone."""
     max_prefill_tokens: int = field(default=0, metadata=_camel("max_prefill_tokens", ge=0))
-    """Prefill pacing. A backlogged tenant's request leaves for an endpoint only while the
-    prompt tokens sent there and not yet answered by a first token (streams: a non-streaming
-    request's first token is not seen; on the access-log response path, where no token is seen
-    before a stream ends, until a read of the engine shows it out of the waiting queue), its own
-    included, stay within this; an endpoint with none outstanding takes any prompt. vLLM computes running requests' prompt chunks before a
-    waiting request's and a step lasts longer with every prompt token in it, so this bounds
-    the prefill a light tenant's request waits out where the engines are prefill-bound rather
-    than short of cache. Set it to the engines' ``--max-num-batched-tokens`` (one step's prompt
-    budget: the engine could not start more before its next step anyway); lower is not
-    work-conserving. Measured in the pool simulator (priority engines, three seeds, 8,192):
-    alone, tokens 1.00 to 1.12 of the default at every size, a light tenant's p95 ÷ alone 2.1
-    to 2.2 at 500k tokens of KV (2.7 to 3.0 without) and no better below, where the cache, not
-    the prefill, is what its request waits for; with ``growthRoom``, 1.2 to 1.5 at 256k and
-    500k (1.3 to 2.0 with ``growthRoom`` alone). Held requests are judged again when a first
-    token comes back or such a read ends a prefill (the server and the simulator alike). ``0``
-    (default): no bound."""
+    """Prefill pacing. A backlogged tenant's request leaves for an endpoint only while the prompt
+    tokens sent there and not yet answered by a first token (streams: a non-streaming request's
+    first token is not seen; on the access-log response path, where no token is seen before a stream
+    ends, until a read of the engine shows it out of the waiting queue), its own included, stay
+    within this; an endpoint with none outstanding takes any prompt. vLLM computes running requests'
+    prompt chunks before a waiting request's and a step lasts longer with every prompt token in it,
+    so this bounds the prefill a light tenant's request waits out where the engines are
+    prefill-bound rather than short of cache. Set it to the engines' ``--max-num-batched-tokens``
+    (one step's prompt budget: the engine could not start more before its next step anyway); lower
+    is not work-conserving. Measured in the pool simulator (priority engines, three seeds, 8,192):
+    alone, tokens 1.00 to 1.12 of the default at every size, a light tenant's p95 ÷ alone 2.1 to 2.2
+    at 500k tokens of KV (2.7 to 3.0 without) and no better below, where the cache, not the prefill,
+    is what its request waits for; with ``growthRoom``, 1.2 to 1.5 at 256k and 500k (1.3 to 2.0 with
+    ``growthRoom`` alone). Held requests are judged again when a first token comes back or such a
+    read ends a prefill (the server and the simulator alike). ``0`` (default): no bound."""
     ready_reserve: bool = field(default=False, metadata=_camel("ready_reserve"))
     """With ``idleTenantReserve``: keep the reserve where a light tenant's request starts at the
     engine's next step, on an endpoint computing no prompt. A step runs its prompt chunks to

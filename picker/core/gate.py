@@ -260,10 +260,9 @@ class Gate:
         """This picker's lease: the fraction of each endpoint's budget it may hold."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
-        self._unseen_prefill: dict[str, list[Passage]] = {}
-        """Per endpoint, streams sent there whose tokens the picker does not see
-        (``Passage.output_seen`` false), in dispatch order; some may have ended since (the
-        next ``scraped`` drops them)."""
+        self._unseen_prefill: dict[str, dict[Passage, None]] = {}
+        """Per endpoint, the streams there whose tokens the picker does not see
+        (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
 
     # -- rules --
 
@@ -793,7 +792,7 @@ class Gate:
             passage.prefilling = True
             primary.prefill_tokens += request.prompt_tokens
             if not passage.output_seen:
-                self._unseen_prefill.setdefault(primary.address, []).append(passage)
+                self._unseen_prefill.setdefault(primary.address, {})[passage] = None
         self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens,
                            self.scheduler.weights)
         on_dispatch(primary.health, now)
@@ -855,17 +854,13 @@ class Gate:
         goes at the caller's next ``pump``."""
         observe(endpoint, waiting, running, kv_usage, kv_budget_tokens, now)
         unseen = self._unseen_prefill.get(endpoint.address)
-        if not unseen:
-            return
-        unseen[:] = [p for p in unseen if p.prefilling and p.endpoint is endpoint]
-        if waiting is None:
+        if not unseen or waiting is None:
             return  # nothing tells: their prefill counts until they end
         sent = [p for p in unseen if p.dispatched_at is not None and p.dispatched_at < sent_at]
         waits = still_waiting(sent, waiting)
         for passage in sent:
             if passage not in waits:
                 self._prefilled(passage)
-        unseen[:] = [p for p in unseen if p.prefilling]
 
     def _prefill_holds(self) -> bool:
         """Whether a rule may hold a request until some endpoint's prefill ends."""
@@ -876,8 +871,11 @@ class Gate:
     def _prefilled(self, passage: Passage) -> None:
         """The request's prompt is no longer outstanding prefill on its endpoint."""
         passage.prefilling = False
-        if passage.endpoint is not None:
-            passage.endpoint.prefill_tokens -= passage.request.prompt_tokens
+        endpoint = passage.endpoint
+        if endpoint is not None:
+            endpoint.prefill_tokens -= passage.request.prompt_tokens
+            if not passage.output_seen:
+                self._unseen_prefill.get(endpoint.address, {}).pop(passage, None)
 
     def complete(self, passage: Passage, usage: Usage | None, outcome: str,
                  now: float) -> None:
@@ -1000,6 +998,9 @@ class Gate:
             endpoint.inflight_requests += sign
             if passage.prefilling:
                 endpoint.prefill_tokens += sign * passage.request.prompt_tokens
+        if passage.prefilling and not passage.output_seen:
+            self._unseen_prefill.get(primary.address, {}).pop(passage, None)
+            self._unseen_prefill.setdefault(served.address, {})[passage] = None
         passage.endpoint = served
         self.pump(now)  # the primary's room is free again
         return ejected

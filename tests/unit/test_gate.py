@@ -26,9 +26,10 @@ from picker.core.gate import (
     LaneRules,
     Passage,
     Turnaway,
+    still_waiting,
 )
 from picker.core.health import HealthRules
-from picker.core.selection import CapacityRules, free_tokens, has_room, rank
+from picker.core.selection import CapacityRules, EndpointState, free_tokens, has_room, rank
 
 HIGH, LOW = "high", "low"
 LANES = (LaneRules(HIGH), LaneRules(LOW))
@@ -86,9 +87,10 @@ def make_gate(*, budgets: dict[str, int | None] | None = None,
 
 def admit(gate: Gate, tenant: str, prompt: int, *, now: float = 0.0, lane: str | None = None,
           max_tokens: int | None = None, stream: bool = True,
-          subset: frozenset[str] | None = None) -> Any:
+          subset: frozenset[str] | None = None, output_seen: bool = True) -> Any:
     return gate.admit(Passage, tenant, lane, model="m", prompt_tokens=prompt,
-                      max_tokens=max_tokens, stream=stream, now=now, subset=subset)
+                      max_tokens=max_tokens, stream=stream, now=now, subset=subset,
+                      output_seen=output_seen)
 
 
 def recorded(gate: Gate) -> RecordingAdmission:
@@ -116,8 +118,9 @@ ALLOWED_LANES = {"a": frozenset({HIGH, LOW}), "b": frozenset({HIGH, LOW})}
 CAPACITY = CapacityRules(fallback_budget=1000, max_waiting=2, stale_after=1.0)
 BUDGETS: dict[str, int | None] = {E1: 1000, E2: 600}
 REQUESTS = st.tuples(st.sampled_from(TENANTS), st.booleans(), st.integers(1, 900),
-                     st.none() | st.integers(0, 400), st.booleans())
-"""tenant, asks for the low lane, prompt tokens, max_tokens, stream"""
+                     st.none() | st.integers(0, 400), st.booleans(), st.booleans())
+"""tenant, asks for the low lane, prompt tokens, max_tokens, stream, whether the picker sees its
+tokens (``Passage.output_seen``; not on the access-log response path)"""
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -170,12 +173,12 @@ class GateMachine(RuleBasedStateMachine):
     # -- rules --
 
     @rule(requests=st.lists(REQUESTS, min_size=1, max_size=5))
-    def admit(self, requests: list[tuple[str, bool, int, int | None, bool]]) -> None:
+    def admit(self, requests: list[tuple[str, bool, int, int | None, bool, bool]]) -> None:
         for request in requests:
             self.admit_one(*request)
 
     def admit_one(self, tenant: str, low: bool, prompt: int, max_tokens: int | None,
-                  stream: bool) -> None:
+                  stream: bool, seen: bool) -> None:
         gate = self.gate
         lane = gate.choose_lane(tenant, LOW if low else None)
         if lane is None:
@@ -187,7 +190,7 @@ class GateMachine(RuleBasedStateMachine):
         in_service = any(e.in_service(self.now) for e in gate.endpoints.values())
         events, finished = len(self.recorder.events), len(self.admission.finished)
         result = admit(gate, tenant, prompt, now=self.now, lane=lane, max_tokens=max_tokens,
-                       stream=stream)
+                       stream=stream, output_seen=seen)
         shed = [(p, outcome) for kind, p, outcome in self.recorder.events[events:]
                 if kind == "dropped"]
         if isinstance(result, Turnaway):
@@ -302,10 +305,33 @@ class GateMachine(RuleBasedStateMachine):
           kv=st.none() | st.floats(0.0, 1.0))
     def scrape(self, address: str, waiting: int | None, kv: float | None) -> None:
         endpoint = self.gate.endpoints.get(address)
-        if endpoint is None:
+        if endpoint is not None:
+            self.read(endpoint, waiting, kv)
+
+    @rule(data=st.data())
+    def scrape_where_prefill_is_unseen(self, data: st.DataObject) -> None:
+        """A read of an endpoint with streams whose first token the picker cannot see, the
+        engine's waiting count around their number."""
+        unseen = [p for p in self.running() if p.prefilling and not p.output_seen]
+        if not unseen:
             return
-        endpoint.waiting, endpoint.kv_usage, endpoint.scraped_at = waiting, kv, self.now
-        endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
+        endpoint = data.draw(st.sampled_from([p.endpoint for p in unseen]))
+        assert endpoint is not None
+        self.read(endpoint, data.draw(st.integers(0, len(unseen) + 1)), None)
+
+    def read(self, endpoint: EndpointState, waiting: int | None, kv: float | None) -> None:
+        unseen = [p for p in self.running() if p.endpoint is endpoint and p.prefilling
+                  and not p.output_seen]
+        # The read went out after every dispatch so far, and its answer comes a moment later.
+        sent_at, answered = self.now + 0.001, self.now + 0.002
+        self.gate.scraped(endpoint, waiting, None, kv, None, sent_at=sent_at, now=answered)
+        assert (endpoint.waiting, endpoint.kv_usage, endpoint.scraped_at) == (waiting, kv,
+                                                                             answered)
+        # Of the streams whose tokens the picker does not see, the read leaves as many in
+        # prefill as the engine says wait (those it serves last), or all when it does not say.
+        left = [p for p in unseen if p.prefilling]
+        assert len(left) == (len(unseen) if waiting is None else min(waiting, len(unseen)))
+        assert set(left) == still_waiting(unseen, len(unseen) if waiting is None else waiting)
         self.gate.pump(self.now)
 
     @rule()
@@ -357,9 +383,16 @@ class GateMachine(RuleBasedStateMachine):
             assert endpoint.inflight_requests == len(mine)
             assert endpoint.inflight_tokens == sum(p.reserved_tokens for p in mine)
             assert endpoint.projected_tokens == sum(p.projected_tokens for p in mine)
-            # Outstanding prefill: streams sent here whose first token has not come back.
+            # Outstanding prefill: streams sent here whose first token has not come back (and,
+            # of those whose tokens the picker does not see, that no read has let go).
             for passage in mine:
-                assert passage.prefilling == (passage.stream and not self.streamed.get(passage))
+                first_token = passage.stream and not self.streamed.get(passage)
+                if passage.output_seen:
+                    assert passage.prefilling == first_token
+                else:
+                    assert first_token or not passage.prefilling
+            assert set(self.gate._unseen_prefill.get(endpoint.address, {})) == {
+                p for p in mine if p.prefilling and not p.output_seen}
             assert endpoint.prefill_tokens == sum(p.request.prompt_tokens for p in mine
                                                   if p.prefilling)
         held: dict[tuple[str, str], int] = {}

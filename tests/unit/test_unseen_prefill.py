@@ -129,11 +129,13 @@ def test_streams_whose_tokens_the_picker_sees_wait_for_their_first_token() -> No
     assert gate.endpoints[A].prefill_tokens == 0
 
 
-def test_ended_streams_are_forgotten_by_the_next_read() -> None:
+def test_ended_streams_are_forgotten_at_once() -> None:
+    """An endpoint whose engine is never read (no metrics page) holds no ended stream."""
     gate = _gate()
     first, second = _send(gate, "t", 300, 0.0), _send(gate, "u", 200, 0.0)
     gate.complete(first, None, "cancelled", 0.5)
     assert gate.endpoints[A].prefill_tokens == 200
+    assert list(gate._unseen_prefill[A]) == [second]
     _read(gate, waiting=0, sent_at=1.0, now=1.0)
     assert gate.endpoints[A].prefill_tokens == 0 and not second.prefilling
     assert not gate._unseen_prefill[A]
