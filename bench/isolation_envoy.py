@@ -18,7 +18,8 @@ meaning; milliseconds are ``SCALE`` times larger.
 Run: ``python -m bench.isolation_envoy --out bench/results`` (each mode runs the traffic's
 duration and then its clients' timeout: about 4 minutes at 8k, 10 from 64k up; ``--only 64k``
 for one size, ``--mode M`` for one picker mode besides the baselines, ``--report NAME`` for the
-file it writes).
+file it writes, ``--response-path access-log`` for Envoy's access-log response path, which the
+simulator runs with ``PoolSpec.output_seen_at_end``).
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ BASELINES = ("light alone", "fcfs pass-through")
 """Every run has these: the ratios are against them."""
 
 
-def scaled_spec(spec: PoolSpec, scale: float) -> PoolSpec:
+def scaled_spec(spec: PoolSpec, scale: float, response_path: str = "meter-stream") -> PoolSpec:
     return replace(spec, engine_policy="priority", step_s=spec.step_s * scale,
-                   prefill_s_per_token=spec.prefill_s_per_token * scale)
+                   prefill_s_per_token=spec.prefill_s_per_token * scale,
+                   output_seen_at_end=response_path == "access-log")
 
 
 def scaled_traffic(size: Size, scale: float, light_only: bool = False) -> Traffic:
@@ -141,7 +143,7 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
 def run_size(size: Size, scale: float, workdir: Path, plan: Plan,
              modes: tuple[str, ...]) -> dict[str, Any]:
     """The modes through Envoy, and the same in the simulator."""
-    spec = scaled_spec(size.spec, scale)
+    spec = scaled_spec(size.spec, scale, plan.response_path)
     gateway: dict[str, dict[str, Any]] = {}
     simulator: dict[str, dict[str, Any]] = {}
     for name in modes:
@@ -189,6 +191,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
              "two cores carry Envoy, the picker, both servers and the load client. Ratios keep "
              "their meaning; milliseconds are that much larger. Goals: light p95 ÷ alone ≤ "
              f"{RATIO_GOAL}, tokens ÷ FCFS ≥ {TOKENS_GOAL}.", ""]
+    if data.get("response_path", "meter-stream") != "meter-stream":
+        lines += [f"Response path: `{data['response_path']}` (Envoy's access log; the "
+                  "simulator sees each request's output only once it has ended).", ""]
     for name, size in data["sizes"].items():
         lines += [f"## {name}", "", size_heading(size["spec"], size["source"]), "",
                   "| mode | where | light p50 ms | light p95 ms | p95 ÷ alone | tokens/s | "
@@ -249,12 +254,15 @@ def main() -> None:
                         help="run only this picker mode besides the baselines (repeatable)")
     parser.add_argument("--report", default="isolation_envoy",
                         help="the report's file name, without .md or .json")
+    parser.add_argument("--response-path", choices=("meter-stream", "access-log"),
+                        default="meter-stream", help="how Envoy hands responses to the picker")
     args = parser.parse_args()
     modes = BASELINES + tuple(args.mode or (m for m in MODES if m not in BASELINES))
     sizes = [s for s in SIZES if isinstance(s.traffic, dict)
              and (not args.only or s.name.split()[0] in args.only)]
-    plan = Plan(quick=False, goals=frozenset())
-    data: dict[str, Any] = {"scale": args.scale, "sizes": {}}
+    plan = Plan(quick=False, goals=frozenset(), response_path=args.response_path)
+    data: dict[str, Any] = {"scale": args.scale, "response_path": args.response_path,
+                            "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="fairway-isolation-") as tmp:
         for size in sizes:
             print(f"{size.name}:", flush=True)
