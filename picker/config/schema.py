@@ -237,8 +237,9 @@ class Capacity:
     ``growthRoom`` and ``maxPrefillTokens: 4096``, three seeds a size, 8k to 500k tokens of KV):
     a light tenant's p95 TTFT under a flood 1.00 to 1.26 times its p95 alone on two endpoints
     (1.00 to 1.87 without it), at 0.73 to 0.91 of the default's tokens (0.91 to 1.05 without);
-    1.00 to 1.09 on four endpoints at 0.87 to 1.00; through Envoy at 64k, 1.14. ``false``
-    (default): the reserve counts on any endpoint with the room."""
+    1.00 to 1.09 on four endpoints at 0.87 to 1.00; 1.00 on eight at 0.95 to 1.04 (8k and
+    64k); through Envoy at 64k, 1.14. ``false`` (default): the reserve counts on any endpoint
+    with the room."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_budget_tokens, int) and self.kv_budget_tokens < 1:
