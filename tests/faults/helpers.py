@@ -200,8 +200,8 @@ def kill_server(stack: Stack, index: int) -> None:
     connection to the dead server is refused, as to a dead pod.
 
     Unheld, the freed port may be given to another test's process on the other xdist worker
-    (``picker.stack.launcher.free_port`` takes whatever port the kernel offers), which would
-    then answer, or reset, in the dead server's place."""
+    (a model server or picker binding port 0, an Envoy on ``picker.stack.launcher.free_port``),
+    which would then answer, or reset, in the dead server's place."""
     process = stack.server_processes[index]
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(10)
