@@ -48,7 +48,7 @@ from bench.isolation import (
     light_ttfts,
     size_heading,
 )
-from bench.isolation_together import PROFILES
+from bench.isolation_together import PROFILES, RESPONSE_PATHS
 from picker.config.schema import PickerConfig
 from picker.config.strict import load, parse_duration
 from picker.sim.load import percentile
@@ -254,7 +254,7 @@ def main() -> None:
                         help="run only this picker mode besides the baselines (repeatable)")
     parser.add_argument("--report", default="isolation_envoy",
                         help="the report's file name, without .md or .json")
-    parser.add_argument("--response-path", choices=("meter-stream", "access-log"),
+    parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream", help="how Envoy hands responses to the picker")
     args = parser.parse_args()
     modes = BASELINES + tuple(args.mode or (m for m in MODES if m not in BASELINES))
