@@ -156,9 +156,13 @@ async def test_counts_follow_the_rates(fake: FakeOpenAI) -> None:
     assert 30 <= planned["a"] <= 95 and 1 <= planned["b"] <= 25
     assert all(r.ok for r in result.records)
     assert result.summary["tenants"]["a"]["sent"] == planned["a"]
-    # Open loop, unloaded server: each request leaves at its scheduled time.
-    assert max(abs(r.start_s - r.scheduled_s) for r in result.records) < 0.1
-    assert result.wall_s < 2.5
+    # Open loop: no request leaves before its time (how late one leaves is the event loop's
+    # load, which the slow-server test below bounds against what waiting for answers gives).
+    assert all(r.start_s >= r.scheduled_s - 1e-3 for r in result.records)
+    starts = [r.start_s for r in sorted(result.records, key=lambda r: r.scheduled_s)]
+    assert starts == sorted(starts)
+    # The run ends when the last answer is in, not timeout_s (120 s) after duration_s.
+    assert result.wall_s < 30
 
 
 async def test_a_slow_server_does_not_slow_the_sender(fake: FakeOpenAI) -> None:
@@ -168,19 +172,22 @@ async def test_a_slow_server_does_not_slow_the_sender(fake: FakeOpenAI) -> None:
     result = await run_traffic(traffic, fake.url)
     records = result.records
     assert len(records) >= 20 and all(r.ok for r in records)
-    assert max(abs(r.start_s - r.scheduled_s) for r in records) < 0.1
+    # A sender that waited for answers would leave its second request delay_s late and its
+    # last one some 30 delays late; an open-loop one is late only by the event loop's load.
+    assert all(r.start_s >= r.scheduled_s - 1e-3 for r in records)
+    assert max(r.start_s - r.scheduled_s for r in records) < fake.delay_s
     assert fake.max_in_flight["a"] >= 15  # they were all out at once, none waited for another
     assert all(r.e2e_s >= 0.8 for r in records)
 
 
 async def test_bursts_arrive_at_once(fake: FakeOpenAI) -> None:
+    fake.delay_s = 1.0  # long enough that a burst sent one by one could not all be in at once
     traffic = _traffic(1.0, {"name": "b", "bursts": [{"at_s": 0.3, "count": 25}],
-                             "prompt_tokens": [4, 8], "output_tokens": [1, 2]})
+                             "prompt_tokens": [4, 8], "output_tokens": [1, 2]}, timeout_s=5)
     result = await run_traffic(traffic, fake.url)
-    times = fake.arrivals["b"]
-    assert len(times) == 25
-    assert max(times) - min(times) < 0.15
-    assert all(0.29 <= r.start_s < 0.4 and r.kind == "burst" for r in result.records)
+    assert len(fake.arrivals["b"]) == 25 and fake.max_in_flight["b"] == 25
+    assert all(r.ok and r.kind == "burst" and r.scheduled_s == 0.3 for r in result.records)
+    assert all(r.start_s >= 0.3 - 1e-3 for r in result.records)
 
 
 async def test_max_in_flight_caps_concurrency(fake: FakeOpenAI) -> None:
@@ -204,9 +211,10 @@ async def test_backlog_keeps_n_outstanding(fake: FakeOpenAI) -> None:
     result = await run_traffic(traffic, fake.url)
     assert fake.max_in_flight["a"] == 3 and fake.max_in_flight["late"] == 2
     grouped = _by_tenant(result.records)
-    # 3 slots x about 10 round trips of 0.1 s each.
-    assert 21 <= len(grouped["a"]) <= 33
-    assert 6 <= len(grouped["late"]) <= 12
+    # 3 slots x at most 10 round trips of 0.1 s each (how many fewer is the machine's load;
+    # that the slots never idle is asserted below).
+    assert 3 <= len(grouped["a"]) <= 33
+    assert 2 <= len(grouped["late"]) <= 12
     assert min(r.start_s for r in grouped["late"]) >= 0.5
     assert max(r.start_s for r in result.records) < 1.0  # nothing sent after duration_s
     assert sorted(r.seq for r in grouped["a"]) == list(range(len(grouped["a"])))
@@ -215,6 +223,8 @@ async def test_backlog_keeps_n_outstanding(fake: FakeOpenAI) -> None:
     ends = sorted(r.end_s for r in grouped["a"])
     starts = sorted(r.start_s for r in grouped["a"])[3:]
     assert max(s - e for s, e in zip(starts, ends, strict=False)) < 0.05
+    # So the three slots were busy from the start until past duration_s.
+    assert sum(r.e2e_s for r in grouped["a"]) >= 3 * 1.0 - 0.05
 
 
 async def test_stream_fraction_is_respected(fake: FakeOpenAI) -> None:
@@ -243,9 +253,10 @@ async def test_ttft_is_measured_before_the_end_of_a_stream(fake: FakeOpenAI) -> 
     grouped = _by_tenant(result.records)
     for r in grouped["s"]:
         assert r.ok and r.ttft_s is not None
-        assert r.ttft_s < 0.1 and r.e2e_s - r.ttft_s >= 0.15
-    for r in grouped["j"]:
-        assert r.ttft_s == pytest.approx(r.e2e_s, abs=0.005)
+        # Nine more tokens, 0.02 s apart, came after the first.
+        assert r.e2e_s - r.ttft_s >= 0.15
+    for r in grouped["j"]:  # a JSON reply's first token comes with its last
+        assert r.ttft_s <= r.e2e_s and r.ttft_s == pytest.approx(r.e2e_s, abs=0.05)
 
 
 async def test_usage_read_or_counted(fake: FakeOpenAI) -> None:
@@ -324,7 +335,8 @@ async def test_connection_errors_and_timeouts_are_status_0(fake: FakeOpenAI) -> 
     result = await run_traffic(slow, fake.url)
     assert [r.status for r in result.records] == [0, 0]
     assert all(r.error.startswith(("timeout after 0.4s", "cancelled")) for r in result.records)
-    assert result.wall_s < 1.0  # stopped at duration_s + timeout_s, not at the server's pace
+    # Stopped at each request's timeout (0.4 s), not at the server's pace (5 s).
+    assert 0.4 - 0.05 <= result.wall_s < fake.delay_s
 
 
 async def test_stragglers_are_cancelled_after_timeout(fake: FakeOpenAI) -> None:
@@ -334,7 +346,8 @@ async def test_stragglers_are_cancelled_after_timeout(fake: FakeOpenAI) -> None:
     result = await run_traffic(traffic, fake.url)
     [record] = result.records
     assert record.status == 0 and not record.ok
-    assert 0.5 <= result.wall_s < 0.9
+    # Stopped by its timeout (0.5 s after it left at 0.1 s), not at the stream's pace (6 s).
+    assert 0.6 - 0.05 <= result.wall_s < 3
     assert record.error.endswith("(after HTTP 200)")
 
 
