@@ -6,6 +6,7 @@ stopped (SIGTERM, then SIGKILL) by ``Stack.stop`` or on leaving the ``with`` blo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -34,6 +35,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def hold_port(port: int) -> socket.socket:
+    """A socket bound to ``port`` of 127.0.0.1 that never listens, so that while a process is
+    down its port is neither handed out to another (a port-0 bind, a connection's ephemeral
+    port) nor answered: a connection is refused, as to a dead pod. It sets ``SO_REUSEADDR``, as
+    Envoy, gRPC, aiohttp and Redis do on their listeners, so the process restarted on the port
+    binds it while it is still held; close it once that process listens."""
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        hold.bind(("127.0.0.1", port))
+    except OSError:
+        hold.close()
+        raise
+    return hold
 
 
 def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> str:
@@ -119,6 +136,7 @@ class Stack:
     picker_config: dict[str, Any] = field(default_factory=dict)
     """Config keys merged over the generated picker config (endpoints are filled in)."""
     gateway_port: int = 0
+    """Envoy's listener; 0: a port Envoy binds and the stack reads back once it runs."""
     with_picker: bool = True
     """False: Envoy routes on the client's own destination header (overhead baseline)."""
     response_path: str = "meter-stream"
@@ -174,6 +192,9 @@ class Stack:
     health_port: int = 0
     """The picker's gRPC health port (plaintext: liveness, readiness), as it reported it."""
     _startup_output: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _held_ports: dict[int, socket.socket] = field(default_factory=dict, init=False, repr=False)
+    """Ports of killed processes, held (``hold_port``) until they run again or the stack
+    stops."""
     """Each waited-for process's stdout up to its ready line, by name."""
 
     @property
@@ -248,8 +269,9 @@ class Stack:
             first = self.replica_ports[0]
             self.grpc_port, self.health_port = first["grpc"], first["health"]
             self.metrics_port, self.admin_grpc_port = first["metrics"], first["admin"]
-        self.gateway_port = self.gateway_port or free_port()
-        self.admin_port = free_port()
+        # Envoy too binds port 0 (unless the caller chose the gateway's port); the bootstrap is
+        # built with 0 and the bound ports are read back once Envoy runs.
+        self.admin_port = 0
         if self.envoy_bootstrap is not None:
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(self.envoy_bootstrap(self), sort_keys=False))
@@ -263,10 +285,36 @@ class Stack:
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
                 endpoints=self.endpoint_addresses if self.retries else None,
                 picker_streams_per_connection=self.picker_streams_per_connection)
-        self._spawn([envoy_binary(), "-c", str(envoy_yaml), "--log-level", "warn",
-                     "--base-id", str(self.admin_port), "--concurrency", "1",
-                     "--file-flush-interval-msec", "50"], "envoy", None)
+        self._start_envoy(envoy_yaml)
+        self.gateway_port = self.gateway_port or self._listener_port()
+
+    def _start_envoy(self, config: Path) -> None:
+        """Start Envoy on ``config`` and wait until it is ready; sets ``admin_port`` to the port
+        its admin bound. Hot restart is off: these Envoys never hand over to a successor, and
+        without it parallel Envoys share no memory (no base id to keep apart)."""
+        address_file = self.workdir / "envoy-admin.address"
+        address_file.unlink(missing_ok=True)
+        process = self._spawn([envoy_binary(), "-c", str(config), "--log-level", "warn",
+                               "--disable-hot-restart", "--concurrency", "1",
+                               "--admin-address-path", str(address_file),
+                               "--file-flush-interval-msec", "50"], "envoy", None)
+        deadline = time.monotonic() + 20
+        while not address_file.exists() or not address_file.read_text().strip():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Envoy did not bind its admin within 20 s (exit status "
+                                   f"{process.poll()}); see {self.workdir / 'envoy.log'}")
+            time.sleep(0.02)
+        self.admin_port = int(address_file.read_text().strip().rsplit(":", 1)[1])
         _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
+
+    def _listener_port(self) -> int:
+        """The port Envoy's one listener bound, from its admin."""
+        url = f"http://127.0.0.1:{self.admin_port}/listeners?format=json"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            statuses = json.load(response)["listener_statuses"]
+        if len(statuses) != 1:
+            raise RuntimeError(f"the stack's Envoy should have one listener, it has {statuses}")
+        return int(statuses[0]["local_address"]["socket_address"]["port_value"])
 
     @property
     def envoy_process(self) -> subprocess.Popen:
@@ -278,36 +326,75 @@ class Stack:
         """The running picker (the first replica)."""
         return self.picker_processes[0]
 
+    def _kill(self, process: subprocess.Popen, ports: list[int]) -> None:
+        """SIGKILL ``process`` (if it still runs) and hold its ports."""
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        for port in ports:
+            if port not in self._held_ports:
+                self._held_ports[port] = hold_port(port)
+
+    def _release(self, ports: list[int]) -> None:
+        for port in ports:
+            held = self._held_ports.pop(port, None)
+            if held is not None:
+                held.close()
+
+    def kill_server(self, index: int) -> None:
+        """SIGKILL model server ``index`` and hold its port until ``restart_server`` (or the
+        stack's stop): connections to it are refused, as to a dead pod, and no other process
+        (another test's, on the other xdist worker) can take the port and answer in its
+        place."""
+        self._kill(self.server_processes[index], [self._server_port(index)])
+
+    def restart_server(self, index: int, extra: list[str] | None = None) -> None:
+        """Model server ``index`` again on its port, with ``extra`` flags instead of
+        ``server_args`` when given."""
+        process = self.server_processes[index]
+        port = self._server_port(index)
+        self._kill(process, [port])
+        self.processes.remove(process)
+        self.server_processes[index] = self._spawn(
+            [sys.executable, "-m", "picker.sim.server", "--port", str(port),
+             *(self.server_args if extra is None else extra)],
+            f"server{index}-again", "listening on")
+        self._release([port])
+
+    def _server_port(self, index: int) -> int:
+        return int(self.endpoint_addresses[index].rsplit(":", 1)[1])
+
     def restart_envoy(self) -> None:
-        """SIGKILL Envoy and start it again on the same ports with the same config file."""
+        """SIGKILL Envoy and start it again with the same config on the same ports (as a
+        gateway's Service keeps its address), held meanwhile."""
         old = self.envoy_process
-        os.killpg(old.pid, signal.SIGKILL)
-        old.wait(10)
+        ports = [self.gateway_port, self.admin_port]
+        self._kill(old, ports)
         self.processes.remove(old)
-        # Same base id, and the dead one's hot-restart shared memory is still there: without
-        # this flag the new Envoy reported ready but refused connections on the listener.
-        args = list(old.args)
-        if "--disable-hot-restart" not in args:
-            args.append("--disable-hot-restart")
-        self._spawn(args, "envoy", None)
-        _wait_http(f"http://127.0.0.1:{self.admin_port}/ready", 20)
+        config = yaml.safe_load((self.workdir / "envoy.yaml").read_text())
+        config["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
+        (listener,) = config["static_resources"]["listeners"]
+        listener["address"]["socket_address"]["port_value"] = self.gateway_port
+        restarted = self.workdir / "envoy-restarted.yaml"
+        restarted.write_text(yaml.safe_dump(config, sort_keys=False))
+        self._start_envoy(restarted)
+        self._release(ports)
 
     def restart_picker(self, replica: int = 0) -> None:
         """Start a picker again (SIGKILLed first if it still runs) on the same ports and
-        config."""
+        config; its ports are held meanwhile."""
         old = self.picker_processes[replica]
-        if old.poll() is None:
-            os.killpg(old.pid, signal.SIGKILL)
-            old.wait(10)
+        ports = self.replica_ports[replica]
+        held = [ports["grpc"], ports["health"], ports["metrics"], ports["admin"]]
+        self._kill(old, held)
         self.processes.remove(old)
         # The same ports as before (Envoy's config names them), no longer 0.
         args = list(old.args)
         at = args.index("--grpc-port")
-        ports = self.replica_ports[replica]
-        args[at:at + 8] = _picker_ports(ports["grpc"], ports["health"], ports["metrics"],
-                                        ports["admin"])
+        args[at:at + 8] = _picker_ports(*held)
         self.picker_processes[replica] = self._spawn(
             args, "picker" if replica == 0 else f"picker{replica}", "picker listening")
+        self._release(held)
 
     def add_picker(self) -> int:
         """Start one more picker replica on the stack's config, on ports of its own (0: it prints
@@ -374,6 +461,7 @@ class Stack:
                     process.kill()
                 process.wait()
         self.processes.clear()
+        self._release(list(self._held_ports))
 
     def __enter__(self) -> Stack:
         return self.start()

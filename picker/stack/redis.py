@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from picker.stack.launcher import free_port
+from picker.stack.launcher import free_port, hold_port
 from picker.tls import self_signed
 
 READY_LINE = b"Ready to accept connections"
@@ -42,6 +42,8 @@ class RedisServer:
     ``ca_file`` (clients verify against it; they need no certificate of their own)."""
     port: int = 0
     process: subprocess.Popen | None = field(default=None, repr=False)
+    _held: socket.socket | None = field(default=None, repr=False)
+    """The port while the server is killed (``hold_port``), so its restart finds it free."""
 
     @property
     def url(self) -> str:
@@ -57,6 +59,7 @@ class RedisServer:
             port = self.port or free_port()
             if self._spawn(port, timeout):
                 self.port = port
+                self._release()
                 return self
             if self.port:
                 break  # a fixed port (a restart): another try would not free it
@@ -100,14 +103,21 @@ class RedisServer:
         return False
 
     def kill(self) -> None:
-        """SIGKILL (no shutdown save)."""
+        """SIGKILL (no shutdown save); the port is held until ``start`` runs it again."""
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+            self._held = hold_port(self.port)
         self.process = None
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def stop(self) -> None:
         self.kill()
+        self._release()
 
     def answers(self) -> bool:
         try:

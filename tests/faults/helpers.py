@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -190,41 +186,11 @@ class ScrapesUntilExit:
                    if sample == name and wanted <= set(sample_labels))
 
 
-_HELD_PORTS: dict[str, socket.socket] = {}
-"""A killed server's address -> the socket that keeps its port (``kill_server``)."""
-
-
 def kill_server(stack: Stack, index: int) -> None:
-    """SIGKILL the stack's model server ``index`` and hold its port until ``restart_server`` (or
-    the test's end, tests/faults/conftest.py): a socket bound there that never listens, so a
-    connection to the dead server is refused, as to a dead pod.
-
-    Unheld, the freed port may be given to another test's process on the other xdist worker
-    (a model server or picker binding port 0, an Envoy on ``picker.stack.launcher.free_port``),
-    which would then answer, or reset, in the dead server's place."""
-    process = stack.server_processes[index]
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(10)
-    address = stack.endpoint_addresses[index]
-    host, port = address.rsplit(":", 1)
-    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # The dead server's own connections may linger in TIME_WAIT on the port.
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hold.bind((host, int(port)))
-    _HELD_PORTS[address] = hold
+    """``Stack.kill_server`` (its port held until the restart or the stack's stop)."""
+    stack.kill_server(index)
 
 
 def restart_server(stack: Stack, index: int, extra: list[str]) -> None:
-    """The stack's model server ``index`` again, on the port ``kill_server`` held."""
-    address = stack.endpoint_addresses[index]
-    held = _HELD_PORTS.pop(address, None)
-    if held is not None:
-        held.close()
-    stack._spawn([sys.executable, "-m", "picker.sim.server", "--port",
-                  address.rsplit(":", 1)[1], *extra], f"server{index}-again", "listening on")
-
-
-def release_held_ports() -> None:
-    """Close every port ``kill_server`` holds."""
-    while _HELD_PORTS:
-        _HELD_PORTS.popitem()[1].close()
+    """``Stack.restart_server`` with these flags."""
+    stack.restart_server(index, extra)
