@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import kmock
@@ -18,7 +18,7 @@ from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import window_shares
+from tests.e2e.conftest import wait_until, window_shares
 from tests.integration import test_operator as operator_tests
 from tests.integration.test_operator import NS, POOL, Cluster, eventually, running_operator
 
@@ -44,9 +44,28 @@ async def picker_stack(cluster: Cluster, workdir: object) -> AsyncIterator[Stack
         await asyncio.to_thread(stack.stop)
 
 
-async def _admin(stack: Stack) -> admin_pb2.ListTenantsResponse:
-    async with grpc.aio.insecure_channel(stack.admin_address) as channel:
-        return await admin_pb2_grpc.AdminStub(channel).ListTenants(admin_pb2.ListTenantsRequest())
+def _weight(stack: Stack, tenant: str) -> float | None:
+    """The tenant's weight as the picker's admin API shows it (None: not listed)."""
+    with grpc.insecure_channel(stack.admin_address) as channel:
+        answer = admin_pb2_grpc.AdminStub(channel).ListTenants(admin_pb2.ListTenantsRequest(),
+                                                               timeout=5)
+    return next((t.weight for t in answer.tenants if t.tenant == tenant), None)
+
+
+def _pool_discovered(stack: Stack) -> bool:
+    """The picker lists every server of the stack (read from the InferencePool and its pod) and
+    has read each one's load at least once: before that the shares would measure discovery."""
+    with grpc.insecure_channel(stack.admin_address) as channel:
+        listed = admin_pb2_grpc.AdminStub(channel).ListEndpoints(
+            admin_pb2.ListEndpointsRequest(), timeout=5).endpoints
+    return ({e.address for e in listed} == set(stack.endpoint_addresses)
+            and all(e.kv_usage >= 0 for e in listed))
+
+
+async def _polled(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    """``wait_until`` off the event loop (the emulated API runs on it), failing with ``what``."""
+    if not await asyncio.to_thread(wait_until, predicate, timeout):
+        pytest.fail(f"{what}: not within {timeout:.0f} s")
 
 
 async def _shares(stack: Stack, seconds: float, warmup: float = 1.0) -> dict[str, float]:
@@ -66,7 +85,7 @@ async def test_a_weight_changed_in_a_tenant_policy_moves_the_traffic_split(
     async with running_operator(cluster):
         await cluster.create_policy("alpha", ["alpha"], weight=1, lane="online")
         await cluster.create_policy("beta", ["beta"], weight=1, lane="online")
-        await eventually(lambda: cluster.tenant_ids() == ["alpha", "beta"])
+        await eventually(lambda: cluster.tenant_ids() == ["alpha", "beta"], timeout=15)
         async with picker_stack(cluster, tmp_path) as stack:
             ports = [{"number": int(a.rsplit(":", 1)[1])} for a in stack.endpoint_addresses]
             await cluster._send("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}"
@@ -82,21 +101,16 @@ async def test_a_weight_changed_in_a_tenant_policy_moves_the_traffic_split(
                 "status": {"podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "True"}]}})
 
+            await _polled(lambda: _pool_discovered(stack), "the picker found the pool")
+            # Weights 1:1, then 1:3: each split is measured against the other, a quarter of the
+            # way from one (0.5) to the other (0.75).
             even = await _shares(stack, 6)
-            assert even["beta"] == pytest.approx(0.5, abs=0.07), even
+            assert even["beta"] == pytest.approx(0.5, abs=1 / 16), even
 
             await cluster.patch_policy_spec("beta", weight=3)
-            await eventually(lambda: cluster.picker_config()["tenants"][1]["weight"] == 3)
-
-            async def picker_has_new_weight() -> bool:
-                tenants = {t.tenant: t for t in (await _admin(stack)).tenants}
-                return tenants["beta"].weight == 3
-
-            for _ in range(100):  # the picker watches the ConfigMap: within seconds
-                if await picker_has_new_weight():
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("the picker did not take the new weight")
+            await eventually(lambda: cluster.picker_config()["tenants"][1]["weight"] == 3,
+                             timeout=15)
+            # The picker watches the ConfigMap: within seconds.
+            await _polled(lambda: _weight(stack, "beta") == 3, "the picker took the new weight")
             skewed = await _shares(stack, 6)
-            assert skewed["beta"] == pytest.approx(0.75, abs=0.07), skewed
+            assert skewed["beta"] == pytest.approx(0.75, abs=1 / 16), skewed

@@ -196,8 +196,9 @@ def test_backlogged_tenants_split_service_by_weight(stack: Stack) -> None:
             "stream_fraction": 0.5, "include_usage": True}
     result = asyncio.run(run_traffic(_traffic(6, a=spec, b=spec), stack.gateway_url))
     shares = window_shares(result.records, 1.0, 6)
-    # Weights 1:2. Without fairness (FCFS) both would get one half.
-    assert shares["b"] == pytest.approx(2 / 3, abs=0.06), shares
+    # Weights 1:2. Without fairness (FCFS) both would get one half: the bound is a quarter of the
+    # way from 2/3 to that.
+    assert shares["b"] == pytest.approx(2 / 3, abs=1 / 24), shares
     assert wait_until(lambda: _inflight(stack) == 0)
 
 
@@ -217,23 +218,26 @@ def test_light_tenant_is_not_starved_by_a_flood(stack: Stack) -> None:
 
 
 def test_client_leaving_while_queued_is_removed_uncharged(stack: Stack) -> None:
+    def queued(tenant: str) -> float:
+        return metric(stack.metrics_url, "fairway_queued_requests", tenant=tenant)
+
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
+            # Each of the flood's requests holds its place for 2000 engine steps (10 s or more):
+            # once some queue, the pool stays full and a request sent then waits in the queue
+            # (VTC puts the quitter first, so only until a flood request ends).
             flood = [asyncio.create_task(_post(session, stack, "noisy", chat_body(
-                words=400, max_tokens=150))) for _ in range(30)]
-            await asyncio.sleep(0.5)
+                words=400, max_tokens=2000))) for _ in range(30)]
+            assert await asyncio.to_thread(wait_until, lambda: queued("noisy") >= 1, 15), \
+                "the flood never filled the pool"
             quitter = asyncio.create_task(_post(session, stack, "quitter", chat_body()))
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if metric(stack.metrics_url, "fairway_queued_requests", tenant="quitter") == 1:
-                    break
-            else:
-                pytest.fail("the quitter's request never showed as queued")
+            assert await asyncio.to_thread(wait_until, lambda: queued("quitter") == 1, 15), \
+                "the quitter's request never showed as queued"
             quitter.cancel()
             await asyncio.gather(quitter, return_exceptions=True)
             assert wait_until(lambda: metric(stack.metrics_url, "fairway_requests_total",
                                               tenant="quitter", outcome="cancelled") == 1)
-            assert metric(stack.metrics_url, "fairway_queued_requests", tenant="quitter") == 0
+            assert queued("quitter") == 0
             assert metric(stack.metrics_url, "fairway_service_tokens_total",
                           tenant="quitter") == 0
             for task in flood:
@@ -266,7 +270,9 @@ def test_client_leaving_mid_stream_settles_to_what_was_delivered(any_stack: Stac
                                       tenant="streamer", outcome="cancelled") == 1)
     charged = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="streamer",
                      kind="completion")
-    assert seen <= charged < 400  # what was delivered (plus chunks in flight), not 2000
+    # What was delivered (plus what the engine made while the close reached it, a token per
+    # 5 ms step), not the 2000 asked for: the bound is half way to that.
+    assert seen <= charged < 2000 / 2
     assert wait_until(lambda: _inflight(stack) == 0)
     assert wait_until(lambda: sum(metric(f"http://{a}/metrics", "vllm:num_requests_running")
                                    for a in stack.endpoint_addresses) == 0)

@@ -156,8 +156,9 @@ def test_backlogged_tenants_split_service_by_weight(gateway: tuple[Flavour, Stac
     # Weights 1:2; first-come-first-served would give each one half. Where the picker does not
     # see the response (kgateway 2.0) it orders on what it charged at admission; both tenants
     # draw from the same distribution here, so the split still follows the weights, but only
-    # as far as reservations match what is generated.
-    assert shares["b"] == pytest.approx(2 / 3, abs=0.06), (flavour.name, shares)
+    # as far as reservations match what is generated. The bound is a quarter of the way from
+    # 2/3 to the unfair half (every flavour came within 0.01 of 2/3 on a loaded machine).
+    assert shares["b"] == pytest.approx(2 / 3, abs=1 / 24), (flavour.name, shares)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, f in FLAVOURS.items() if f.retries_elsewhere))

@@ -35,7 +35,7 @@ OUTPUT = 50
 ESTIMATE = PROMPT + OUTPUT
 
 KEYS = {tenant: f"fw-{tenant}-0123456789abcdef0123456789abcdef"
-        for tenant in ("plain", "burst", "quota", "short")}
+        for tenant in ("plain", "burst", "retry", "quota", "short")}
 BURST = {"tokens": 100, "per": "10s"}
 """10 tokens a second: after one request (70) a second is 40 short, 4 s of refill. The client's
 own backoff (0.5 s, then 1 s) would retry long before that; only ``Retry-After`` gets it through."""
@@ -46,6 +46,7 @@ only ``x-should-retry: false`` keeps the client from retrying."""
 TENANTS: list[dict[str, Any]] = [
     {"id": "plain", "limits": {"maxConcurrent": 4}},
     {"id": "burst", "budgets": {"burst": BURST}},
+    {"id": "retry", "budgets": {"burst": BURST}},
     {"id": "quota", "budgets": {"sustained": SUSTAINED}},
     {"id": "short", "limits": {"maxInputTokens": PROMPT}},
 ]
@@ -169,21 +170,25 @@ def test_burst_budget_is_a_rate_limit_the_client_waits_out(stack: Stack) -> None
     assert settled_metric(stack.metrics_url, "fairway_rejections_total", before + 1,
                           tenant="burst", reason="over_budget") == before + 1
 
-    # The same request with retries: the first attempt is refused, the client waits the
+    # The same with retries, on a tenant of its own whose bucket is full, so that its shortfall
+    # does not hang on how long the above took: after one request, the first attempt (sent
+    # right after it, by a client made beforehand) is refused, the client waits the
     # Retry-After it was given, and the retry passes because the bucket has refilled by then.
     # Had it used its own backoff (0.5 s, 1 s) both retries would have come too early.
-    retrying = _client(stack, KEYS["burst"], max_retries=2)
-    before = _rejections(stack, "burst", "over_budget")
+    draining = _client(stack, KEYS["retry"], max_retries=0)
+    retrying = _client(stack, KEYS["retry"], max_retries=2)
+    before = _rejections(stack, "retry", "over_budget")
+    _chat(draining)
     completion = _chat(retrying)
     assert completion.usage is not None and completion.usage.completion_tokens == OUTPUT
     first, second = retrying.attempts  # exactly one retry
     assert (first.status, second.status) == (429, 200)
     told = int(first.headers["retry-after"])
-    assert told >= 2
+    assert told >= 2  # 40 short at 10 tokens a second, less what refilled in between
     # A lower bound only: the client sleeps at least what it was told, never less.
     assert second.at - first.at >= told
     assert settled_metric(stack.metrics_url, "fairway_rejections_total", before + 1,
-                          tenant="burst", reason="over_budget") == before + 1
+                          tenant="retry", reason="over_budget") == before + 1
 
 
 # -- a spent sustained budget is insufficient_quota: not retried --

@@ -49,7 +49,9 @@ CHAT = "/v1/chat/completions"
 EXACT_PROMPT_TOKENS = 8
 DEFAULT_OUTPUT_TOKENS = 256
 SERVER_KV = 1024
-MAX_WAIT_S = 3
+MAX_WAIT_S = 6
+"""Long enough that a request queued behind a saturated pool is still waiting when a loaded
+machine's test gets round to freeing it; the metering test waits it out once."""
 API_KEY = "fw-test-0123456789abcdef0123456789abcdef"
 RESET_FORMAT = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s|(\d+)ms)")
 
@@ -585,10 +587,11 @@ def test_over_budget_gets_429_with_a_retry_after_that_works(sim_stack: Stack) ->
         if remaining < 60:
             break
     assert remaining < 60
-    # A request 8 tokens bigger than the bucket can hold, even had it held remaining + 1 and
-    # refilled for all the time since the previous request was sent: short by 8 to 8 + 5·elapsed.
+    # A request 15 tokens bigger than the bucket can hold, even had it held remaining + 1 and
+    # refilled for all the time since the previous request was sent: short by 15 to
+    # 15 + 5·elapsed, so still refused should it reach the picker up to 3 s later.
     elapsed = time.monotonic() - sent_at
-    estimate = remaining + 1 + math.ceil(rate * elapsed) + 8
+    estimate = remaining + 1 + math.ceil(rate * elapsed) + 15
     max_tokens = estimate - EXACT_PROMPT_TOKENS
     # Below the tenant's average output (92), so the expected output is max_tokens itself.
     assert max_tokens <= drain_output
@@ -606,12 +609,12 @@ def test_over_budget_gets_429_with_a_retry_after_that_works(sim_stack: Stack) ->
     retry_after = int(got["retry-after"])
     # At the refusal the bucket held between `remaining` (the previous response's header, taken
     # after its reservation) and remaining + 1 plus the refill since that request was sent; the
-    # previous request used exactly its estimate, so settling refunded nothing.
+    # previous request used exactly its estimate, so settling refunded nothing. That excludes
+    # the wrong waits: a whole window's (60 s), or 1 s whatever the shortfall.
     longest = (estimate - remaining) / rate
     shortest = (estimate - remaining - 1 - rate * (answered - sent_at)) / rate
     assert max(1, math.ceil(shortest)) <= retry_after <= max(1, math.ceil(longest)), \
         (shortest, retry_after, longest)
-    assert retry_after <= 3
     assert int(got["x-ratelimit-remaining-tokens"]) < estimate
     assert metric(sim_stack.metrics_url, "fairway_rejections_total", tenant="retry",
                   reason="over_budget") - rejected_before == 1
@@ -679,7 +682,7 @@ def test_tenant_queue_cap_refuses_beyond_max_queued(sim_stack: Stack) -> None:
     async def scenario() -> tuple[list[Response], list[Response]]:
         async with aiohttp.ClientSession() as session:
             flood = [asyncio.create_task(_send(session, sim_stack.gateway_url, _exact_body(
-                1000, stream=True, prompt_tokens=460), {TENANT_HEADER: "flood"}))
+                4000, stream=True, prompt_tokens=460), {TENANT_HEADER: "flood"}))
                 for _ in range(8)]
             try:
                 assert await _until(saturated), "the flood did not saturate the pool"
@@ -804,14 +807,16 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     url = sim_stack.gateway_url
     started = time.monotonic()
     status, _, body = _post(url, _exact_body(7, prompt_tokens=30), {TENANT_HEADER: "billed"})
-    took_ms = (time.monotonic() - started) * 1000
     assert status == 200, body
     usage = json.loads(body)["usage"]
+    # On the meter-stream path the record is written at settlement, after the client's answer.
+    assert wait_until(lambda: len(_records(metering_file, "billed")) == 1, timeout=15)
+    recorded_ms = (time.monotonic() - started) * 1000
 
     async def scenario() -> tuple[int, float, Response]:
         opened = time.monotonic()
         async with aiohttp.ClientSession() as session, session.post(
-                url + CHAT, data=_exact_body(2000, stream=True, prompt_tokens=30),
+                url + CHAT, data=_exact_body(4000, stream=True, prompt_tokens=30),
                 headers={TENANT_HEADER: "billed-late"}) as response:
             seen = 0
             async for line in response.content:
@@ -828,8 +833,7 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     seen, streamed_s, (late_status, late_headers, late_body) = asyncio.run(scenario())
     assert late_status == 503, late_body
     assert "retry-after" in late_headers
-    assert wait_until(lambda: len(_records(metering_file, "billed")) == 1
-                       and len(_records(metering_file, "billed-late")) == 2)
+    assert wait_until(lambda: len(_records(metering_file, "billed-late")) == 2, timeout=15)
 
     (done,) = _records(metering_file, "billed")
     assert set(done) >= FIELDS, set(done)
@@ -841,7 +845,10 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     assert done["cached_prompt_tokens"] == 0
     assert done["endpoint"] in sim_stack.endpoint_addresses
     assert done["cost"] == done["prompt_tokens"] + 2 * done["completion_tokens"]
-    assert 0 <= done["queue_ms"] <= done["ttft_ms"] <= done["e2e_ms"] <= took_ms + 100
+    # In order, and in milliseconds: no less than the engine's 7 steps of 5 ms, no more than
+    # from the client's sending to the record's being read.
+    assert 0 <= done["queue_ms"] <= done["ttft_ms"] <= done["e2e_ms"] <= recorded_ms
+    assert done["e2e_ms"] >= 7 * 5
 
     by_outcome = {r["outcome"]: r for r in _records(metering_file, "billed-late")}
     assert set(by_outcome) == {"cancelled", "queue_timeout"}, by_outcome
@@ -849,9 +856,9 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     assert set(cancelled) >= FIELDS
     assert cancelled["finish_reason"] == "cancelled"
     assert cancelled["endpoint"] in sim_stack.endpoint_addresses
-    # What was delivered (the client read on while the late request waited), not 2000: at most
+    # What was delivered (the client read on while the late request waited), not 4000: at most
     # one token per 5 ms engine step while the stream was open.
-    assert seen <= cancelled["completion_tokens"] <= streamed_s / 0.005 + 20 < 2000
+    assert seen <= cancelled["completion_tokens"] <= streamed_s / 0.005 + 20 < 4000
     assert cancelled["prompt_tokens"] > 0
     assert cancelled["cost"] == cancelled["prompt_tokens"] + 2 * cancelled["completion_tokens"]
     assert cancelled["ttft_ms"] is not None and cancelled["e2e_ms"] > cancelled["ttft_ms"]
@@ -883,7 +890,7 @@ def test_refused_request_is_metered(sim_stack: Stack, metering_file: Path) -> No
     status, _, body = _post(sim_stack.gateway_url, _exact_body(12), headers)
     assert status == 429, body
     assert wait_until(lambda: len(_records(metering_file, "refusee")) >= 1)
-    wait_until(lambda: len(_records(metering_file, "refusee")) >= 2, timeout=2)
+    wait_until(lambda: len(_records(metering_file, "refusee")) >= 2, timeout=15)
     outcomes = sorted(r["outcome"] for r in _records(metering_file, "refusee"))
     assert outcomes == ["ok", "over_budget"], outcomes
 
@@ -937,7 +944,7 @@ def test_full_queue_sheds_the_lowest_lane_first(overload_stack: Stack) -> None:
                 return asyncio.create_task(_send(session, stack.gateway_url, _exact_body(4),
                                                  {TENANT_HEADER: tenant}))
             hog = [asyncio.create_task(_send(session, stack.gateway_url, _exact_body(
-                1000, stream=True, prompt_tokens=460), {TENANT_HEADER: "hog"}))
+                4000, stream=True, prompt_tokens=460), {TENANT_HEADER: "hog"}))
                 for _ in range(4)]
             try:
                 assert await _until(saturated), "the hog did not fill the pool"

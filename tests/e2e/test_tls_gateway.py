@@ -66,9 +66,10 @@ def test_backlogged_tenants_split_service_by_weight_over_tls(stack: Stack) -> No
     result = asyncio.run(run_traffic(traffic, stack.gateway_url))
     tenants = result.summary["tenants"]
     assert tenants["light"]["ok"] > 0 and tenants["heavy"]["ok"] > 0
-    # Weights 1:3; without fairness (FCFS) each would get one half.
+    # Weights 1:3; without fairness (FCFS) each would get one half: the bound is a quarter of the
+    # way from 3/4 to that.
     shares = window_shares(result.records, 1.0, traffic.duration_s)
-    assert shares["heavy"] == pytest.approx(3 / 4, abs=0.06), (shares, tenants)
+    assert shares["heavy"] == pytest.approx(3 / 4, abs=1 / 16), (shares, tenants)
     # Every request went through the picker (one ext_proc stream each), over TLS.
     stats = _envoy_stats(stack)
     assert stats.get("cluster.picker.ssl.handshake", 0) >= 1
