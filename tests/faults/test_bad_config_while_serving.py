@@ -41,9 +41,13 @@ def _write_and_wait_for_failure(stack: Stack, text: str) -> str:
     failures = _reloads(stack, "failure")
     log = stack.workdir / "picker.log"
     seen = len(log.read_text())
-    stack.config_path.write_text(text)
-    assert wait_until(lambda: _reloads(stack, "failure") == failures + 1, 10)
-    assert wait_until(lambda: "keeping the last good config" in log.read_text()[seen:], 5)
+    # Renamed into place, as ``write_picker_config`` does: written in place, the picker's poll
+    # could read it half written, a fault other than the one meant.
+    tmp = stack.config_path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(stack.config_path)
+    assert wait_until(lambda: _reloads(stack, "failure") == failures + 1, 15)
+    assert wait_until(lambda: "keeping the last good config" in log.read_text()[seen:], 15)
     return log.read_text()[seen:]
 
 
@@ -67,7 +71,7 @@ def test_bad_configs_are_refused_and_the_last_good_one_serves(stack: Stack) -> N
     # A good config afterwards applies: the cap is gone.
     successes = _reloads(stack, "success")
     stack.write_picker_config(UNCAPPED)
-    assert wait_until(lambda: _reloads(stack, "success") == successes + 1, 10)
+    assert wait_until(lambda: _reloads(stack, "success") == successes + 1, 15)
     status, _, body = post(stack, "capped", chat_body(max_tokens=20))
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 20

@@ -15,12 +15,15 @@ from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
 from tests.faults.helpers import CHAT, apost, engine_requests, gauges_drain
 
-FLOOD, FLOOD_OUTPUT = 5, 60
+FLOOD, FLOOD_OUTPUT = 4, 300
+"""A few of the flood run at a time, the rest queue. Each runs 6 s: the quitter, queued behind
+them, is seen queued and then cancelled long before a slot frees (a slot freed first would
+take it, fair order, and it would be sent)."""
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # One server with room for a few of the flood's requests at a time, each about 1.2 s long.
+    # One server with room for a few of the flood's requests at a time, each about 6 s long.
     with Stack(tmp_path_factory.mktemp("cancellation"), endpoints=1,
                server_args=["--kv-budget-tokens", "1024", "--step-ms", "20"],
                picker_config={"tenants": [{"id": t} for t in ("long", "quitter", "streamer")]}
@@ -36,7 +39,7 @@ def test_a_client_leaving_while_queued_is_never_sent_nor_charged(stack: Stack) -
     engine_before = engine_requests(stack)
 
     async def scenario() -> list[tuple[int, dict[str, str], dict]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             flood = [asyncio.create_task(apost(session, stack, "long", chat_body(
                 words=300, max_tokens=FLOOD_OUTPUT))) for _ in range(FLOOD)]
             full = await asyncio.to_thread(wait_until, lambda: metric(

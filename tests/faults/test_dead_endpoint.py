@@ -26,6 +26,11 @@ from tests.faults.helpers import kill_server, restart_server
 
 HEALTH = {"consecutiveFailures": 3, "baseEjectionTime": "500ms", "maxEjectionTime": "2s"}
 """Short ejections, so a restarted server is probed back within the test's bounds."""
+LONG_EJECTION = {**HEALTH, "baseEjectionTime": "5s", "maxEjectionTime": "5s"}
+"""Ejections that outlast the requests sent to a dead server: each expiry is a probe window in
+which one request may be sent there and fail, so with short ones how many fail would depend on
+how fast the machine sends them. Still short enough to be probed back within the test's
+bounds."""
 
 
 def _post(stack: Stack, body: bytes, timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
@@ -52,7 +57,7 @@ def _assert_traffic_returns(stack: Stack, requests: int) -> None:
     for _ in range(requests):
         status, _, _ = _post(stack, chat_body(max_tokens=2))
         assert status == 200
-    wait_until(lambda: len(_served_by(stack)) >= before + requests, timeout=5)
+    wait_until(lambda: len(_served_by(stack)) >= before + requests, timeout=15)
     assert stack.endpoint_addresses[0] in _served_by(stack)[before:], "traffic did not return"
 
 def _assert_gauges_return_to_zero(stack: Stack) -> None:
@@ -71,7 +76,7 @@ def plain_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Envoy routes on the header (``ORIGINAL_DST``, the form kept for endpoints discovered
     later): it cannot retry elsewhere, so the picker's ejection is what protects clients."""
     with Stack(tmp_path_factory.mktemp("dead"), endpoints=2, gateway_retries=False,
-               picker_config={"tenants": [{"id": "a"}], "health": HEALTH}) as running:
+               picker_config={"tenants": [{"id": "a"}], "health": LONG_EJECTION}) as running:
         yield running
 
 
@@ -109,7 +114,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
                           tenant="a", kind="completion") == 2.0 * ok
 
     restart_server(stack, 0, [])
-    assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
+    assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=15), "not probed back"
     _assert_traffic_returns(stack, 6)
     _assert_gauges_return_to_zero(stack)
 
@@ -204,7 +209,7 @@ class _SilentServer:
 
     def __enter__(self) -> _SilentServer:
         self._thread.start()
-        assert self._ready.wait(5)
+        assert self._ready.wait(15)
         return self
 
     def __exit__(self, *exc: object) -> None:

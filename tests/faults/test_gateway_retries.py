@@ -95,7 +95,9 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                           kind="prompt") == prompt * served
     assert settled_metric(stack.metrics_url, "fairway_service_tokens_total", 2.0 * served,
                           kind="completion") == 2.0 * served
-    # The endpoint reported back (and metered) is the one that served: the live one.
+    # The endpoint reported back (and metered) is the one that served: the live one. (The record
+    # is written just after the counters the metrics page shows.)
+    wait_until(lambda: len(_served(usage)) >= served)
     records = _served(usage)
     assert len(records) == served
     if served_reported:
@@ -117,7 +119,7 @@ def test_the_default_stack_retries_a_dead_server_s_requests_on_the_live_one(
         def upstreams() -> list[str]:
             return [line.split("upstream=", 1)[1].split(" ", 1)[0]
                     for line in stack.access_log.read_text().splitlines()]
-        wait_until(lambda: len(upstreams()) >= 1 + SEQUENTIAL + CONCURRENT, timeout=5)
+        wait_until(lambda: len(upstreams()) >= 1 + SEQUENTIAL + CONCURRENT, timeout=15)
         assert upstreams()[1:] == [stack.endpoint_addresses[1]] * (SEQUENTIAL + CONCURRENT)
 
 

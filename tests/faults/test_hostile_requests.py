@@ -24,6 +24,10 @@ from tests.faults.helpers import assert_openai_error, gauges_drain, usage_record
 
 LLMD_HEADER = "x-llm-d-inference-fairness-id"
 USAGE = "usage.jsonl"
+BODY_IDLE_TIMEOUT = 5
+"""Seconds (``limits.bodyIdleTimeout``): a stalled upload holds its buffer this long, in which
+the tests see it held and send a second upload beside it (at 1 s a loaded machine could miss
+that window); it is also how long the stalled upload's 408 takes."""
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Each stalled-upload test has a tenant of its own, so its charges are its alone.
     config = {"tenants": [{"id": "a"}, {"id": "stalled"}, {"id": "buffered"}],
               "limits": {"maxBodyBytes": 100_000, "maxBufferedBytes": 150_000,
-                         "bodyIdleTimeout": "1s"},
+                         "bodyIdleTimeout": f"{BODY_IDLE_TIMEOUT}s"},
               "metering": {"output": str(workdir / USAGE)}}
     with Stack(workdir, endpoints=1, picker_config=config) as running:
         yield running
@@ -139,7 +143,7 @@ def test_a_stalled_upload_gets_408_and_gives_its_buffer_back(stack: Stack) -> No
         # An upload still arriving holds a buffer, not a place in the queue nor a slot.
         for name in ("fairway_queued_requests", "fairway_running_requests"):
             assert metric(stack.metrics_url, name, tenant="stalled") == 0, name
-        status, headers, raw = _response(conn)  # the picker gives up after bodyIdleTimeout (1 s)
+        status, headers, raw = _response(conn)  # the picker gives up after bodyIdleTimeout
     # No Retry-After (see the module's docstring), and no ``x-should-retry: false`` either: the
     # client may repeat the request, and should.
     assert_openai_error(status, headers, json.loads(raw), 408, "request_timeout",
@@ -172,7 +176,7 @@ def test_bodies_past_the_global_buffer_budget_get_503_with_retry_after(stack: St
         assert headers["retry-after"] == "1", headers
     # The first upload, cut by its client before it stalled for long, gave its buffer back too.
     assert wait_until(lambda: metric(stack.metrics_url, "fairway_buffered_body_bytes") == 0,
-                      timeout=5)
+                      timeout=15)
     _charged_nothing(stack, "buffered", 1, "buffers_full")
     time.sleep(0.1)
     assert _post(stack, chat_body(max_tokens=1), [TENANT_HEADER.encode() + b": a"])[0] == 200

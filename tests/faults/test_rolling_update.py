@@ -48,9 +48,11 @@ BUDGET = 2048
 """Each endpoint's KV budget (tokens)."""
 DECODE_WEIGHT = 2
 """The default cost (``scheduling.cost``): a prompt token costs 1, an output token 2."""
-GRACE = 6
+GRACE = 20
 """``--grace`` of the pickers (the chart's is 130 s): long enough for a draining replica's queue,
-the lightest tenant's requests last in it (the stack's 2 s is not)."""
+the lightest tenant's requests last in it (the stack's 2 s is not). A draining replica admits
+for 5 s first (at most half the grace), then has the rest to serve its queue, however slow the
+machine; it exits as soon as the queue is served."""
 EDS = "picker-eds.yaml"
 
 
@@ -111,7 +113,7 @@ def _list(stack: Stack, replicas: list[int]) -> None:
     """Publish the replicas and wait until Envoy routes to exactly those."""
     _publish(stack, replicas)
     wanted = {stack.replica_ports[i]["grpc"] for i in replicas}
-    assert wait_until(lambda: _envoy_pickers(stack) == wanted, 10), (_envoy_pickers(stack),
+    assert wait_until(lambda: _envoy_pickers(stack) == wanted, 15), (_envoy_pickers(stack),
                                                                      wanted)
 
 

@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import grpc
@@ -28,6 +30,7 @@ from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
 pytestmark = pytest.mark.faults
 
 WORKERS = 2
+CLIENTS = 12
 CONNECTION_AGE = 2.0
 """Seconds a worker keeps a gateway connection (30 by default): a restarted worker is dialled
 within about this long, however Envoy's connections stood."""
@@ -46,10 +49,12 @@ def _children(pid: int) -> list[int]:
 
 
 def _health(stack: Stack, service: str) -> int | None:
+    """The pod's answer, or None when it gives none (within 10 s: a loaded machine's slow
+    answer is still an answer)."""
     with grpc.insecure_channel(f"127.0.0.1:{stack.health_port}") as channel:
         try:
             return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=2).status
+                health_pb2.HealthCheckRequest(service=service), timeout=10).status
         except grpc.RpcError:
             return None
 
@@ -68,25 +73,39 @@ def pod(tmp_path: Path) -> Iterator[Stack]:
         yield stack
 
 
-async def _load(stack: Stack, seconds: float, clients: int) -> tuple[dict[int, int], list[float]]:
-    """``clients`` closed-loop clients for ``seconds``; status counts, and when each failure
-    ended (``time.monotonic``)."""
+class Answer(NamedTuple):
+    client: int
+    status: int
+    sent: float
+    ended: float
+    """``time.monotonic`` when the request was sent and when its answer was read."""
+
+
+async def _load(stack: Stack, seconds: float, clients: int,
+                until: Callable[[], bool] | None = None) -> tuple[dict[int, int], list[Answer]]:
+    """``clients`` closed-loop clients for ``seconds``, or until ``until()`` (polled) holds;
+    status counts, and every answer."""
     statuses: dict[int, int] = {}
-    failed_at: list[float] = []
+    answers: list[Answer] = []
     deadline = time.monotonic() + seconds
+    done = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         async def client(i: int) -> None:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not done.is_set():
+                sent = time.monotonic()
                 async with session.post(f"{stack.gateway_url}/v1/chat/completions",
                                         data=chat_body(max_tokens=20),
                                         headers={TENANT_HEADER: f"t{i % 3}",
                                                  "content-type": "application/json"}) as reply:
                     await reply.read()
                 statuses[reply.status] = statuses.get(reply.status, 0) + 1
-                if reply.status != 200:
-                    failed_at.append(time.monotonic())
-        await asyncio.gather(*(client(i) for i in range(clients)))
-    return statuses, failed_at
+                answers.append(Answer(i, reply.status, sent, time.monotonic()))
+
+        async def watch() -> None:
+            if until is not None and await asyncio.to_thread(wait_until, until, seconds):
+                done.set()
+        await asyncio.gather(watch(), *(client(i) for i in range(clients)))
+    return statuses, answers
 
 
 def test_both_workers_take_requests_on_one_port_and_the_pod_answers_for_them(
@@ -97,7 +116,9 @@ def test_both_workers_take_requests_on_one_port_and_the_pod_answers_for_them(
               for i in range(WORKERS)]
     # Every request is counted once, by the worker that held it; both held some.
     assert sum(served) == statuses[200], (served, statuses)
-    assert min(served) > 0.1 * sum(served), served
+    # A worker no connection reached would have none; how evenly they share is the kernel's
+    # hash of a few connections, not asserted.
+    assert min(served) > 0, served
     assert metric(pod.metrics_url, "fairway_workers_ready") == WORKERS
     assert metric(pod.metrics_url, "fairway_ready") == WORKERS  # one sample per worker
     for service in ("", "readiness", "liveness", "envoy.service.ext_proc.v3.ExternalProcessor"):
@@ -111,8 +132,8 @@ def test_a_killed_worker_is_started_again_and_sigterm_drains_every_worker(pod: S
     supervisor = pod.picker_process.pid
     victim = _children(supervisor)[0]
 
-    async def scenario() -> tuple[dict[int, int], list[float], float, list[int | None]]:
-        load = asyncio.create_task(_load(pod, 8.0, 12))
+    async def scenario() -> tuple[dict[int, int], list[Answer], float, list[int | None]]:
+        load = asyncio.create_task(_load(pod, 8.0, CLIENTS))
         await asyncio.sleep(2.0)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -120,26 +141,36 @@ def test_a_killed_worker_is_started_again_and_sigterm_drains_every_worker(pod: S
         for _ in range(10):  # the pod stays Ready: the other worker serves
             readiness.append(await asyncio.to_thread(_health, pod, "readiness"))
             await asyncio.sleep(0.3)
-        statuses, failed_at = await load
-        return statuses, failed_at, killed_at, readiness
+        statuses, answers = await load
+        return statuses, answers, killed_at, readiness
 
-    statuses, failed_at, killed_at, readiness = asyncio.run(scenario())
+    statuses, answers, killed_at, readiness = asyncio.run(scenario())
     assert readiness == [SERVING] * len(readiness), readiness
-    # Only what the dead worker held fails (a retryable 503), within moments of the kill.
-    assert statuses.get(200, 0) > 100, statuses
+    # The pod served on: requests sent after the kill were answered.
+    assert any(a.status == 200 and a.sent > killed_at for a in answers), statuses
+    # Only what the dead worker held fails (a retryable 503): a client has one request at a
+    # time, so each fails at most once, after the kill (the one it had there, or one sent as
+    # the worker died, before Envoy saw its connections close). A failure before the kill, or
+    # a client failing again, was not the dead worker's.
+    failures = [a for a in answers if a.status != 200]
+    shown = [(a.client, round(a.sent - killed_at, 2), round(a.ended - killed_at, 2))
+             for a in failures]
     assert set(statuses) <= {200, 503}, statuses
-    assert statuses.get(503, 0) <= 12, statuses
-    assert all(killed_at - 0.5 <= at <= killed_at + 3.0 for at in failed_at), \
-        [round(at - killed_at, 2) for at in failed_at]
+    assert all(a.ended > killed_at for a in failures), shown
+    assert max(Counter(a.client for a in failures).values(), default=0) <= 1, shown
     assert wait_until(lambda: metric(pod.metrics_url, "fairway_workers_ready") == WORKERS, 20)
     assert metric(pod.metrics_url, "fairway_worker_restarts_total") == 1
     assert victim not in _children(supervisor) and len(_children(supervisor)) == WORKERS
     # The restarted worker (0: the oldest was killed) takes requests again, once Envoy's
-    # connections have been dialled anew (each ends after CONNECTION_AGE).
+    # connections have been dialled anew (each ends after CONNECTION_AGE): the load goes on
+    # until it does (or 30 s).
     before = metric(pod.metrics_url, "fairway_requests_total", worker="0")
-    statuses, _ = asyncio.run(_load(pod, 3 * CONNECTION_AGE, 24))
+
+    def worker_0_serves() -> bool:
+        return metric(pod.metrics_url, "fairway_requests_total", worker="0") > before
+    statuses, _ = asyncio.run(_load(pod, 30.0, 24, until=worker_0_serves))
     assert set(statuses) == {200}, statuses
-    assert metric(pod.metrics_url, "fairway_requests_total", worker="0") > before
+    assert worker_0_serves()
 
     workers = _children(supervisor)
 
