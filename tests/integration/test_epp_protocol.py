@@ -43,6 +43,7 @@ from tests.integration.test_extproc_contract import (
     DESTINATION,
     LLMD_HEADER,
     TENANT_HEADER,
+    TIMEOUT,
     Picker,
     Stream,
     chat_body,
@@ -293,7 +294,8 @@ async def test_served_endpoint_takes_the_request_accounting(pool: Picker) -> Non
 async def test_health_services_of_the_protocol_answer(pool: Picker) -> None:
     health = health_pb2_grpc.HealthStub(pool.channel)
     for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=TIMEOUT)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
 
 

@@ -45,7 +45,9 @@ TENANT_HEADER = "x-gateway-inference-fairness-id"
 LLMD_HEADER = "x-llm-d-inference-fairness-id"
 CHAT = "/v1/chat/completions"
 MODEL = "sim-model"
-TIMEOUT = 5.0
+#: For an answer, a scrape showing a settlement, a start: generous, since a CPU-starved machine
+#: settles a request only when --meter-claim-timeout (10 s) runs out.
+TIMEOUT = 15.0
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -368,7 +370,7 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_time
                         await stream.close()
         finally:
             stop.set()
-            await asyncio.wait_for(task, 10)
+            await asyncio.wait_for(task, TIMEOUT)
 
 
 @pytest.fixture
@@ -583,13 +585,15 @@ async def test_queue_wait_over_max_wait_is_refused_503_with_retry_after(tmp_path
         stream = picker.open()
         started = time.monotonic()
         await send_request(stream, chat_body(), headers={TENANT_HEADER: "a"})
+        # Within the reply's timeout (15 s): the holder never finishes, and the default maxWait
+        # is 60 s, so a maxWait not applied would never answer here.
         refused = refusal(await stream.reply())
         waited = time.monotonic() - started
         assert refused.status == 503
         assert refused.headers["retry-after"] == "1"
         assert refused.headers["content-type"] == "application/json"
         assert refused.error["type"] == "server_error"
-        assert 0.2 <= waited < 2.0
+        assert waited >= 0.2
         assert await stream.ended()
         assert await picker.metric("fairway_requests_total", tenant="a",
                                    outcome="queue_timeout") == 1
@@ -605,7 +609,7 @@ async def test_full_queue_is_refused_429(tmp_path: Path) -> None:
         await picker.eventually("fairway_queued_requests", 1, tenant="a")
         stream = picker.open()
         await send_request(stream, chat_body(), headers={TENANT_HEADER: "a"})
-        refused = refusal(await stream.reply(timeout=1.0))
+        refused = refusal(await stream.reply())  # queued instead, it would never be answered
         assert refused.status == 429
         assert refused.headers["retry-after"] == "1"
         assert (refused.error["type"], refused.error["code"]) == ("requests", "queue_full")
@@ -863,9 +867,11 @@ async def test_requests_without_meter_streams_are_logged_once_a_minute_not_each(
 async def test_grpc_health_reports_serving(pool: Picker) -> None:
     health = health_pb2_grpc.HealthStub(pool.channel)
     for service in ("", EXT_PROC_SERVICE):
-        answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=TIMEOUT)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
-        await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=2)
+        await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"),
+                           timeout=TIMEOUT)
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 

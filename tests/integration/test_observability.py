@@ -126,7 +126,7 @@ def _tool(name: str) -> str:
     return found
 
 
-def _get(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+def _get(url: str, timeout: float = 15.0) -> tuple[int, dict[str, Any]]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, json.loads(response.read())
@@ -214,7 +214,7 @@ def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         server.stop()
 
 
-def _wait(predicate: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+def _wait(predicate: Callable[[], object], what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -330,7 +330,7 @@ def test_no_picker_serving_is_silent_while_the_picker_serves(observed: float,
 def test_live_metrics_pass_promtool(observed: float, stack: Stack) -> None:
     """``promtool check metrics`` on the page of a picker that served traffic through real
     Envoy (every family has samples: the dashboard tests need them) reports nothing."""
-    with urllib.request.urlopen(stack.metrics_url, timeout=5) as response:
+    with urllib.request.urlopen(stack.metrics_url, timeout=15) as response:
         page = response.read()
     families = set(re.findall(r"^# TYPE (\w+) ", page.decode(), flags=re.MULTILINE))
     assert {"fairway_virtual_service", "fairway_build_info", "fairway_leader",

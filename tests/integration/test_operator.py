@@ -171,7 +171,7 @@ class Cluster:
         return None if config is None else [t["id"] for t in config["tenants"]]
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+async def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
     """Poll ``check`` until it returns a truthy value (not yet: falsy, or it raised
     AssertionError, KeyError, IndexError or TypeError, e.g. a status not written yet)."""
     deadline = time.monotonic() + timeout

@@ -32,12 +32,15 @@ from tests.integration.test_extproc_contract import (
     refusal,
     send_request,
 )
-from tests.integration.test_k8s_cluster import CONFIGMAPS, NS, PODS, POOLS, RESOURCES
+from tests.integration.test_k8s_cluster import CONFIGMAPS, LEASES, NS, PODS, POOLS, RESOURCES
 from tests.tls import tls_channel
 
 pytestmark = pytest.mark.integration
 
-
+#: The pickers' lease: long, since both replicas, kmock and the test share one event loop, and a
+#: loop stall longer than the renew deadline (two thirds of it) would make the leader step down.
+#: It renews every third of it.
+LEASE = 10.0
 
 def _configmap(weight: float) -> dict[str, Any]:
     config = {"tenants": [{"id": "a", "weight": weight}], "capacity": {"scrapeInterval": "50ms"}}
@@ -53,11 +56,25 @@ def _pod(name: str, ready: bool = True) -> dict[str, Any]:
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-async def _until(predicate: Callable[[], Any], timeout: float = 8.0) -> None:
+async def _until(predicate: Callable[[], Any], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
+
+
+async def _lease(api: KubeClient) -> dict[str, Any]:
+    return (await api.get(f"{LEASES}/fairway-picker"))["spec"]
+
+
+async def _next_renewal(api: KubeClient, timeout: float = 3 * LEASE) -> dict[str, Any]:
+    """The Lease once it has been written again (renewed, or taken over)."""
+    before = (await _lease(api))["renewTime"]
+    deadline = time.monotonic() + timeout
+    while (spec := await _lease(api))["renewTime"] == before:
+        assert time.monotonic() < deadline, "the Lease was not renewed"
+        await asyncio.sleep(0.05)
+    return spec
 
 
 @contextlib.asynccontextmanager
@@ -85,11 +102,11 @@ async def picker(url: str, **settings: Any) -> AsyncIterator[tuple[int, int]]:
         config_map=f"{NS}/fairway-picker-config", **settings), stop, ready, admin_ready))
     try:
         (grpc_port, _), admin_port = await asyncio.wait_for(
-            asyncio.gather(asyncio.shield(ready), asyncio.shield(admin_ready)), 10)
+            asyncio.gather(asyncio.shield(ready), asyncio.shield(admin_ready)), 20)
         yield grpc_port, admin_port
     finally:
         stop.set()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 15)
 
 
 async def _endpoints(admin_port: int) -> list[str]:
@@ -161,13 +178,15 @@ async def _weight_is(admin_port: int, tenant: str, weight: float) -> bool:
 async def test_only_the_leader_serves_and_a_standby_takes_over() -> None:
     async with cluster() as (url, api), contextlib.AsyncExitStack() as replicas:
         await api.create(CONFIGMAPS, _configmap(1))
-        lease = {"lease": f"{NS}/fairway-picker", "lease_duration": 2.0}
+        lease = {"lease": f"{NS}/fairway-picker", "lease_duration": LEASE}
         leader_exit = contextlib.AsyncExitStack()
         first = await leader_exit.enter_async_context(picker(url, identity="one", **lease))
         replicas.push_async_callback(leader_exit.aclose)
         await _until(lambda: _serving(first[0]))
         second = await replicas.enter_async_context(picker(url, identity="two", **lease))
-        await asyncio.sleep(1.5)  # longer than a renewal: the standby stays a standby
+        # The standby read the held Lease as it started; one that took it would hold it by the
+        # leader's next renewal.
+        assert (await _next_renewal(api))["holderIdentity"] == "one"
         assert await _serving(first[0]) and not await _serving(second[0])
         async with await tls_channel(second[0]) as channel:
             stream = Picker(second[0], 0, [], channel).open()
@@ -175,8 +194,10 @@ async def test_only_the_leader_serves_and_a_standby_takes_over() -> None:
             refused = refusal(await stream.reply())
             assert refused.status == 503 and "standby" in refused.error["message"]
             await stream.close()
-        await leader_exit.aclose()  # the leader goes away
-        await _until(lambda: _serving(second[0]), timeout=6.0)
+        await leader_exit.aclose()  # the leader goes away, releasing the Lease ...
+        assert (await _lease(api))["holderIdentity"] in ("", "two")
+        # ... so the standby takes over at its next retry (a third of the lease).
+        await _until(lambda: _serving(second[0]), timeout=20)
 
 
 async def test_the_picker_waits_for_its_config_map_instead_of_exiting() -> None:
@@ -203,7 +224,7 @@ async def test_a_picker_stopped_while_waiting_for_its_config_map_ends() -> None:
             config_map=f"{NS}/fairway-picker-config"), stop))
         await asyncio.sleep(0.5)
         stop.set()
-        await asyncio.wait_for(task, 3)
+        await asyncio.wait_for(task, 10)
 
 
 @contextlib.asynccontextmanager
@@ -273,4 +294,4 @@ async def test_a_picker_starting_before_the_api_server_listens_waits_for_it() ->
     await asyncio.sleep(1.0)
     assert not task.done()  # connection refused is waited through, not an exit
     stop.set()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, 10)

@@ -149,7 +149,7 @@ async def picker_process(tmp_path: Path, *extra: str,
 
 async def health_status(channel: grpc.aio.Channel, service: str) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
-    answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=15)
     return answer.status
 
 
@@ -202,7 +202,7 @@ async def test_hot_reload_applies_a_good_config_and_keeps_the_last_good_one(
 
         write_config(path, {**config, "tenants": [{"id": "a"}, {"id": "b", "weight": 0}]})
         await picker.eventually("fairway_config_reloads_total", 1, result="failure")
-        line = await running.wait_for_output("config reload failed", running.stderr, 5)
+        line = await running.wait_for_output("config reload failed", running.stderr, 15)
         assert "keeping the last good config" in line
         assert "tenants[1].weight: must be > 0" in line
 
@@ -215,7 +215,9 @@ async def test_hot_reload_applies_a_good_config_and_keeps_the_last_good_one(
 
 
 async def test_sigterm_drains_refuses_the_queue_and_exits_0(tmp_path: Path) -> None:
-    grace = 5.0
+    # Long: waiting it out (the wrong behaviour) must take longer than the test's own RPCs
+    # after the signal on a loaded machine; exiting when the request ends takes no time.
+    grace = 20.0
     async with picker_process(tmp_path, "--grace", str(grace),
                               capacity={"kvBudgetTokens": 64}, queue={"maxWait": "30s"},
                               tenants=[{"id": "holder"}, {"id": "a"}]) as (picker, running, _):
@@ -248,7 +250,7 @@ async def test_sigterm_drains_refuses_the_queue_and_exits_0(tmp_path: Path) -> N
         # The running request may finish; then the picker exits at once, well within the grace.
         await relay_response(holder, 200, "text/event-stream", [b"data: [DONE]\n\n"])
         assert await running.exit_code(grace + 5) == 0
-        assert time.monotonic() - signalled < grace
+        assert time.monotonic() - signalled < grace  # a picker waiting out the grace exits later
         assert any("picker stopped" in line for line in running.stderr)
 
 
@@ -260,9 +262,11 @@ async def test_sigterm_with_a_request_that_never_finishes_exits_after_the_grace(
         await route(holder, chat_body(max_tokens=500, stream=True))
         running.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        assert await running.exit_code(grace + 5) == 0
-        assert grace <= time.monotonic() - signalled < grace + 3
-        assert await holder.ended(1.0)
+        # It exits (a picker waiting for the request would not: it never ends) ...
+        assert await running.exit_code(grace + 15) == 0
+        # ... once the grace is out.
+        assert time.monotonic() - signalled >= grace
+        assert await holder.ended()
 
 
 @pytest.mark.parametrize(

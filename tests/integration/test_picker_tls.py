@@ -41,7 +41,14 @@ from tests.integration.test_extproc_contract import (
     route,
 )
 from tests.integration.test_k8s_cluster import CONFIGMAPS, NS, PODS, POOLS
-from tests.integration.test_picker_in_cluster import _configmap, _pod, _until, cluster
+from tests.integration.test_picker_in_cluster import (
+    LEASE,
+    _configmap,
+    _next_renewal,
+    _pod,
+    _until,
+    cluster,
+)
 from tests.integration.test_picker_process import Process, spawn, write_config
 from tests.tls import tls_channel
 
@@ -54,7 +61,7 @@ READY_NAMES = ("", READINESS, EXT_PROC_SERVICE)
 
 async def _status(channel: grpc.aio.Channel, service: str) -> int:
     answer = await health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=service), timeout=5)
+        health_pb2.HealthCheckRequest(service=service), timeout=15)
     return answer.status
 
 
@@ -180,7 +187,7 @@ async def test_cert_path_is_served_and_a_rotated_certificate_reaches_new_connect
         # A broken renewal (a key that is not the certificate's) is not taken.
         _install(secret, KeyPair(first.cert_pem, second.key_pem, first.not_after), "v3")
         assert _same(await asyncio.to_thread(_served, running.grpc_port), second)
-        await running.wait_for_output("not loaded", running.stderr, 5)
+        await running.wait_for_output("not loaded", running.stderr, 15)
         assert running.process.returncode is None
 
 
@@ -224,7 +231,7 @@ async def in_process(tmp_path: Path | None = None, url: str | None = None,
         grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=5.0,
         **source, **settings), stop, ready, health_ready=health_ready))
     try:
-        health = await asyncio.wait_for(asyncio.shield(health_ready), 10)
+        health = await asyncio.wait_for(asyncio.shield(health_ready), 20)
         yield stop, health, ready
     finally:
         stop.set()
@@ -266,18 +273,24 @@ async def test_alive_but_not_ready_until_the_config_map_and_the_pool_are_in() ->
 async def test_a_standby_is_alive_but_not_ready() -> None:
     async with cluster() as (url, api):
         await api.create(CONFIGMAPS, _configmap(1))
-        lease = {"lease": f"{NS}/fairway-picker", "lease_duration": 2.0}
-        async with in_process(url=url, identity="one", **lease) as (_, first, _), \
-                in_process(url=url, identity="two", **lease) as (_, second, ready):
-            await _until(lambda: _is(first, READINESS, SERVING))
-            grpc_port, _ = await asyncio.wait_for(asyncio.shield(ready), 15)
-            await asyncio.sleep(1.0)  # a renewal period: the standby stays a standby
-            for service in READY_NAMES:
-                assert await _health(second, service) == NOT_SERVING
-            assert await _health(second, LIVENESS) == SERVING
-            async with await tls_channel(grpc_port) as channel:
-                assert await _status(channel, READINESS) == NOT_SERVING
-                assert await _status(channel, LIVENESS) == SERVING
+        lease = {"lease": f"{NS}/fairway-picker", "lease_duration": LEASE}
+        async with in_process(url=url, identity="one", **lease) as (_, first, _):
+            await _until(lambda: _is(first, READINESS, SERVING))  # "one" leads
+            async with in_process(url=url, identity="two", **lease) as (_, second, ready):
+                grpc_port, _ = await asyncio.wait_for(asyncio.shield(ready), 15)
+                # The standby read the held Lease as it started; one that took it would hold it
+                # by the leader's next renewal.
+                assert (await _next_renewal(api))["holderIdentity"] == "one"
+                await _standing_by(second, grpc_port)
+
+
+async def _standing_by(health: int, grpc_port: int) -> None:
+    for service in READY_NAMES:
+        assert await _health(health, service) == NOT_SERVING
+    assert await _health(health, LIVENESS) == SERVING
+    async with await tls_channel(grpc_port) as channel:
+        assert await _status(channel, READINESS) == NOT_SERVING
+        assert await _status(channel, LIVENESS) == SERVING
 
 
 async def test_draining_is_not_ready_but_alive_until_the_running_request_ends(

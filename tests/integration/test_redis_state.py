@@ -26,6 +26,13 @@ from picker.state import RedisSync
 pytestmark = pytest.mark.integration
 
 BURST = 10_000
+#: Over which a's budget refills: so long that refill is nil during a test (10 tokens an hour).
+REFILL = "1000h"
+#: A picker counts Redis as away after this. Long where a test is not about that: the Redis
+#: client's timeouts are half of it (at most 1 s), and a loaded machine can take 0.25 s to answer.
+SLOW_TO_STALE = "5s"
+#: For the tests of Redis going away: they wait this long to see it counted as away.
+STALE = "1s"
 
 
 @pytest.fixture
@@ -36,10 +43,10 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def _config(url: str, **state: Any) -> Any:
     return load_config({
-        "tenants": [{"id": "a", "budgets": {"burst": {"tokens": BURST, "per": "1h"}}},
+        "tenants": [{"id": "a", "budgets": {"burst": {"tokens": BURST, "per": REFILL}}},
                     {"id": "b", "weight": 2}],
         "endpoints": [{"address": "127.0.0.1:1"}],
-        "state": {"backend": "redis", "syncInterval": "50ms", "maxStaleness": "300ms",
+        "state": {"backend": "redis", "syncInterval": "50ms", "maxStaleness": SLOW_TO_STALE,
                   **state, "redis": {"url": url, **state.pop("redis", {})}},
     })
 
@@ -103,7 +110,7 @@ async def test_two_pickers_see_each_other_s_charges(redis_server: RedisServer) -
             assert side.scheduler.counter("a") == pytest.approx(500.0)
             # lifted to a's counter on two (200), then 100 at weight 2
             assert side.scheduler.counter("b") == pytest.approx(200 + 100 / 2)
-            assert side.level("a") == pytest.approx(BURST - 4000, abs=5)  # refill: 2.8 tok/s
+            assert side.level("a") == pytest.approx(BURST - 4000, abs=1)
 
 
 async def test_a_restarted_picker_resumes_with_the_levels_it_had(
@@ -116,7 +123,7 @@ async def test_a_restarted_picker_resumes_with_the_levels_it_had(
     async with picker(redis_server.url) as after:
         assert after.level("a") == BURST  # a fresh process knows nothing
         assert await after.sync.load(asyncio.Event())
-        assert after.level("a") == pytest.approx(level, rel=0.02)
+        assert after.level("a") == pytest.approx(level, abs=1)
         assert after.scheduler.counter("a") == pytest.approx(counter)
         refused = after.admission.admit("a", "default", 2000, None, 0, after.dispatcher.clock())
         assert not isinstance(refused, Admitted)
@@ -163,7 +170,7 @@ async def test_a_batch_whose_reply_was_lost_is_applied_once(redis_server: RedisS
         assert await one.sync._try()
         await two.sync.exchange()
         assert two.scheduler.counter("a") == pytest.approx(140.0)
-        assert two.level("a") == pytest.approx(BURST - 1400, abs=5)
+        assert two.level("a") == pytest.approx(BURST - 1400, abs=1)
 
 
 async def test_pickers_of_two_pools_do_not_mix(redis_server: RedisServer) -> None:
@@ -186,7 +193,7 @@ async def test_a_password_from_a_file(tmp_path: Path) -> None:
             assert anonymous.metric("fairway_state_syncs_total", result="error") == 1
 
 
-async def _until(predicate: Any, timeout: float = 5.0) -> None:
+async def _until(predicate: Any, timeout: float = 15.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
@@ -198,7 +205,8 @@ async def _until(predicate: Any, timeout: float = 5.0) -> None:
 async def test_redis_down_fails_soft_and_rejoins_without_charging_twice(
         tmp_path: Path, aof: bool) -> None:
     with RedisServer(tmp_path / "redis", aof=aof) as server:
-        async with picker(server.url) as one, picker(server.url) as two:
+        async with picker(server.url, maxStaleness=STALE) as one, \
+                picker(server.url, maxStaleness=STALE) as two:
             stop = asyncio.Event()
             loops = [asyncio.create_task(side.sync.run(stop)) for side in (one, two)]
             one.serve("a", 100)
@@ -219,13 +227,13 @@ async def test_redis_down_fails_soft_and_rejoins_without_charging_twice(
             await asyncio.sleep(0.3)  # more exchanges: still nothing counted twice
             for side in (one, two):
                 assert side.scheduler.counter("a") == pytest.approx(180.0)
-                assert side.level("a") == pytest.approx(BURST - 1500, abs=10)
+                assert side.level("a") == pytest.approx(BURST - 1500, abs=1)
             stop.set()
             await asyncio.gather(*loops)
 
 
 async def test_redis_down_fails_closed_when_asked(redis_server: RedisServer) -> None:
-    async with picker(redis_server.url, onUnavailable="failClosed") as one:
+    async with picker(redis_server.url, onUnavailable="failClosed", maxStaleness=STALE) as one:
         stop = asyncio.Event()
         loop = asyncio.create_task(one.sync.run(stop))
         await _until(lambda: one.metric("fairway_state_syncs_total", result="ok") >= 1)
@@ -247,7 +255,8 @@ async def test_a_picker_that_cannot_reach_redis_at_start_starts_as_configured(
     server = RedisServer(tmp_path / "redis").start()
     url = server.url
     server.stop()  # nothing listens there
-    async with picker(url) as soft, picker(url, onUnavailable="failClosed") as closed:
+    async with picker(url, maxStaleness=STALE) as soft, \
+            picker(url, onUnavailable="failClosed", maxStaleness=STALE) as closed:
         assert not await soft.sync.load(asyncio.Event())
         assert not soft.dispatcher.state_unavailable
         assert not await closed.sync.load(asyncio.Event())
@@ -261,10 +270,10 @@ async def test_a_reservation_in_redis_is_all_of_the_tenant_s_budgets_or_none(
         assert await one.sync.reserve("a", 6000) == (True, "", 0.0)  # absent means full
         answer = await two.sync.reserve("a", 6000)  # 4,000 left: refused, the level told
         assert answer is not None and answer[0] is False and answer[1] == "burst"
-        assert answer[2] == pytest.approx(BURST - 6000, abs=5)
+        assert answer[2] == pytest.approx(BURST - 6000, abs=1)
         assert await two.sync.reserve("a", 3000) == (True, "", 0.0)
         await one.sync.exchange()
-        assert one.level("a") == pytest.approx(BURST - 9000, abs=5)  # both reservations
+        assert one.level("a") == pytest.approx(BURST - 9000, abs=1)  # both reservations
 
 
 async def test_a_reservation_when_redis_is_away_is_left_to_the_picker(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ through Envoy depend on the two agreeing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -309,16 +310,22 @@ async def test_messages_ignore_a_priority_in_either_mode(http: aiohttp.ClientSes
     async with sim(max_num_seqs=1, step_ms=3.0, scheduling_policy="priority") as server:
         engine = server.engine
         assert engine is not None
-        sends = [asyncio.create_task(send("A", COMPLETION_PATH, {
-            "prompt": words(10), "max_tokens": 80, "ignore_eos": True}))]
+        # It would run for 8000 steps: B and C queue behind it however slow the machine is;
+        # then its client goes away.
+        blocker = asyncio.create_task(post_raw(http, server, COMPLETION_PATH, {
+            "prompt": words(10), "max_tokens": 8000, "ignore_eos": True}))
         await until(lambda: engine.running == 1)
-        sends.append(asyncio.create_task(send("B", COMPLETION_PATH, {
-            "prompt": words(3), "max_tokens": 2, "ignore_eos": True, "priority": 1})))
+        sends = [asyncio.create_task(send("B", COMPLETION_PATH, {
+            "prompt": words(3), "max_tokens": 2, "ignore_eos": True, "priority": 1}))]
         await until(lambda: engine.waiting == 1)
         sends.append(asyncio.create_task(send("C", MESSAGES_PATH, {**messages, "priority": 5})))
         await until(lambda: engine.waiting == 2)
+        assert engine.running == 1 and order == []
+        blocker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await blocker
         await asyncio.gather(*sends)
-    assert order == ["A", "C", "B"]
+    assert order == ["C", "B"]
 
 
 async def test_health_answers_get(http: aiohttp.ClientSession) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import copy
 import datetime
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,8 +27,10 @@ class LeaseApi:
         self.down = False
         self.timeout = 1.0
         self.conflicts = 0
+        self.calls = 0
 
     async def _call(self) -> None:
+        self.calls += 1
         await asyncio.sleep(0)  # let racing electors interleave
         if self.down:
             raise ApiError(503, "ServiceUnavailable")
@@ -131,46 +134,62 @@ async def test_an_unreachable_api_fails_the_round() -> None:
     assert await _elector(api, "a").try_acquire_or_renew() == FAILED
 
 
+async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# The electors below run their loops in real time (retry_period), but judge leases and deadlines
+# by a clock the test moves: what they decide does not depend on how fast the machine runs them.
+
+
 async def test_a_leader_that_cannot_renew_steps_down_before_the_lease_expires() -> None:
     api = LeaseApi()
+    now = [0.0]
     states: list[tuple[bool, float]] = []
-    loop = asyncio.get_running_loop()
-    a = _elector(api, "a", on_leading=lambda leading: states.append((leading, loop.time())))
+    a = _elector(api, "a", clock=lambda: now[0],
+                 on_leading=lambda leading: states.append((leading, now[0])))
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))
-    while not a.leading:
-        await asyncio.sleep(0.01)
+    await _until(lambda: a.leading)
     api.down = True
-    broken = loop.time()
-    while a.leading:
-        await asyncio.sleep(0.01)
-    stepped_down = states[-1][1] - broken
-    assert 0.3 < stepped_down < 1.0  # after renew_deadline (0.5 s), before the 1 s lease
+    calls = api.calls
+    await _until(lambda: api.calls >= calls + 2)  # a round failed: none renews any more
+    now[0] = 0.4  # within the renew deadline (0.5 s) of its last renewal (at 0)
+    calls = api.calls
+    await _until(lambda: api.calls >= calls + 3)
+    assert a.leading
+    now[0] = 0.6  # past it, before the lease (1 s) lets another replica take over
+    await _until(lambda: not a.leading)
+    assert states == [(True, 0.0), (False, 0.6)]
     api.down = False
-    while not a.leading:  # candidates again, and the lease is still its own
-        await asyncio.sleep(0.01)
+    await _until(lambda: a.leading)  # candidates again, and the lease is still its own
     stop.set()
-    await asyncio.wait_for(task, 1.0)
+    await asyncio.wait_for(task, 10.0)
     assert [s for s, _ in states] == [True, False, True, False]
     assert api.lease["spec"]["holderIdentity"] == ""  # released on stop
 
 
 async def test_two_electors_running_exactly_one_leads_and_a_release_hands_over() -> None:
     api = LeaseApi()
-    a, b = _elector(api, "a"), _elector(api, "b")
+    now = [0.0]  # never moves: the lease never expires, only a release hands it over
+    a, b = _elector(api, "a", clock=lambda: now[0]), _elector(api, "b", clock=lambda: now[0])
     stop_a, stop_b = asyncio.Event(), asyncio.Event()
     tasks = [asyncio.create_task(a.run(stop_a)), asyncio.create_task(b.run(stop_b))]
-    for _ in range(30):
-        await asyncio.sleep(0.02)
-        assert a.leading + b.leading <= 1
+    await _until(lambda: a.leading or b.leading)
+    calls = api.calls
+    while api.calls < calls + 20:  # rounds of both: renewals, and reads of a held lease
+        assert a.leading + b.leading == 1
+        await asyncio.sleep(0.01)
     assert a.leading + b.leading == 1
     leader, other = (a, b) if a.leading else (b, a)
     (stop_a if leader is a else stop_b).set()
-    started = asyncio.get_running_loop().time()
-    while not other.leading:
-        await asyncio.sleep(0.01)
-    assert asyncio.get_running_loop().time() - started < 0.5  # released: no lease wait
+    await _until(lambda: other.leading)
+    assert api.lease["spec"]["holderIdentity"] == other.identity
     assert api.lease["spec"]["leaseTransitions"] == 1
     stop_a.set()
     stop_b.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
