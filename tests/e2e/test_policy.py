@@ -42,7 +42,7 @@ import pytest
 from aiohttp import web
 
 from picker.identity import hash_api_key
-from picker.stack.launcher import Stack, free_port
+from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, metric_samples, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -228,7 +228,8 @@ class RecordingUpstream:
     """
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.port = 0
+        """Bound on ``start`` (port 0: the kernel's choice, read back)."""
         self.received: list[dict[str, Any]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -269,7 +270,8 @@ class RecordingUpstream:
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
 
     async def _chat(self, request: web.Request) -> web.Response:
         raw = await request.read()

@@ -184,13 +184,3 @@ class ScrapesUntilExit:
         wanted = set(labels.items())
         return sum(v for (sample, sample_labels), v in self.last.items()
                    if sample == name and wanted <= set(sample_labels))
-
-
-def kill_server(stack: Stack, index: int) -> None:
-    """``Stack.kill_server`` (its port held until the restart or the stack's stop)."""
-    stack.kill_server(index)
-
-
-def restart_server(stack: Stack, index: int, extra: list[str]) -> None:
-    """``Stack.restart_server`` with these flags."""
-    stack.restart_server(index, extra)

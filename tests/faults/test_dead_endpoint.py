@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from picker.stack.envoy import envoy_config
-from picker.stack.launcher import Stack, free_port
+from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
-from tests.faults.helpers import kill_server, restart_server
 
 HEALTH = {"consecutiveFailures": 3, "baseEjectionTime": "500ms", "maxEjectionTime": "2s"}
 """Short ejections, so a restarted server is probed back within the test's bounds."""
@@ -88,7 +87,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
                                      outcome="ok") == 1)  # settled a moment after the answer
     prompt = metric(stack.metrics_url, "fairway_service_tokens_total", tenant="a", kind="prompt")
     assert prompt > 0
-    kill_server(stack, 0)
+    stack.kill_server(0)
     statuses = []
     for _ in range(12):
         status, headers, body = _post(stack, chat_body(max_tokens=2))
@@ -113,7 +112,7 @@ def test_a_killed_server_is_ejected_uncharged_and_probed_back(plain_stack: Stack
     assert settled_metric(stack.metrics_url, "fairway_service_tokens_total", 2.0 * ok,
                           tenant="a", kind="completion") == 2.0 * ok
 
-    restart_server(stack, 0, [])
+    stack.restart_server(0, [])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=15), "not probed back"
     _assert_traffic_returns(stack, 6)
     _assert_gauges_return_to_zero(stack)
@@ -164,7 +163,7 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
         assert wait_until(lambda: metric(stack.metrics_url, "fairway_queued_requests") > 0
                           and metric(stack.metrics_url, "fairway_running_requests") >= 2,
                           timeout=10)
-        kill_server(stack, 0)
+        stack.kill_server(0)
         outcomes = [future.result(timeout=60) for future in results]
     # Mid-stream on the dead server: cut off (200, no [DONE]). Everything else, queued ones
     # included, was served whole by the live server: none saw the dead one.
@@ -177,7 +176,7 @@ def test_with_gateway_retries_queued_requests_go_to_the_live_server(retrying_sta
                           tenant="a", kind="prompt") == prompt * 13
     assert _ejected(stack, 0) == 1.0
 
-    restart_server(stack, 0, ["--step-ms", "20"])
+    stack.restart_server(0, ["--step-ms", "20"])
     assert wait_until(lambda: _ejected(stack, 0) == 0.0, timeout=10), "not probed back"
     _assert_traffic_returns(stack, 4)
     _assert_gauges_return_to_zero(stack)
@@ -187,7 +186,8 @@ class _SilentServer:
     """Accepts connections and reads, but never answers."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.port = 0
+        """Bound on ``__enter__`` (port 0, read back)."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -199,7 +199,8 @@ class _SilentServer:
             writer.close()
 
         async def main() -> None:
-            self._server = await asyncio.start_server(swallow, "127.0.0.1", self.port)
+            self._server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
             self._ready.set()
             await self._server.serve_forever()
 

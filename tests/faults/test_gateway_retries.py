@@ -28,7 +28,7 @@ from picker.stack.envoy import FALLBACK_ENDPOINTS
 from picker.stack.launcher import Stack
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, settled_metric, wait_until
-from tests.faults.helpers import gauges_drain, kill_server, post_with, shipped_envoy
+from tests.faults.helpers import gauges_drain, post_with, shipped_envoy
 from tests.faults.test_forged_identity import TEST_JWKS, mint
 
 HEALTH = {"consecutiveFailures": 100, "baseEjectionTime": "30s"}
@@ -71,7 +71,7 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
     prompt = metric(stack.metrics_url, "fairway_service_tokens_total", kind="prompt")
     assert prompt > 0
     dead, live = stack.endpoint_addresses
-    kill_server(stack, 0)
+    stack.kill_server(0)
 
     answers = [post_with(stack, headers(), SMALL_CHAT) for _ in range(SEQUENTIAL)]
     with ThreadPoolExecutor(CONCURRENT) as pool:

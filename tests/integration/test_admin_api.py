@@ -30,7 +30,7 @@ from picker.admin.service import ADMIN_SERVICE
 from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.server import ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
-from picker.stack.launcher import Stack, free_port
+from picker.stack.launcher import Stack, hold_port
 from tests.e2e.conftest import wait_until
 from tests.tls import tls_channel
 
@@ -187,8 +187,9 @@ def _read_all(stream: IO[bytes], into: bytearray) -> None:
 
 
 def test_top_names_the_address_it_cannot_reach() -> None:
-    address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    done = _ctl("--once", "--admin", address, "--timeout", "3")
+    with hold_port(0) as held:  # bound, never listening: refused, and nobody else's meanwhile
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        done = _ctl("--once", "--admin", address, "--timeout", "3")
     assert done.returncode == 1
     assert done.stdout == ""
     assert f"cannot reach the picker's admin API at {address}" in done.stderr

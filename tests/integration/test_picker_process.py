@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.server import EXT_PROC_SERVICE
 from picker.sim.server import SimServer, SimServerConfig
+from picker.stack.launcher import hold_port
 from tests.integration.test_extproc_contract import (
     CHAT,
     TENANT_HEADER,
@@ -48,12 +49,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_config(path: Path, document: dict[str, Any]) -> None:
     """Replace the file atomically, so the watcher never reads half a file."""
     tmp = path.with_suffix(".tmp")
@@ -71,6 +66,9 @@ class Process:
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     readers: list[asyncio.Task[None]] = field(default_factory=list)
+    held: list[socket.socket] = field(default_factory=list)
+    """Its ports, held (``hold_port``) from before it started until it has exited, so no other
+    process takes them before the picker binds them."""
 
     def collect(self) -> None:
         for stream, sink in ((self.process.stdout, self.stdout),
@@ -93,6 +91,8 @@ class Process:
     async def exit_code(self, timeout: float) -> int:
         code = await asyncio.wait_for(self.process.wait(), timeout)
         await asyncio.gather(*self.readers)
+        for held in self.held:
+            held.close()
         return code
 
 
@@ -102,14 +102,15 @@ async def _read_lines(stream: asyncio.StreamReader, sink: list[str]) -> None:
 
 
 async def spawn(config_path: Path, *extra: str) -> Process:
-    grpc_port, metrics_port = free_port(), free_port()
+    held = [hold_port(0), hold_port(0)]
+    grpc_port, metrics_port = (h.getsockname()[1] for h in held)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "picker", "serve", "--config", str(config_path),
         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--admin-port", "0",
         "--grpc-health-port", "0", *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    running = Process(process, grpc_port, metrics_port)
+    running = Process(process, grpc_port, metrics_port, held=held)
     running.collect()
     return running
 
