@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from picker.stack.launcher import reserved_port
 from scripts.gomodules import GoBuild, GoModuleError, module_files
 
 KUBERNETES = "v1.36.3"
@@ -120,12 +120,6 @@ def extra_crds() -> list[Path]:
     return [inference_pool_crd(), *gateway_api_crds(), *prometheus_operator_crds()]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class ControlPlane:
     """etcd, kube-apiserver and kube-controller-manager on 127.0.0.1, their files in
@@ -169,7 +163,7 @@ class ControlPlane:
         _write_pki(w)
         self.admin_token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
         (w / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
-        client, peer, port = free_port(), free_port(), free_port()
+        client, peer, port = reserved_port(), reserved_port(), reserved_port()
         # etcd's data on tmpfs where there is one: fsyncs cost seconds on a busy disk.
         shm = Path("/dev/shm")
         data = Path(tempfile.mkdtemp(prefix="fairway-etcd-", dir=shm if shm.is_dir() else w))
@@ -206,7 +200,7 @@ class ControlPlane:
             "--kubeconfig", str(self.kubeconfig),
             "--authentication-kubeconfig", str(self.kubeconfig),
             "--authorization-kubeconfig", str(self.kubeconfig),
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
+            "--bind-address", "127.0.0.1", "--secure-port", str(reserved_port()),
             "--controllers", ",".join(CONTROLLERS),
             "--service-account-private-key-file", str(w / "sa.key"),
             "--root-ca-file", str(w / "ca.crt"),

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from picker.stack.launcher import reserved_port
 from scripts.cluster import ControlPlane
 from scripts.gomodules import GoBuild, GoModuleError, module_files
 
@@ -114,12 +114,6 @@ BUILD = GoBuild("upstream-epp", RELEASE, MODULE, (PACKAGE,), LDFLAGS, "about 3 m
 def binary(*, quiet: bool = False) -> Path:
     """The path of the ``epp`` binary, built now if the cache lacks it."""
     return BUILD.binaries(quiet=quiet) / BINARY
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -204,7 +198,7 @@ class UpstreamPool:
         """Point the pool at ``endpoints`` and start a picker on it; returns when it is ready
         and sees every endpoint."""
         self.point_at(endpoints)
-        ports = Ports(_free_port(), _free_port(), _free_port())
+        ports = Ports(reserved_port(), reserved_port(), reserved_port())
         with log.open("wb") as out:
             process = subprocess.Popen(self.command(ports), stdout=out, stderr=subprocess.STDOUT,
                                        env=self.environment(), start_new_session=True)

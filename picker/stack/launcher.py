@@ -1,7 +1,9 @@
 """Starting and stopping the local stack: simulated model servers, the picker, Envoy.
 
-Every process listens on 127.0.0.1 on a free port, logs to a file in the work directory, and is
-stopped (SIGTERM, then SIGKILL) by ``Stack.stop`` or on leaving the ``with`` block.
+Every process listens on 127.0.0.1, on a port it bound itself (port 0, read back) or on one held
+for it (``hold_port``): no port is found free here and bound later, when any other process could
+have taken it. Each logs to a file in the work directory, and is stopped (SIGTERM, then SIGKILL)
+by ``Stack.stop`` or on leaving the ``with`` block.
 """
 
 from __future__ import annotations
@@ -31,12 +33,6 @@ from picker.stack.envoy import (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def hold_port(port: int) -> socket.socket:
     """A socket bound to ``port`` of 127.0.0.1 that never listens, so that while a process is
     down its port is neither handed out to another (a port-0 bind, a connection's ephemeral
@@ -51,6 +47,19 @@ def hold_port(port: int) -> socket.socket:
         hold.close()
         raise
     return hold
+
+
+_HELD_FOR_LIFE: list[socket.socket] = []
+
+
+def reserved_port() -> int:
+    """A free port of 127.0.0.1 for a process that cannot bind port 0 and say what it bound
+    (etcd, the API server, Prometheus, a Kubernetes pod's fixed ports): held (``hold_port``)
+    for the rest of this process's life, so nothing else is given it before, or after, that
+    process binds it. Where a process can bind port 0 and report it, prefer that."""
+    held = hold_port(0)
+    _HELD_FOR_LIFE.append(held)
+    return int(held.getsockname()[1])
 
 
 def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> str:

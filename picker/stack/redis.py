@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from picker.stack.launcher import free_port, hold_port
+from picker.stack.launcher import hold_port
 from picker.tls import self_signed
 
 READY_LINE = b"Ready to accept connections"
@@ -55,15 +55,15 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):  # a free port may be taken before Redis binds it
-            port = self.port or free_port()
-            if self._spawn(port, timeout):
-                self.port = port
-                self._release()
-                return self
-            if self.port:
-                break  # a fixed port (a restart): another try would not free it
-        raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+        if self._held is None:
+            # Port 0: a free one, held until Redis listens there (no other process takes it
+            # meanwhile); after ``kill`` the port is held already.
+            self._held = hold_port(self.port)
+            self.port = self._held.getsockname()[1]
+        if not self._spawn(self.port, timeout):
+            raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+        self._release()
+        return self
 
     def _spawn(self, port: int, timeout: float) -> bool:
         args = [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",

@@ -15,8 +15,7 @@ import helm_python
 import pytest
 import yaml
 
-from picker.stack.launcher import Stack
-from scripts.cluster import free_port
+from picker.stack.launcher import Stack, reserved_port
 from tests.cluster.kube import (
     ROOT,
     Kube,
@@ -57,10 +56,10 @@ async def test_a_weight_patched_with_kubectl_moves_the_split_through_envoy(
     manifest = [d for d in yaml.safe_load_all(release["manifest"]) if d]
     kube.apply(_policy("alpha", 1))
     kube.apply(_policy("beta", 1))
-    admin_port = free_port()
+    admin_port = reserved_port()
     operator = start("operator", ["-m", "fairway_operator", *replace_flags(
         chart_args(manifest, "fairway-operator"), admin_address=f"127.0.0.1:{admin_port}",
-        liveness=f"http://127.0.0.1:{free_port()}/healthz")],
+        liveness=f"http://127.0.0.1:{reserved_port()}/healthz")],
         kube.service_account_kubeconfig("fairway-operator"), tmp_path,
         POD_NAMESPACE=kube.namespace)
     # The stack's picker: the chart's source flags, the chart's ServiceAccount.

@@ -32,7 +32,7 @@ from picker.admin.v1 import admin_pb2, admin_pb2_grpc
 from picker.k8s import KubeClient, LeaderElector
 from picker.k8s.leader import LEADING
 from picker.server import ServeSettings
-from scripts.cluster import free_port
+from picker.stack.launcher import reserved_port
 from tests.cluster.kube import (
     ROOT,
     Kube,
@@ -83,10 +83,10 @@ class Installed:
 
     def picker(self, identity: str, kubeconfig: Path, admin: int = 0) -> Picker:
         """A picker replica; it is listening once its config exists (the operator writes it)."""
-        admin = admin or free_port()
+        admin = admin or reserved_port()
         args = replace_flags(chart_args(self.manifest, "fairway-picker"), host="127.0.0.1",
-                        grpc_port=str(free_port()), grpc_health_port=str(free_port()),
-                        metrics_port=str(free_port()), admin_port=str(admin), grace="2")
+                        grpc_port=str(reserved_port()), grpc_health_port=str(reserved_port()),
+                        metrics_port=str(reserved_port()), admin_port=str(admin), grace="2")
         process = start(f"picker-{identity}", ["-m", "picker", *args], kubeconfig,
                         self.kube.workdir, POD_NAME=identity, POD_NAMESPACE=self.kube.namespace)
         self.processes.append(process)
@@ -97,7 +97,7 @@ class Installed:
     def operator(self, kubeconfig: Path, admin_port: int) -> Process:
         args = replace_flags(chart_args(self.manifest, "fairway-operator"),
                         admin_address=f"127.0.0.1:{admin_port}",
-                        liveness=f"http://127.0.0.1:{free_port()}/healthz")
+                        liveness=f"http://127.0.0.1:{reserved_port()}/healthz")
         process = start("operator", ["-m", "fairway_operator", *args], kubeconfig,
                         self.kube.workdir, POD_NAMESPACE=self.kube.namespace)
         self.processes.append(process)
@@ -113,7 +113,7 @@ class Installed:
 def installed(kube: Kube, tmp_path: Path) -> Iterator[Installed]:
     """The chart installed with two picker replicas and the InferencePool; two simulated model
     servers behind one pod of the pool (127.0.0.1, one target port each), Ready."""
-    ports = [free_port(), free_port()]
+    ports = [reserved_port(), reserved_port()]
     servers = [start(f"model-{port}", ["-m", "picker.sim.server", "--port", str(port),
                                        "--step-ms", "2"], kube.plane.kubeconfig, tmp_path)
                for port in ports]
@@ -205,7 +205,7 @@ def test_policies_reach_the_leader_through_the_operator_with_the_charts_rbac(
         "metadata": {"name": "legacy", "finalizers": [FINALIZER]},
         "spec": {"poolRef": {"name": POOL}, "tenants": ["legacy-team"], "weight": 2}}))
     kube.apply(_policies().replace("namespace: inference", f"namespace: {kube.namespace}"))
-    admin_port = free_port()
+    admin_port = reserved_port()
     operator = installed.operator(kube.service_account_kubeconfig("fairway-operator"),
                                   admin_port)
     first = installed.picker("picker-a", picker_config, admin_port)
@@ -258,7 +258,7 @@ def test_only_the_pools_ready_pods_with_an_address_are_endpoints(installed: Inst
     another namespace, without an IP or being deleted are never endpoints; a pod being deleted
     (held by a finalizer, still Ready) stops being one at once."""
     kube = installed.kube
-    admin_port = free_port()
+    admin_port = reserved_port()
     installed.operator(kube.service_account_kubeconfig("fairway-operator"), admin_port)
     picker = installed.picker("picker-a", kube.service_account_kubeconfig("fairway-picker"),
                               admin_port)
@@ -308,7 +308,7 @@ def test_leader_election_on_a_real_lease(installed: Installed) -> None:
     kube.apply(_policies().replace("namespace: inference", f"namespace: {kube.namespace}"))
     # Its admin address leads nowhere: it says so once, not once per policy and interval.
     operator = installed.operator(kube.service_account_kubeconfig("fairway-operator"),
-                                  free_port())
+                                  reserved_port())
     config = kube.service_account_kubeconfig("fairway-picker")
     a = installed.picker("picker-a", config)
     until(lambda: installed.lease_holder() == "picker-a", what="picker-a leads")
@@ -370,7 +370,7 @@ def test_uninstall_with_policies_present_leaves_nothing_terminating(
         installed: Installed) -> None:
     kube = installed.kube
     kube.apply(_policies().replace("namespace: inference", f"namespace: {kube.namespace}"))
-    admin_port = free_port()
+    admin_port = reserved_port()
     operator = installed.operator(kube.service_account_kubeconfig("fairway-operator"),
                                   admin_port)
     picker = installed.picker("picker-a", kube.service_account_kubeconfig("fairway-picker"),

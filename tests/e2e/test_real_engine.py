@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from picker.stack.launcher import Stack, free_port
+from picker.stack.launcher import Stack, hold_port
 from tests.e2e.conftest import TENANT_HEADER, metric, settled_metric
 
 
@@ -33,7 +33,8 @@ def _model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
+    held = hold_port(0)  # until the engine listens there (uvicorn sets SO_REUSEADDR)
+    port = held.getsockname()[1]
     log = (tmp_path_factory.mktemp("llama") / "engine.log").open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(_model_path()),
@@ -50,6 +51,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"llama_cpp.server did not start; see {log.name}")
                 time.sleep(0.2)
+        held.close()
         # llama.cpp reuses the evaluated prompt of the previous request; the first answer to a
         # prompt differs slightly from later ones (seen: a reworded sentence). Warm it up so the
         # direct and the gateway answers compare like for like.
@@ -62,6 +64,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+        held.close()
 
 
 @pytest.fixture(scope="module")

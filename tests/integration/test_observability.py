@@ -45,7 +45,7 @@ import yaml
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
 from picker.stack.envoy import envoy_binary, envoy_config
-from picker.stack.launcher import Stack, free_port
+from picker.stack.launcher import Stack, hold_port
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric
 
@@ -158,22 +158,23 @@ class Prometheus:
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        log = (self.workdir / "prometheus.log").open("w")
-        self.process = subprocess.Popen(
-            [_tool("prometheus"), f"--config.file={config_path}",
-             f"--web.listen-address=127.0.0.1:{self.port}",
-             f"--storage.tsdb.path={self.workdir / 'tsdb'}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: see {self.workdir / 'prometheus.log'}")
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
-                if response.status == 200:
-                    return self
-            time.sleep(0.1)
+        with hold_port(0) as held:  # until Prometheus listens there (Go sets SO_REUSEADDR)
+            self.port = held.getsockname()[1]
+            log = (self.workdir / "prometheus.log").open("w")
+            self.process = subprocess.Popen(
+                [_tool("prometheus"), f"--config.file={config_path}",
+                 f"--web.listen-address=127.0.0.1:{self.port}",
+                 f"--storage.tsdb.path={self.workdir / 'tsdb'}", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"prometheus exited: see {self.workdir}/prometheus.log")
+                with contextlib.suppress(OSError), \
+                        urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+                time.sleep(0.1)
         raise RuntimeError("prometheus not ready within 20 s")
 
     def stop(self) -> None:
