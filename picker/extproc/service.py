@@ -893,7 +893,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _meter(self, first: pb.ProcessingRequest,
                      messages: AsyncIterator[pb.ProcessingRequest]) -> None:
-        """A meter stream (``observability_mode``): Envoy waits for no answer, so none is sent."""
+        """A meter stream (``observability_mode``): Envoy waits for no answer, so none is sent.
+
+        It returns as soon as the response is settled, which ends the stream from this side:
+        Envoy then has nothing to reset when its ``deferred_close_timeout`` runs out (a reset
+        discards what gRPC received but the picker had not yet read, so a picker that fell
+        further behind than that lost the meter of every request ending meanwhile)."""
         meter_id = _meter_id(first)
         exchange, timer = self._awaiting_meter.pop(meter_id, (None, None)) if meter_id \
             else (None, None)
@@ -902,9 +907,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             if exchange is not None:
                 exchange.observe_response(first)
+                if exchange.done:
+                    return
             async for message in messages:
                 if exchange is not None:
                     exchange.observe_response(message)
+                    if exchange.done:
+                        return
         finally:
             if exchange is not None:
                 exchange.abandon()  # the stream ended before the response did: client gone

@@ -1,0 +1,78 @@
+"""A picker that stalls (CPU-throttled by its limit, paused) while requests end loses none of
+their meters: each is charged what its engine generated.
+
+On the meter-stream path Envoy resets a meter stream ``deferred_close_timeout`` after its HTTP
+stream ended, and a reset discards whatever of the stream gRPC holds that the picker has not read
+yet. With the 0.25 s this project once shipped, eight half-second pauses of the picker under this
+flood lost the meters of 60 of 1,500 requests, settled as gone and charged no output
+(``fairway_meter_unclaimed_total``). The picker is paused here with SIGSTOP, as a throttled
+container is; each pause is shorter than ``picker.stack.envoy.METER_DEFERRED_CLOSE`` (2 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+from picker.stack.launcher import Stack
+from tests.e2e.conftest import chat_body, metric, settled_metric
+from tests.faults.helpers import apost, gauges_drain
+
+REQUESTS = 600
+CONCURRENCY = 40
+PAUSES = 4
+PAUSE_S = 0.5
+
+
+def _pause_repeatedly(pid: int, flooding: threading.Event, done: threading.Event) -> None:
+    """SIGSTOP the picker ``PAUSES`` times for ``PAUSE_S``, once the flood runs."""
+    flooding.wait(30)
+    for _ in range(PAUSES):
+        if done.wait(0.5):
+            return
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(PAUSE_S)
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _flood(stack: Stack, flooding: threading.Event) -> Counter[int]:
+    body = chat_body(words=6, max_tokens=1)
+    statuses: Counter[int] = Counter()
+    sent = iter(range(REQUESTS))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def client() -> None:
+            for _ in sent:
+                flooding.set()
+                status, _, _ = await apost(session, stack, "a", body)
+                statuses[status] += 1
+        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+    return statuses
+
+
+def test_requests_ending_while_the_picker_is_paused_are_all_charged(tmp_path: Path) -> None:
+    with Stack(tmp_path, endpoints=2, server_args=["--step-ms", "1"],
+               picker_config={"tenants": [{"id": "a"}]}) as stack:
+        flooding, done = threading.Event(), threading.Event()
+        pauser = threading.Thread(target=_pause_repeatedly,
+                                  args=(stack.picker_process.pid, flooding, done))
+        pauser.start()
+        try:
+            statuses = asyncio.run(_flood(stack, flooding))
+        finally:
+            done.set()
+            pauser.join()
+            os.kill(stack.picker_process.pid, signal.SIGCONT)
+        assert statuses == {200: REQUESTS}, statuses
+        url = stack.metrics_url
+        assert settled_metric(url, "fairway_requests_total", REQUESTS, tenant="a") == REQUESTS
+        assert metric(url, "fairway_meter_unclaimed_total") == 0
+        assert settled_metric(url, "fairway_service_tokens_total", REQUESTS, tenant="a",
+                              kind="completion") == REQUESTS
+        drained = gauges_drain(stack)
+        assert not any(drained.values()), drained
