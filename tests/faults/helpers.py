@@ -4,6 +4,7 @@ model server killed and restarted on its port."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import subprocess
@@ -54,6 +55,23 @@ async def apost(session: aiohttp.ClientSession, stack: Stack, tenant: str, body:
             TENANT_HEADER: tenant, "content-type": "application/json"}) as response:
         raw = await response.read()
         return response.status, {k.lower(): v for k, v in response.headers.items()}, _json(raw)
+
+
+async def flood(stack: Stack, count: int, concurrency: int, tenant: Callable[[], str],
+                body: bytes, started: threading.Event | None = None
+                ) -> list[tuple[int, dict[str, str], dict[str, Any]]]:
+    """``count`` posts of ``body``, ``concurrency`` at a time, each from ``tenant()``; every
+    answer (``apost``'s). ``started`` is set as the first leaves."""
+    answers: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+    left = iter(range(count))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def client() -> None:
+            for _ in left:
+                if started is not None:
+                    started.set()
+                answers.append(await apost(session, stack, tenant(), body))
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return answers
 
 
 def _json(raw: bytes) -> dict[str, Any]:

@@ -18,11 +18,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import aiohttp
-
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import chat_body, metric, settled_metric
-from tests.faults.helpers import apost, gauges_drain
+from tests.faults.helpers import flood, gauges_drain
 
 REQUESTS = 600
 CONCURRENCY = 40
@@ -41,20 +39,6 @@ def _pause_repeatedly(pid: int, flooding: threading.Event, done: threading.Event
         os.kill(pid, signal.SIGCONT)
 
 
-async def _flood(stack: Stack, flooding: threading.Event) -> Counter[int]:
-    body = chat_body(words=6, max_tokens=1)
-    statuses: Counter[int] = Counter()
-    sent = iter(range(REQUESTS))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async def client() -> None:
-            for _ in sent:
-                flooding.set()
-                status, _, _ = await apost(session, stack, "a", body)
-                statuses[status] += 1
-        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
-    return statuses
-
-
 def test_requests_ending_while_the_picker_is_paused_are_all_charged(tmp_path: Path) -> None:
     with Stack(tmp_path, endpoints=2, server_args=["--step-ms", "1"],
                picker_config={"tenants": [{"id": "a"}]}) as stack:
@@ -63,11 +47,13 @@ def test_requests_ending_while_the_picker_is_paused_are_all_charged(tmp_path: Pa
                                   args=(stack.picker_process.pid, flooding, done))
         pauser.start()
         try:
-            statuses = asyncio.run(_flood(stack, flooding))
+            answers = asyncio.run(flood(stack, REQUESTS, CONCURRENCY, lambda: "a",
+                                        chat_body(words=6, max_tokens=1), flooding))
         finally:
             done.set()
             pauser.join()
             os.kill(stack.picker_process.pid, signal.SIGCONT)
+        statuses = Counter(status for status, _, _ in answers)
         assert statuses == {200: REQUESTS}, statuses
         url = stack.metrics_url
         assert settled_metric(url, "fairway_requests_total", REQUESTS, tenant="a") == REQUESTS

@@ -11,12 +11,11 @@ import secrets
 from collections import Counter
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
 
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import chat_body, metric_samples, settled_metric
-from tests.faults.helpers import apost, gauges_drain
+from tests.faults.helpers import flood, gauges_drain
 
 FLOOD = 2000
 CONCURRENCY = 40
@@ -33,19 +32,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 async def _flood(stack: Stack, count: int) -> Counter[int]:
     """``count`` requests, each from a tenant id never seen before, ``CONCURRENCY`` at a time."""
-    body = chat_body(words=6, max_tokens=1)
-    statuses: Counter[int] = Counter()
-    ids = iter(range(count))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async def worker() -> None:
-            for _ in ids:
-                status, headers, answer = await apost(session, stack,
-                                                      "t-" + secrets.token_hex(12), body)
-                statuses[status] += 1
-                if status != 200:  # refused clearly, or a failure the test reports
-                    assert answer["error"]["code"] and "retry-after" in headers, answer
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    return statuses
+    answers = await flood(stack, count, CONCURRENCY, lambda: "t-" + secrets.token_hex(12),
+                          chat_body(words=6, max_tokens=1))
+    for status, headers, answer in answers:
+        if status != 200:  # refused clearly, or a failure the test reports
+            assert answer["error"]["code"] and "retry-after" in headers, answer
+    return Counter(status for status, _, _ in answers)
 
 
 def _tenant_labels(stack: Stack) -> set[str]:
