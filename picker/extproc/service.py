@@ -895,10 +895,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                      messages: AsyncIterator[pb.ProcessingRequest]) -> None:
         """A meter stream (``observability_mode``): Envoy waits for no answer, so none is sent.
 
-        It returns as soon as the response is settled, which ends the stream from this side:
-        Envoy then has nothing to reset when its ``deferred_close_timeout`` runs out (a reset
-        discards what gRPC received but the picker had not yet read, so a picker that fell
-        further behind than that lost the meter of every request ending meanwhile)."""
+        It returns as soon as the response is settled, ending the stream from this side rather
+        than waiting for Envoy's ``deferred_close_timeout`` (``picker.stack.envoy``'s
+        ``METER_DEFERRED_CLOSE`` says what that timeout bounds)."""
         meter_id = _meter_id(first)
         exchange, timer = self._awaiting_meter.pop(meter_id, (None, None)) if meter_id \
             else (None, None)

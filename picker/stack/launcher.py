@@ -201,10 +201,10 @@ class Stack:
     health_port: int = 0
     """The picker's gRPC health port (plaintext: liveness, readiness), as it reported it."""
     _startup_output: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    """Each waited-for process's stdout up to its ready line, by name."""
     _held_ports: dict[int, socket.socket] = field(default_factory=dict, init=False, repr=False)
     """Ports of killed processes, held (``hold_port``) until they run again or the stack
     stops."""
-    """Each waited-for process's stdout up to its ready line, by name."""
 
     @property
     def gateway_url(self) -> str:

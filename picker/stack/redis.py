@@ -43,7 +43,8 @@ class RedisServer:
     port: int = 0
     process: subprocess.Popen | None = field(default=None, repr=False)
     _held: socket.socket | None = field(default=None, repr=False)
-    """The port while the server is killed (``hold_port``), so its restart finds it free."""
+    """The port while no server listens there (``hold_port``): from ``start`` until Redis is
+    ready, and from ``kill`` until the next ``start``."""
 
     @property
     def url(self) -> str:

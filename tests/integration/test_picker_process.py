@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.server import EXT_PROC_SERVICE
 from picker.sim.server import SimServer, SimServerConfig
-from picker.stack.launcher import hold_port
+from picker.stack.launcher import reserved_port
 from tests.integration.test_extproc_contract import (
     CHAT,
     TENANT_HEADER,
@@ -66,9 +65,6 @@ class Process:
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     readers: list[asyncio.Task[None]] = field(default_factory=list)
-    held: list[socket.socket] = field(default_factory=list)
-    """Its ports, held (``hold_port``) from before it started until it has exited, so no other
-    process takes them before the picker binds them."""
 
     def collect(self) -> None:
         for stream, sink in ((self.process.stdout, self.stdout),
@@ -91,8 +87,6 @@ class Process:
     async def exit_code(self, timeout: float) -> int:
         code = await asyncio.wait_for(self.process.wait(), timeout)
         await asyncio.gather(*self.readers)
-        for held in self.held:
-            held.close()
         return code
 
 
@@ -102,15 +96,14 @@ async def _read_lines(stream: asyncio.StreamReader, sink: list[str]) -> None:
 
 
 async def spawn(config_path: Path, *extra: str) -> Process:
-    held = [hold_port(0), hold_port(0)]
-    grpc_port, metrics_port = (h.getsockname()[1] for h in held)
+    grpc_port, metrics_port = reserved_port(), reserved_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "picker", "serve", "--config", str(config_path),
         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--admin-port", "0",
         "--grpc-health-port", "0", *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    running = Process(process, grpc_port, metrics_port, held=held)
+    running = Process(process, grpc_port, metrics_port)
     running.collect()
     return running
 
