@@ -297,6 +297,20 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class Model:
+    """What the picker must know of a served model to estimate and bound its requests.
+
+    ``name`` is matched against the body's ``model``; ``"*"`` is the entry for any model not
+    named. Without an entry a model gets the defaults below."""
+
+    name: str = field(metadata={"min_length": 1})
+    max_model_len: int | None = field(default=None, metadata=_camel("max_model_len", ge=1))
+    """The engine's context length (vLLM ``--max-model-len``): a request that sets no
+    ``max_tokens`` may produce up to this less its prompt, so that is what it is reserved at.
+    Unset: such a request is reserved at what its budget can pay (and its output capped there)."""
+
+
+@dataclass(frozen=True)
 class Budget:
     """A token bucket: holds up to ``tokens``, refilled evenly over ``per``."""
 
@@ -554,8 +568,11 @@ class PickerConfig:
     """Budgets, caps and over-budget rule of tenants without their own (and of unknown ones)."""
     metering: Metering = Metering()
     state: State = State()
+    models: tuple[Model, ...] = ()
+    """Per served model: its context length and how its prompts are estimated."""
 
     def __post_init__(self) -> None:
+        require_unique([m.name for m in self.models], "models[{}].name", "model")
         if not self.lanes:
             raise ConfigError("lanes", "needs at least one lane")
         lane_names = [lane.name for lane in self.lanes]
@@ -624,6 +641,16 @@ class PickerConfig:
                 raise ConfigError(f"lanes[{i}].enginePriority",
                                   f"must be at least {(given[i - 1] or 0) + 2} (2 above the lane "
                                   "before it: scheduling.enginePolicy: priority)")
+
+    def model(self, name: str) -> Model | None:
+        """The entry of model ``name``, else the ``"*"`` entry, else None."""
+        fallback = None
+        for model in self.models:
+            if model.name == name:
+                return model
+            if model.name == "*":
+                fallback = model
+        return fallback
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         """The configured entry of ``tenant_id``, if any."""
