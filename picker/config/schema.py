@@ -378,8 +378,9 @@ class Tenant:
     """A tenant's share, lanes, budgets and caps."""
 
     id: str = field(metadata={"min_length": 1})
-    weight: float = field(default=1.0, metadata={"gt": 0})
-    """Share relative to other tenants in the same lane."""
+    weight: float = field(default=1.0, metadata={"ge": 0.001, "le": 1000})
+    """Share relative to other tenants in the same lane (0.001 to 1000: a share a million times
+    another's at most, and every counter stays finite)."""
     lane: str | None = None
     """Lane of the tenant's requests (default: the first lane)."""
     allowed_lanes: tuple[str, ...] = field(default=(), metadata=_camel("allowed_lanes"))

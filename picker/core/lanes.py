@@ -11,16 +11,32 @@ Charging follows the request's life: the prompt is charged at dispatch, output t
 produced (or ahead of time on an estimate), and ``settle`` corrects the total to the actual usage,
 including on cancellation and failure. Every charge is divided by the tenant's weight before it
 reaches the tenant's counter; ``service`` keeps the undivided totals.
+
+Counters stay finite whatever they are charged: weights are bounded (``MIN_WEIGHT`` to
+``MAX_WEIGHT``); a lane whose counters pass ``RENORMALISE_ABOVE`` has them all lowered by its
+smallest (only their order and differences decide anything); and a counter that is nonetheless
+not finite (an infinite or NaN charge, or a value from the shared store) is set back to the
+lane's floor and counted in ``counter_faults``: one tenant's bad number must not turn every
+counter of its lane to infinity, where all ties break first come, first served, for good.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from picker.core.cost import CostFunction, LinearCost, request_cost
 from picker.core.policy import FairnessPolicy, make_policy
 from picker.core.request import Request, Usage
+
+MIN_WEIGHT = 1e-3
+MAX_WEIGHT = 1e3
+"""The range a tenant's weight must lie in: shares up to a million to one, and a charge divided
+by a weight can grow a counter at most a thousandfold."""
+RENORMALISE_ABOVE = 2.0 ** 50
+"""A counter past this (either sign) lowers its lane's counters by the smallest: at 2**50 a float
+still resolves 1/8 of a token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +129,9 @@ class Scheduler:
         self._changes: dict[str, dict[str, CounterChanges]] | None = None
         """With a shared state store (``track_changes``): per lane, per tenant, what changed
         its counter since ``take_counter_changes``."""
+        self.counter_faults = 0
+        """Counters found not finite and set back to their lane's floor (a fault: exported as
+        ``fairway_counter_faults_total``)."""
 
     # -- configuration --
 
@@ -122,8 +141,9 @@ class Scheduler:
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """Set a tenant's weight; charges from now on use it, its counter is kept."""
-        if not weight > 0:
-            raise ValueError(f"tenant {tenant!r}: weight must be > 0")
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(f"tenant {tenant!r}: weight must be in [{MIN_WEIGHT:g}, "
+                             f"{MAX_WEIGHT:g}], not {weight!r}")
         self.weights[tenant] = float(weight)
 
     # -- shared state (``picker.core.shared``) --
@@ -185,6 +205,8 @@ class Scheduler:
         setter = getattr(self._by_name[lane].policy, "set_counter", None)
         if setter is not None:
             setter(tenant, value)
+            if not -RENORMALISE_ABOVE < value < RENORMALISE_ABOVE:
+                self._keep_finite(self._by_name[lane], tenant)
 
     def policy(self, lane: str) -> FairnessPolicy:
         """The fairness policy instance serving ``lane``."""
@@ -365,7 +387,11 @@ class Scheduler:
         service = self.service
         service[tenant] = service.get(tenant, 0.0) + amount
         normalized = amount / self.weights.get(tenant, 1.0)
-        self._policies[request.lane].charge(tenant, normalized)
+        policy = self._policies[request.lane]
+        policy.charge(tenant, normalized)
+        # One comparison per charge; also false for NaN.
+        if not -RENORMALISE_ABOVE < policy.counters.get(tenant, 0.0) < RENORMALISE_ABOVE:
+            normalized = self._keep_finite(self._by_name[request.lane], tenant, normalized)
         if self._changes is not None:
             mine = self._changes[request.lane]
             pending = mine.get(tenant)
@@ -379,3 +405,31 @@ class Scheduler:
                 protected.total_service += amount
                 if protected.name == request.lane:
                     protected.own_service += amount
+
+    def _keep_finite(self, lane: _Lane, tenant: str, normalized: float = 0.0) -> float:
+        """A counter of ``lane`` left the finite range: a non-finite one is a fault, set back to
+        the lane's floor; a large one lowers the lane's counters by their smallest. Returns the
+        charge as recorded for the shared store (0 for one that was not finite)."""
+        policy = lane.policy
+        setter = getattr(policy, "set_counter", None)
+        if not math.isfinite(policy.counters.get(tenant, 0.0)):
+            self.counter_faults += 1
+            finite = [c for c in policy.counters.values() if math.isfinite(c)]
+            placeholder = max(finite) if finite else 0.0
+            if setter is None:
+                policy.counters[tenant] = placeholder
+            else:
+                setter(tenant, placeholder)  # re-keys it, so the floor below is read right
+                lift_floor = getattr(policy, "lift_floor", None)
+                if lift_floor is not None:
+                    setter(tenant, lift_floor())  # where a tenant entering now would start
+            if not math.isfinite(normalized):
+                normalized = 0.0
+        renormalise = getattr(policy, "renormalise", None)
+        if renormalise is not None and self._changes is None:
+            # Beside other pickers the store holds the counters in its own frame: not shifted
+            # here (2**50 takes some 10**12 tokens at the smallest weight).
+            values = policy.counters.values()
+            if values and max(map(abs, values)) >= RENORMALISE_ABOVE:
+                renormalise(min(values), RENORMALISE_ABOVE / 2)
+        return normalized

@@ -100,6 +100,16 @@ class VirtualTokenCounter:
     def queued(self) -> int:
         return self._queued
 
+    def renormalise(self, shift: float, ceiling: float) -> None:
+        """Lower every counter by ``shift``, and to at most ``ceiling`` after: decisions read
+        only counters' order and the lift floor, which all move together, so nothing decided
+        changes (but for a tenant still ``ceiling`` ahead of the least served, which stays
+        that far ahead) while counters stay far from where a float loses tokens or overflows.
+        Heap keys may now be too high: all backlogged tenants are re-pushed."""
+        self.counters = {tenant: min(counter - shift, ceiling)
+                         for tenant, counter in self.counters.items()}
+        self._stale.update(self._queues)
+
     # -- beyond the interface: what metrics and tests read --
 
     def min_backlogged_counter(self) -> float | None:

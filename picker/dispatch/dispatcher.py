@@ -158,6 +158,7 @@ class Dispatcher:
         for lane in set(old.lane_names) & set(new.lane_names):
             new.policy(lane).counters.update(old.policy(lane).counters)
         new.service.update(old.service)
+        new.counter_faults = old.counter_faults  # exported as a counter: never goes back
         new.adopt_changes(old)
         return new
 
@@ -500,7 +501,8 @@ class Dispatcher:
                 "weights": weights,
                 "budgets": self.admission.budget_state(self.clock()),
                 "endpoints": list(self.endpoints.values()),
-                "service": dict(self.scheduler.service)}
+                "service": dict(self.scheduler.service),
+                "counter_faults": self.scheduler.counter_faults}
 
     def close(self, keep_queued: bool = False) -> None:
         """Refuse new requests and release every queued one with a retryable 503.

@@ -33,7 +33,7 @@ from importlib import metadata
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # The ``*_created`` series double every counter for no use here.
@@ -201,7 +201,7 @@ class _StateCollector(Collector):
         self._snapshot = snapshot
         self._metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = self._snapshot()
         # Read once per scrape: a reload mid-scrape must not mix two tenant sets.
         known = self._metrics.known_tenants
@@ -226,6 +226,11 @@ class _StateCollector(Collector):
                           "only.")
         yield from _budgets(state.get("budgets", {}), known)
         yield from _endpoints(state.get("endpoints", []))
+        yield CounterMetricFamily(
+            "fairway_counter_faults", "Virtual counters found not finite (an infinite or NaN "
+            "charge, or such a value from the shared store) and set back to their lane's floor: "
+            "a fault, each one; the lane kept its fair order.",
+            value=state.get("counter_faults", 0))
 
 
 def _summed(values: Mapping[tuple[str, str], float], known: frozenset[str], name: str,

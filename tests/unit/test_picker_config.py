@@ -82,7 +82,7 @@ def test_config_error_carries_the_path_separately() -> None:
     with pytest.raises(ConfigError) as caught:
         load_config({"tenants": [{"id": "a"}, {"id": "b", "weight": -1}]})
     assert caught.value.path == "tenants[1].weight"
-    assert caught.value.message == "must be > 0"
+    assert caught.value.message == "must be >= 0.001"
 
 
 def test_missing_file_is_a_config_error() -> None:

@@ -397,3 +397,76 @@ def test_heap_stays_bounded_with_tenants_churning_in_and_out() -> None:
         policy.charge(rng.choice(tenants), 1.0)
         assert policy.peek(0.0) is None
     assert len(policy._heap) <= size
+
+
+# -- counters stay finite (issue 26: a weight of 1e-307 overflowed a lane to infinity) --
+
+
+def test_weights_outside_the_bounded_range_are_refused() -> None:
+    scheduler = Scheduler()
+    for weight in (1e-307, 0.0, -1.0, 1e4, float("inf"), float("nan")):
+        try:
+            scheduler.set_weight("a", weight)
+        except ValueError as error:
+            assert "weight must be in" in str(error)
+        else:
+            raise AssertionError(f"weight {weight!r} was taken")
+    scheduler.set_weight("a", 1e-3)
+    scheduler.set_weight("b", 1e3)
+    assert scheduler.weights == {"a": 1e-3, "b": 1e3}
+
+
+def _served(scheduler: Scheduler, tenant: str, tokens: int) -> Request:
+    request = Request(tenant=tenant, prompt_tokens=tokens)
+    scheduler.enqueue(request, 0.0)
+    assert scheduler.peek(0.0) is request
+    scheduler.dispatch(request, 0.0)
+    scheduler.finish(request)
+    return request
+
+
+def test_a_charge_that_overflows_is_a_fault_and_leaves_the_lane_finite_and_fair() -> None:
+    scheduler = Scheduler()
+    # A weight that escaped validation (set behind set_weight's back): the charge is infinite.
+    scheduler.weights["tiny"] = 1e-307
+    _served(scheduler, "tiny", 100)
+    assert scheduler.counter_faults == 1
+    assert scheduler.counter("tiny") == 0.0  # back to the floor: nobody else held a counter
+    # Before the fix every tenant entering after "tiny" left was lifted to infinity, and all
+    # ties broke first come, first served for good; now the order is by service again.
+    scheduler.weights["tiny"] = 1.0
+    _served(scheduler, "a", 50)
+    heavy, light = Request(tenant="a", prompt_tokens=1), Request(tenant="b", prompt_tokens=1)
+    scheduler.enqueue(heavy, 0.0)
+    scheduler.enqueue(light, 0.0)
+    counters = [c for _, _, c in scheduler.counters()]
+    assert all(c == c and abs(c) < 1e300 for c in counters), counters
+    assert scheduler.peek(0.0) is heavy  # a lifted b to its own counter: tie, a's is older
+    scheduler.dispatch(heavy, 0.0)
+    scheduler.charge_output(heavy, 10)
+    assert scheduler.peek(0.0) is light
+
+
+def test_a_non_finite_counter_from_the_shared_store_is_a_fault() -> None:
+    scheduler = Scheduler()
+    scheduler.enqueue(Request(tenant="a", prompt_tokens=1), 0.0)
+    scheduler.set_counter("default", "a", float("nan"))
+    assert scheduler.counter_faults == 1
+    assert scheduler.counter("a") == 0.0
+
+
+def test_large_counters_are_lowered_together_keeping_their_order() -> None:
+    scheduler = Scheduler(weights={"a": 1e-3, "b": 1e-3})
+    policy = scheduler.policy("default")
+    assert isinstance(policy, VirtualTokenCounter)
+    ra, rb = Request(tenant="a", prompt_tokens=1), Request(tenant="b", prompt_tokens=1)
+    scheduler.enqueue(ra, 0.0)
+    scheduler.enqueue(rb, 0.0)
+    policy.set_counter("a", 2.0 ** 50 - 10)
+    policy.set_counter("b", 2.0 ** 50 - 1000)
+    assert scheduler.peek(0.0) is rb
+    scheduler.dispatch(rb, 0.0)  # charges b 1 / 1e-3 = 1000: b reaches 2**50
+    assert (scheduler.counter("a"), scheduler.counter("b")) == (0.0, 10.0)
+    assert scheduler.counter_faults == 0
+    scheduler.enqueue(Request(tenant="b", prompt_tokens=1), 0.0)
+    assert scheduler.peek(0.0) is ra  # the re-keyed heap still picks the smallest
