@@ -5,10 +5,22 @@ Two modes:
 * **trusted header** (``"header"``): the gateway in front of the picker has already authenticated
   the caller and names its tenant in a header. The first non-empty header of a configured list
   wins; a request with none of them belongs to the default tenant.
-* **API key** (``"apiKey"``): the picker authenticates the caller itself. ``Authorization: Bearer
-  <key>`` is mapped to a tenant by the SHA-256 of the key; the config holds only those hashes, never
-  a key in clear. Tenant headers sent by the client are ignored, since anyone can set them, and a
-  missing, malformed or unknown key is refused with ``Unauthorized`` (HTTP 401).
+* **API key** (``"apiKey"``): the picker authenticates the caller itself. The key is mapped to a
+  tenant by its SHA-256; the config holds only those hashes, never a key in clear. Tenant headers
+  sent by the client are ignored, since anyone can set them, and a missing, malformed or unknown
+  key is refused with ``Unauthorized`` (HTTP 401).
+
+Clients send their key where their API's own SDK puts it (``KEY_HEADERS``): OpenAI's clients
+``Authorization: Bearer <key>``, Anthropic's ``x-api-key: <key>``, Azure OpenAI's ``api-key:
+<key>``. Each is accepted on every path: a key is the same credential whichever header carries it,
+and Anthropic's SDK also calls ``/v1/models`` and OpenAI-compatible paths, so tying a header to a
+path would only turn working clients away. The precedence is ``Authorization``, then ``x-api-key``,
+then ``api-key``: the first present (non-empty) one names the key, and every other present one must
+carry the same key, else the request is refused (two different keys in one request are a client
+or proxy mistake, and guessing which one counts would charge one tenant for another's key). A
+header repeated with the same value is fine; repeated with different values it is refused too
+(``picker.extproc``). In this mode the picker removes all three headers from the request it
+forwards (``credential_headers``): a tenant's key never reaches a model server.
 
 API keys are high-entropy random strings, so an unsalted fast hash is the accepted way to store
 them (as GitHub and Stripe do): a salt or a slow KDF protects low-entropy secrets such as passwords
@@ -36,6 +48,11 @@ length). Anything else is refused, not cleaned: ids that differ only in bytes a 
 log hides must not become one tenant, nor an 8,000-character id a row of ``picker.ctl top``."""
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """The InferenceObjective a gateway names for a request (it may ask for a lane)."""
+KEY_HEADERS = ("authorization", "x-api-key", "api-key")
+"""Where an API key may come, in precedence order: ``Authorization: Bearer`` (OpenAI's SDKs),
+``x-api-key`` (Anthropic's), ``api-key`` (Azure OpenAI's)."""
+_KEY_HELP = ("send 'Authorization: Bearer <key>', 'x-api-key: <key>' (Anthropic) or "
+             "'api-key: <key>' (Azure OpenAI)")
 
 
 def hash_api_key(key: str) -> str:
@@ -98,7 +115,8 @@ class Identity:
 
     @classmethod
     def api_keys(cls, entries: Sequence[KeyEntry]) -> Identity:
-        """Tenant from ``Authorization: Bearer <key>``, looked up by the key's SHA-256.
+        """Tenant from the key of ``KEY_HEADERS`` (``Authorization: Bearer <key>``, ``x-api-key``
+        or ``api-key``), looked up by the key's SHA-256.
 
         Raises ValueError if a hash is not 64 lowercase hex characters, a hash appears twice, or a
         tenant is empty. One tenant may have several keys (e.g. while rotating).
@@ -131,7 +149,7 @@ class Identity:
         Raises ``Unauthorized`` in API-key mode when the key is missing, malformed or unknown.
         """
         if self._mode == "apiKey":
-            return self._tenant_by_key(headers.get("authorization"))
+            return self._tenant_by_key(headers)
         for name in self._headers:
             value = headers.get(name, "").strip()
             if value:
@@ -144,23 +162,40 @@ class Identity:
 
     @property
     def header_names(self) -> tuple[str, ...]:
-        """The headers a tenant is read from (``authorization`` in API-key mode)."""
-        return ("authorization",) if self._mode == "apiKey" else self._headers
+        """The headers a tenant is read from (``KEY_HEADERS`` in API-key mode)."""
+        return KEY_HEADERS if self._mode == "apiKey" else self._headers
 
-    def _tenant_by_key(self, authorization: str | None) -> str:
-        # Messages never echo the header: it may hold a real key sent to the wrong place.
-        if authorization is None:
-            raise Unauthorized("missing Authorization header; send 'Authorization: Bearer <key>'")
-        scheme, _, token = authorization.strip().partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
-            raise Unauthorized("malformed Authorization header; send 'Authorization: Bearer <key>'")
+    @property
+    def credential_headers(self) -> tuple[str, ...]:
+        """Headers to remove from the request before it reaches a model server: the key headers
+        in API-key mode (the picker owns them), none in header mode (the gateway in front owns
+        the credentials; an engine run with ``--api-key`` may need its own)."""
+        return KEY_HEADERS if self._mode == "apiKey" else ()
+
+    def _tenant_by_key(self, headers: Mapping[str, str]) -> str:
+        # Messages never echo a header's value: it may hold a real key sent to the wrong place.
+        key: str | None = None
+        source = ""
+        for name in KEY_HEADERS:
+            value = headers.get(name, "").strip()
+            if not value:
+                continue
+            token = _bearer_token(value) if name == "authorization" else value
+            if not token or any(c.isspace() for c in token):
+                raise Unauthorized(f"malformed {_SPELLING[name]} header; {_KEY_HELP}")
+            if key is None:
+                key, source = token, name
+            elif token != key:
+                raise Unauthorized(f"two different API keys in one request ({_SPELLING[source]} "
+                                   f"and {_SPELLING[name]}); send one key")
+        if key is None:
+            raise Unauthorized(f"missing API key; {_KEY_HELP}")
         # A plain dict lookup on the digest is safe against timing attacks: the comparisons it
         # makes depend only on the digest of the presented key, and since nobody can choose a key
         # whose digest shares a prefix with a stored one (that needs SHA-256 preimages), timing
         # them teaches an attacker nothing about any stored hash or key. hmac.compare_digest
         # against every entry would cost O(keys) and protect nothing more.
-        tenant = self._keys.get(hash_api_key(token))
+        tenant = self._keys.get(hash_api_key(key))
         if tenant is None:
             raise Unauthorized("invalid API key")
         return tenant
@@ -169,3 +204,12 @@ class Identity:
         if self._mode == "apiKey":
             return f"Identity.api_keys(<{len(self._keys)} keys>)"
         return f"Identity.trusted_header({list(self._headers)!r}, {self._default_tenant!r})"
+
+
+_SPELLING = {"authorization": "Authorization", "x-api-key": "x-api-key", "api-key": "api-key"}
+
+
+def _bearer_token(value: str) -> str:
+    """The token of ``Bearer <token>`` (scheme case-insensitive), or "" for any other form."""
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

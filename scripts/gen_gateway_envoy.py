@@ -13,6 +13,12 @@ writes, that undoing the placeholders gives
 
     .venv/bin/python scripts/gen_gateway_envoy.py          # rewrite the files
     .venv/bin/python scripts/gen_gateway_envoy.py --check  # exit 1 when one is stale
+    .venv/bin/python scripts/gen_gateway_envoy.py --picker-config picker.yaml --out DIR
+
+The committed files remove the default config's tenant, lane and objective headers. A picker
+whose ``tenancy`` names other headers needs an Envoy that removes those: ``--picker-config``
+writes the three files for that config into ``--out`` (the early removal list generated from its
+``tenancy.header``, ``alsoAccept`` and ``laneHeader``: ``picker.config.trusted.strip_list``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from picker.stack.envoy import JwtIdentity, envoy_config
+from picker.config.schema import load_config
+from picker.stack.envoy import JwtIdentity, client_controlled_headers, envoy_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "manifests" / "gateway" / "envoy.yaml"
@@ -67,9 +74,12 @@ HEADER = f"""\
 # costs nothing, and the picker ejects the failing endpoint (health.*).
 # Tenant identity: the listener removes client-sent tenant, lane and objective headers
 # (x-llm-d-inference-fairness-id, x-gateway-inference-fairness-id, x-fairway-lane,
-# x-gateway-inference-objective) before any filter, so only the picker's API keys
-# (tenancy.mode: apiKey; Authorization reaches the picker) or its default tenant name the
-# tenant. envoy-jwt.yaml takes the tenant from a verified JWT instead.
+# x-gateway-inference-objective: the default picker config's names; for a picker configured
+# with others, generate this file with --picker-config) before any filter, so only the picker's
+# API keys (tenancy.mode: apiKey; Authorization, x-api-key and api-key reach the picker) or its
+# default tenant name the tenant. The route removes those three key headers, after the picker
+# read them: no client's key reaches a model server. envoy-jwt.yaml takes the tenant from a
+# verified JWT instead.
 """
 
 
@@ -136,24 +146,38 @@ def deployment_config(**options: Any) -> dict[str, Any]:
     return config
 
 
-def render() -> str:
-    """The file's text."""
-    return HEADER + yaml.safe_dump(deployment_config(), sort_keys=False)
+def render(strip: dict[str, Any] | None = None) -> str:
+    """The file's text. ``strip``: ``{"strip_headers": ...}`` for a picker config of its own."""
+    return HEADER + yaml.safe_dump(deployment_config(**(strip or {})), sort_keys=False)
 
 
-def render_jwt() -> str:
+def render_jwt(strip: dict[str, Any] | None = None) -> str:
     """envoy-jwt.yaml's text."""
     return JWT_HEADER + yaml.safe_dump(
-        deployment_config(identity="jwt", jwt=PLACEHOLDER_JWT), sort_keys=False)
+        deployment_config(identity="jwt", jwt=PLACEHOLDER_JWT, **(strip or {})),
+        sort_keys=False)
 
 
-def render_access_log() -> str:
+def render_access_log(strip: dict[str, Any] | None = None) -> str:
     """envoy-access-log.yaml's text."""
     return ACCESS_LOG_HEADER + yaml.safe_dump(
-        deployment_config(response_path="access-log"), sort_keys=False)
+        deployment_config(response_path="access-log", **(strip or {})), sort_keys=False)
+
+
+def for_picker_config(config: Path, out: Path) -> dict[Path, str]:
+    """The three files for a picker whose config is ``config``, to be written into ``out``."""
+    strip = {"strip_headers": client_controlled_headers(load_config(config).tenancy)}
+    return {out / OUT.name: render(strip), out / JWT_OUT.name: render_jwt(strip),
+            out / ACCESS_LOG_OUT.name: render_access_log(strip)}
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "--picker-config" and argv[2] == "--out":
+        for out, text in for_picker_config(Path(argv[1]), Path(argv[3])).items():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            print(f"wrote {out}")
+        return 0
     outputs = {OUT: render(), JWT_OUT: render_jwt(), ACCESS_LOG_OUT: render_access_log()}
     if argv == ["--check"]:
         stale = [out for out, text in outputs.items()

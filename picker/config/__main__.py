@@ -1,12 +1,17 @@
-"""``python -m picker.config``: ``check FILE`` validates a picker config, naming any bad field;
-``hash-key`` turns API keys read on stdin into the SHA-256 hashes the config stores."""
+"""``python -m picker.config``: ``check FILE`` validates a picker config, naming any bad field
+(``--gateway SAMPLE``: and refuses a header it trusts that the gateway form in SAMPLE, Kubernetes
+objects or an Envoy bootstrap, does not remove from clients' requests); ``hash-key`` turns API
+keys read on stdin into the SHA-256 hashes the config stores."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+import yaml
+
 from picker.config.schema import load_config
+from picker.config.trusted import check_stripped, early_removed
 from picker.errors import ConfigError
 from picker.identity import hash_api_key
 
@@ -16,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a config file")
     check.add_argument("file")
+    check.add_argument("--gateway", metavar="SAMPLE", action="append", default=[],
+                       help="a gateway form (the YAML a user applies: Kubernetes objects, or an "
+                            "Envoy bootstrap) that must remove every header the config trusts")
     commands.add_parser(
         "hash-key",
         help="print the sha256 of each API key read on stdin, one per line",
@@ -27,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         return hash_keys()
     try:
         config = load_config(args.file)
+        for sample in args.gateway:
+            with open(sample, encoding="utf-8") as f:
+                documents = [d for d in yaml.safe_load_all(f) if isinstance(d, dict)]
+            check_stripped(config, early_removed(documents), sample)
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1

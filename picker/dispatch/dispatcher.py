@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from picker.config.schema import PickerConfig
+from picker.config.schema import PickerConfig, Tenancy
+from picker.config.trusted import reload_refusal, strip_list
 from picker.core import LaneSpec, Usage
 from picker.core.admission import Admission, Refused
 from picker.core.estimates import TenantEstimates
@@ -201,6 +202,22 @@ class Dispatcher:
                              "request is in the picker; retry when idle or restart")
         if config is not self.config and config.state != self.config.state:
             raise ValueError("state (the shared state backend) changes only with a restart")
+        if config is not self.config:
+            self._check_tenancy_change(self.config.tenancy, config.tenancy)
+
+    @staticmethod
+    def _check_tenancy_change(old: Tenancy, new: Tenancy) -> None:
+        """API-key to header mode is refused live (ConfigError: a failed reload, not retried),
+        and logged at WARNING; a change of the trusted headers is logged at WARNING."""
+        refusal = reload_refusal(old, new)
+        if refusal is not None:
+            log.warning("refusing a config reload that switches tenancy.mode from apiKey to "
+                        "header; restart the picker to switch: %s", refusal.message)
+            raise refusal
+        if new.mode == "header" and strip_list(old) != strip_list(new):
+            log.warning("config reload: the picker now trusts headers %s (was %s); the gateway "
+                        "must remove them from clients' requests", list(strip_list(new)),
+                        list(strip_list(old)))
 
     def _apply_weights(self, config: PickerConfig) -> None:
         """Configured tenants get their weights; tenants no longer configured, the default."""

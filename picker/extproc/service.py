@@ -67,8 +67,9 @@ from picker.errors import (
     InternalError,
     NoEndpoint,
     RequestError,
+    Unauthorized,
 )
-from picker.identity import OBJECTIVE_HEADER
+from picker.identity import KEY_HEADERS, OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
@@ -136,17 +137,23 @@ def _headers(message: pb.HttpHeaders) -> dict[str, str]:
     return {h.key.lower(): _header_value(h) for h in message.headers.headers}
 
 
+_KEY_HEADERS = frozenset(KEY_HEADERS)
+
+
 def _request_headers(message: pb.HttpHeaders,
                      watched: frozenset[str]) -> tuple[dict[str, str], str | None]:
     """The headers (lower-cased names), and the first of ``watched`` sent more than once: one
-    pass over the headers, on the per-request path."""
+    pass over the headers, on the per-request path. An API key header repeated with the same
+    value is no repeat (a client library and a proxy may both set it); with another, it is."""
     headers: dict[str, str] = {}
     repeated = None
     for header in message.headers.headers:
         key = header.key.lower()
-        if repeated is None and key in headers and key in watched:
+        value = _header_value(header)
+        if repeated is None and key in headers and key in watched and not (
+                key in _KEY_HEADERS and headers[key] == value):
             repeated = key
-        headers[key] = _header_value(header)
+        headers[key] = value
     return headers, repeated
 
 
@@ -255,28 +262,34 @@ def _route_metadata(destinations: list[str], meter_id: str | None,
 
 def route(destinations: list[str], meter_id: str | None = None,
           response_headers: dict[str, str] | None = None,
-          remove_headers: list[str] | None = None) -> pb.ProcessingResponse:
+          remove_headers: list[str] | None = None,
+          strip: tuple[str, ...] = ()) -> pb.ProcessingResponse:
     """The answer to the request headers: where Envoy sends the request.
 
     ``meter_id`` names the request for its meter stream; ``response_headers`` go into the
     ``fairway`` metadata, from which a meter-stream gateway adds them to the response.
+    ``strip``: headers the engine must not get (``Identity.credential_headers``).
     """
+    remove = [*(remove_headers or ()), *strip]
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=_route_common(destinations,
-                                                                  remove=remove_headers)),
+                                                                  remove=remove)),
         dynamic_metadata=_route_metadata(destinations, meter_id, response_headers),
     )
 
 
 def route_with_body(destinations: list[str], body: bytes | None, meter_id: str | None = None,
-                    response_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
+                    response_headers: dict[str, str] | None = None,
+                    strip: tuple[str, ...] = ()) -> pb.ProcessingResponse:
     """The answer to a buffered request body: the route travels with it (``BUFFERED`` mode).
 
     ``body``, when given, replaces the buffered body; its ``content-length`` is set to match.
+    ``strip``: headers the engine must not get (the headers are still held in this mode).
     """
     extra = None if body is None else [_set_header("content-length", str(len(body)))]
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_route_common(destinations, extra, body=body)),
+        request_body=pb.BodyResponse(response=_route_common(destinations, extra,
+                                                            remove=list(strip), body=body)),
         dynamic_metadata=_route_metadata(destinations, meter_id, response_headers),
     )
 
@@ -492,6 +505,10 @@ class _Exchange:
             self.echo_response = response_mode == _MODE.FULL_DUPLEX_STREAMED
             self.response_unseen = response_mode == _MODE.NONE and self.meter_id is None
         try:
+            if repeated in _KEY_HEADERS:  # watched in API-key mode only
+                # Two different keys: whose tenant to charge is not ours to guess.
+                raise Unauthorized(f"header {repeated!r} is sent more than once with different "
+                                   "values; send one API key")
             if repeated is not None:
                 # Proxies disagree on which copy counts (Envoy logs the first, a dict keeps the
                 # last): a request naming two tenants or lanes is refused, not guessed at.
@@ -536,13 +553,14 @@ class _Exchange:
             self.done = True
             return [self._refuse(NoEndpoint("no endpoint is available"))]
         destinations = [candidates[0].address]
+        strip = self.dispatcher.identity.credential_headers
         if body is None:
-            return [route(destinations)]
+            return [route(destinations, strip=strip)]
         if self.plan is BodyPlan.BUFFERED:
-            return [route_with_body(destinations, None)]
+            return [route_with_body(destinations, None, strip=strip)]
         if self.per_chunk:
-            return [route(destinations), *[_BODY_CONTINUE] * self.chunks]
-        return [route(destinations), _body("request_body", body, True)]
+            return [route(destinations, strip=strip), *[_BODY_CONTINUE] * self.chunks]
+        return [route(destinations, strip=strip), _body("request_body", body, True)]
 
     async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.done:
@@ -592,19 +610,20 @@ class _Exchange:
             return [self._refuse(error)]
         rewritten = self._rewritten(inference, ticket)
         destinations = ticket.destinations
+        strip = self.dispatcher.identity.credential_headers
         if self.plan is BodyPlan.BUFFERED:
             return [route_with_body(destinations, rewritten, self.meter_id,
-                                    ticket.ratelimit_headers)]
+                                    ticket.ratelimit_headers, strip=strip)]
         if self.per_chunk:
             # STREAMED, the chunks held: each is answered, the last carries the whole body.
             whole = bytes(self.body) if rewritten is None else rewritten
             return [route(destinations, self.meter_id, ticket.ratelimit_headers,
-                          remove_headers=["content-length"]),
+                          remove_headers=["content-length"], strip=strip),
                     *[_body_replaced(None)] * (self.chunks - 1), _body_replaced(whole)]
         # No content-length to fix: with a streamed body Envoy drops it and sends the upstream
         # request chunked.
         body = bytes(self.body) if rewritten is None else rewritten
-        return [route(destinations, self.meter_id, ticket.ratelimit_headers),
+        return [route(destinations, self.meter_id, ticket.ratelimit_headers, strip=strip),
                 _body("request_body", body, True)]
 
     async def _route_before_body(self) -> list[pb.ProcessingResponse]:
@@ -618,7 +637,8 @@ class _Exchange:
             return [self._refuse(error)]
         # The body is replaced whole at its end, so its length is not known yet.
         return [route(ticket.destinations, self.meter_id, ticket.ratelimit_headers,
-                      remove_headers=["content-length"])]
+                      remove_headers=["content-length"],
+                      strip=self.dispatcher.identity.credential_headers)]
 
     async def _admit(self, inference: InferenceRequest) -> Ticket:
         """Admit and queue; returns once the request is dispatched (RequestError if refused)."""

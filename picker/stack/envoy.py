@@ -30,11 +30,16 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from picker.config.schema import Tenancy
+from picker.config.trusted import strip_list
+from picker.identity import KEY_HEADERS
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
@@ -43,9 +48,16 @@ TENANT_HEADER = "x-llm-d-inference-fairness-id"
 ``tenancy.header``)."""
 IDENTITY_HEADERS = (TENANT_HEADER, "x-gateway-inference-fairness-id")
 """Both names the picker reads a tenant from by default (``tenancy.header``, ``alsoAccept``)."""
-CLIENT_CONTROLLED_HEADERS = (*IDENTITY_HEADERS, "x-fairway-lane", "x-gateway-inference-objective")
+CLIENT_CONTROLLED_HEADERS = strip_list()
 """Headers only the gateway may write: the tenant, the lane and the objective decide a request's
-weight, queue and budget, so a client's own copies are removed before any filter sees them."""
+weight, queue and budget, so a client's own copies are removed before any filter sees them. These
+are the default config's names; a picker configured with others needs
+``client_controlled_headers(its tenancy)`` (``envoy_config(strip_headers=...)``)."""
+
+
+def client_controlled_headers(tenancy: Tenancy | None = None) -> tuple[str, ...]:
+    """The headers to remove for a picker with this ``tenancy`` (``picker.config.trusted``)."""
+    return strip_list(tenancy)
 
 IDENTITY_MODES = ("strip", "jwt", "trusted-client")
 """How the gateway establishes the tenant (``envoy_config(identity=...)``):
@@ -497,7 +509,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                  jwt: JwtIdentity | None = None,
                  endpoints: list[str] | None = None,
                  pool_pods: str | None = None,
-                 picker_streams_per_connection: int | None = None) -> dict[str, Any]:
+                 picker_streams_per_connection: int | None = None,
+                 strip_headers: Sequence[str] = CLIENT_CONTROLLED_HEADERS) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (``yaml.safe_dump`` it to a file).
 
     ``picker_port``: the picker's ext_proc port, or the ports of active-active replicas (one
@@ -516,7 +529,12 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
 
     ``identity``: how the tenant is established, one of ``IDENTITY_MODES`` (``jwt`` needs
     ``jwt``); every mode but the test-only ``trusted-client`` removes the client's copies of
-    ``CLIENT_CONTROLLED_HEADERS`` first.
+    ``strip_headers`` first (default ``CLIENT_CONTROLLED_HEADERS``; for a picker whose tenancy
+    names other headers, ``client_controlled_headers(tenancy)``), and removes the API key
+    headers (``KEY_HEADERS``) at the route, after the picker read them, so that no client's key
+    reaches a model server even when the picker let the request pass unseen (fail-open); an
+    engine that needs a key of its own gets it from the route (``request_headers_to_add``, which
+    Envoy applies after the removal).
 
     ``endpoints`` or ``pool_pods``: the pool's endpoints, or the DNS name listing them
     (``pool_cluster``); with either, Envoy routes with ``override_host`` and retries on the
@@ -579,7 +597,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                         "stat_prefix": "gateway",
                         **PATH_NORMALISATION,
                         **({} if identity == "trusted-client" else
-                           {"early_header_mutation_extensions": early_header_removal()}),
+                           {"early_header_mutation_extensions":
+                            early_header_removal(tuple(strip_headers))}),
                         **({} if picker_port is None else
                            {"local_reply_config": local_reply_config()}),
                         "access_log": ([] if access_log is None else [{
@@ -598,6 +617,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                         "route_config": {"virtual_hosts": [{
                             "name": "pool",
                             "domains": ["*"],
+                            **({} if identity == "trusted-client" or picker_port is None else
+                               {"request_headers_to_remove": list(KEY_HEADERS)}),
                             "response_headers_to_add": [] if picker_port is None
                             or response_path == "inline" else [
                                 {"header": {"key": name, "value":

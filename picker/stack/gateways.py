@@ -59,6 +59,7 @@ import yaml
 
 from picker.stack.envoy import (
     ACCESS_LOG_FORMAT,
+    CLIENT_CONTROLLED_HEADERS,
     DESTINATION_HEADER,
     PICKER_UNAVAILABLE_BODY,
     _address,
@@ -123,6 +124,10 @@ class Wiring:
     trusted_client_identity: bool = False
     """TEST ONLY: keep the client's tenant, lane and objective headers, as if an authenticating
     gateway had written them (the flavour tests send the tenant themselves). Never deploy it."""
+    strip_headers: tuple[str, ...] = CLIENT_CONTROLLED_HEADERS
+    """What the gateway's early header policy removes: by default the samples' four names
+    (manifests/gateway/), a static list; ``picker.config.trusted.check_stripped`` refuses a
+    picker config trusting a header outside it."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +288,8 @@ def _bootstrap(wiring: Wiring, http_filters: list[dict[str, Any]], route: dict[s
             "access_log": access_log,
             **path_options,
             **({} if wiring.trusted_client_identity else
-               {"early_header_mutation_extensions": early_header_removal()}),
+               {"early_header_mutation_extensions":
+                early_header_removal(wiring.strip_headers)}),
             "route_config": {"virtual_hosts": [{
                 "name": "inference", "domains": ["*"], "routes": [route]}]},
             "http_filters": http_filters,

@@ -25,9 +25,11 @@ from typing import Any
 
 import yaml
 
+from picker.config.schema import load_config
 from picker.stack.envoy import (
     FALLBACK_ENDPOINTS,
     JwtIdentity,
+    client_controlled_headers,
     envoy_binary,
     write_envoy_config,
 )
@@ -293,7 +295,10 @@ class Stack:
                 access_log=self.access_log, response_path=self.response_path,
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
                 endpoints=self.endpoint_addresses if self.retries else None,
-                picker_streams_per_connection=self.picker_streams_per_connection)
+                picker_streams_per_connection=self.picker_streams_per_connection,
+                # The headers this picker's config trusts, not a fixed four.
+                strip_headers=client_controlled_headers(load_config(
+                    {"tenancy": self.picker_config.get("tenancy", {})}).tenancy))
         self._start_envoy(envoy_yaml)
         self.gateway_port = self.gateway_port or self._listener_port()
 

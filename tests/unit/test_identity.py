@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from picker.errors import BadRequest, RequestError, Unauthorized
-from picker.identity import Identity, KeyEntry, hash_api_key
+from picker.identity import KEY_HEADERS, Identity, KeyEntry, hash_api_key
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADERS = ["x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id"]
@@ -132,6 +132,85 @@ def test_api_key_mode_refuses_with_401(by_key: Identity, headers: dict[str, str]
     assert error.http_status == 401
     assert error.metric_label == "unauthorized"
     assert ALICE_KEY not in error.message
+
+
+# --- the key headers of each SDK ---------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [
+    {"authorization": f"Bearer {BOB_KEY}"},
+    {"x-api-key": BOB_KEY},
+    {"api-key": BOB_KEY},
+    {"x-api-key": f"  {BOB_KEY} "},
+], ids=["openai-bearer", "anthropic-x-api-key", "azure-api-key", "padded"])
+def test_each_sdk_s_key_header_authenticates(by_key: Identity, headers: dict[str, str]) -> None:
+    assert by_key.tenant(headers) == "bob"
+
+
+@pytest.mark.parametrize("headers", [
+    {"authorization": f"Bearer {BOB_KEY}", "x-api-key": BOB_KEY},
+    {"authorization": f"bearer {BOB_KEY}", "x-api-key": BOB_KEY, "api-key": BOB_KEY},
+    {"x-api-key": BOB_KEY, "api-key": BOB_KEY},
+    # An empty header carries no key: as if it were absent.
+    {"authorization": "", "x-api-key": BOB_KEY},
+    {"x-api-key": " ", "api-key": BOB_KEY},
+], ids=["bearer-and-x-api-key", "all-three", "x-api-key-and-api-key", "empty-authorization",
+        "blank-x-api-key"])
+def test_the_same_key_in_several_headers_is_one_key(by_key: Identity,
+                                                    headers: dict[str, str]) -> None:
+    assert by_key.tenant(headers) == "bob"
+
+
+@pytest.mark.parametrize(("headers", "named"), [
+    ({"authorization": f"Bearer {ALICE_KEY}", "x-api-key": BOB_KEY}, "Authorization and x-api-key"),
+    ({"authorization": f"Bearer {ALICE_KEY}", "api-key": BOB_KEY}, "Authorization and api-key"),
+    ({"x-api-key": ALICE_KEY, "api-key": BOB_KEY}, "x-api-key and api-key"),
+    # Different keys are refused even when one of them is unknown: no guessing which counts.
+    ({"authorization": "Bearer sk-unknown", "x-api-key": BOB_KEY}, "Authorization and x-api-key"),
+    ({"x-api-key": BOB_KEY, "api-key": "sk-unknown"}, "x-api-key and api-key"),
+], ids=["bearer-vs-x-api-key", "bearer-vs-api-key", "x-api-key-vs-api-key",
+        "unknown-first", "unknown-last"])
+def test_two_different_keys_are_refused(by_key: Identity, headers: dict[str, str],
+                                        named: str) -> None:
+    with pytest.raises(Unauthorized) as caught:
+        by_key.tenant(headers)
+    error = caught.value
+    assert error.http_status == 401 and error.code == "invalid_api_key"
+    assert f"two different API keys in one request ({named})" in error.message
+    for value in headers.values():
+        assert value.split()[-1] not in error.message  # no key echoed back
+
+
+def test_precedence_a_malformed_authorization_is_refused_beside_a_good_x_api_key(
+        by_key: Identity) -> None:
+    """Authorization comes first: a client whose Authorization cannot be read is refused, not
+    served on the next header (it is a mistake somewhere, and 401 says where)."""
+    with pytest.raises(Unauthorized, match="malformed Authorization header"):
+        by_key.tenant({"authorization": f"Basic {ALICE_KEY}", "x-api-key": ALICE_KEY})
+    with pytest.raises(Unauthorized, match="malformed x-api-key header"):
+        by_key.tenant({"x-api-key": f"{ALICE_KEY} extra", "api-key": ALICE_KEY})
+
+
+def test_a_missing_key_names_every_header_a_key_may_come_in(by_key: Identity) -> None:
+    with pytest.raises(Unauthorized) as caught:
+        by_key.tenant({HEADERS[0]: "alice"})
+    for spelling in ("Authorization: Bearer", "x-api-key", "api-key"):
+        assert spelling in caught.value.message
+
+
+@pytest.mark.parametrize("name", ["authorization", "x-api-key", "api-key"])
+def test_a_spoofed_tenant_header_beside_any_key_header_is_ignored(by_key: Identity,
+                                                                 name: str) -> None:
+    value = f"Bearer {BOB_KEY}" if name == "authorization" else BOB_KEY
+    assert by_key.tenant({name: value, HEADERS[0]: "alice", HEADERS[1]: "alice"}) == "bob"
+
+
+def test_key_headers_are_stripped_toward_the_engine_in_api_key_mode_only(
+        by_key: Identity) -> None:
+    assert by_key.credential_headers == KEY_HEADERS == ("authorization", "x-api-key", "api-key")
+    assert by_key.header_names == KEY_HEADERS
+    header_mode = Identity.trusted_header(HEADERS, "anonymous")
+    assert header_mode.credential_headers == ()
+    assert header_mode.tenant({"x-api-key": BOB_KEY, "api-key": ALICE_KEY}) == "anonymous"
 
 
 @pytest.mark.parametrize(
