@@ -1,8 +1,10 @@
 """What did each finished request cost, and whom? One JSON record per request, for billing.
 
-Every request the picker finishes (served, cancelled, timed out, failed or rejected) becomes one
-``MeteringRecord``, written by a ``MeteringSink`` as one compact JSON object per line (JSON Lines)
-to stdout or a file, ready for a log shipper or ``jq``. Fields appear in the dataclass's order.
+Every request the picker admits becomes, once finished (served, cancelled, timed out in the
+queue, failed), one ``MeteringRecord``, written by a ``MeteringSink`` as one compact JSON object
+per line (JSON Lines) to stdout or a file, ready for a log shipper or ``jq``. Fields appear in
+the dataclass's order. A request refused before the queue (401, 404, 405, 429, ...) costs nothing and is not metered: it
+is counted in ``fairway_rejections_total``.
 
 Writing runs on the picker's event loop, so it is cheap: one ``write`` and a flush per line, no
 fsync. A sink never raises on a failed write (a closed or broken stdout, a full disk): it counts
@@ -38,8 +40,7 @@ class MeteringRecord:
     outcome: str
     """``"ok"``, or why not: ``"cancelled"`` or an error's ``metric_label`` (``"queue_full"``)."""
     finish_reason: str
-    """``"stop"``, ``"length"`` (engine's), or ``"cancelled"``, ``"timeout"``, ``"error"``,
-    ``"rejected"``."""
+    """``"stop"``, ``"length"`` (engine's), or ``"cancelled"``, ``"timeout"``, ``"error"``."""
     endpoint: str | None
     """The endpoint that served it; None if it was never dispatched."""
     prompt_tokens: int

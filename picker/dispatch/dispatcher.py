@@ -36,6 +36,7 @@ from picker.dispatch.from_config import (
     metering_sink,
     refusal_error,
 )
+from picker.dispatch.log_budget import LogBudget
 from picker.errors import (
     LaneNotAllowed,
     NoEndpoint,
@@ -87,6 +88,8 @@ class Dispatcher:
         """With a shared state store: reserve a near-limit tenant's request there first
         (``RedisSync.reserve``)."""
         self.metering: MeteringSink = metering_sink(config)
+        self.refusal_log = LogBudget(log, "refusals", clock)
+        """Refusals' log lines: a few a minute (each is counted in fairway_rejections_total)."""
         self.config = config
         self.gate = Gate(gate_rules(config), self._new_scheduler(config),
                          Admission(*admission_rules(config)), now=clock(), scorer=scorer,
@@ -444,16 +447,14 @@ class Dispatcher:
 
     def reject(self, tenant: str, error: RequestError, *, model: str | None = None,
                lane: str | None = None, request_id: str = "") -> None:
-        """Count a refused request, and meter it unless it already was (it had queued)."""
+        """Count a refused request (``fairway_rejections_total``) and log it within the log's
+        budget (``refusal_log``). It writes no metering record: a refusal costs nothing, and
+        one per request let a client refused ~650 times a second write ~28 GB of metering a
+        day; one that had queued was metered by the gate already."""
         self.metrics.rejections.labels(tenant, error.metric_label).inc()
-        if error.metered or not self.metering.enabled:
-            return
-        self.metering.write(MeteringRecord(
-            request_id=request_id, timestamp=self.wall_clock(), tenant_id=tenant, model=model,
-            priority_lane=lane or self.lane_of(tenant), outcome=error.metric_label,
-            finish_reason="rejected",
-            endpoint=None, prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0,
-            estimated=False, cost=0.0, demoted=False, queue_ms=0.0, ttft_ms=None, e2e_ms=0.0))
+        self.refusal_log.log(logging.INFO, "refused tenant=%s status=%d reason=%s model=%s "
+                             "request=%s: %s", tenant, error.http_status, error.metric_label,
+                             model, request_id, error.message)
 
     def _meter(self, ticket: Ticket, usage: Usage, outcome: str, now: float,
                estimated: bool = False) -> None:

@@ -698,10 +698,9 @@ class _Exchange:
         return [self._refuse(error)]
 
     def _refuse(self, error: RequestError) -> pb.ProcessingResponse:
+        # Counted, and logged within the dispatcher's log budget: never metered.
         self.dispatcher.reject(self.tenant, error, model=self.model, lane=self.lane,
                                request_id=self.request_id)
-        log.info("refused tenant=%s status=%d reason=%s: %s", self.tenant, error.http_status,
-                 error.metric_label, error.message)
         limits = self.dispatcher.ratelimit_headers(self.tenant) if error.http_status == 429 \
             else None
         return immediate(error, limits, anthropic=self.kind is ApiKind.MESSAGES)

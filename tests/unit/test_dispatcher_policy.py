@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,13 @@ import pytest
 
 from picker.config.schema import PickerConfig
 from picker.core import Usage
+from picker.dispatch.log_budget import INTERVAL, LINES_PER_INTERVAL
 from picker.errors import (
     ConfigError,
     InputTooLong,
     LaneNotAllowed,
+    MethodNotAllowed,
+    NotFound,
     OutputTooLong,
     OverBudget,
     QueueFull,
@@ -200,6 +204,29 @@ async def test_metering_writes_one_record_per_finished_request(tmp_path: Path) -
     assert first["endpoint"] == A
     assert first["ttft_ms"] is not None and first["e2e_ms"] >= first["queue_ms"] >= 0
     assert records[1]["estimated"] is True
+
+
+async def test_refusals_are_counted_not_metered_and_their_log_is_bounded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26: every refusal wrote a metering row and an INFO line (a client refused ~650
+    times a second wrote ~28 GB of metering a day)."""
+    out = tmp_path / "metering.jsonl"
+    clock = FakeClock()
+    d = _dispatcher(_config([A], tenants=[{"id": "a"}], metering={"output": str(out)}), clock)
+    caplog.set_level(logging.INFO, logger="picker.dispatch.dispatcher")
+    for _ in range(1000):
+        d.reject("a", NotFound("Invalid URL (POST /v2/nothing)"), request_id="r")
+    d.reject("a", MethodNotAllowed("GET is not allowed"))
+    assert _sample(d, "fairway_rejections_total", tenant="a", reason="not_found") == 1000
+    assert _sample(d, "fairway_rejections_total", tenant="a", reason="method_not_allowed") == 1
+    assert not out.exists() or out.read_text() == ""
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == LINES_PER_INTERVAL, lines[:3]
+    clock.now += INTERVAL
+    d.reject("a", NotFound("again"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-2] == f"991 refusals not logged in the last {INTERVAL:g}s", lines[-2:]
+    assert "again" in lines[-1]
 
 
 async def test_unwritable_metering_path_is_a_config_error_that_changes_nothing() -> None:
