@@ -86,7 +86,7 @@ class LaneRules:
 
 @dataclass(frozen=True)
 class GateRules:
-    """What the gate is told (``picker.dispatch.from_config.gate_rules`` maps the config)."""
+    """What the gate is told (``picker.config.build.gate_rules`` maps the config)."""
 
     lanes: tuple[LaneRules, ...] = (LaneRules("default"),)
     """Highest first."""

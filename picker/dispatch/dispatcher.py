@@ -4,7 +4,7 @@ It answers: *how does a request wait for its turn, and what is recorded about it
 that decides who goes next, where, when and for how much is the pure core's gate
 (``picker.core.gate``); this module adds what needs a clock and an event loop: a future per
 request, the queue timeout, cancellation, the Prometheus metrics and the metering records. The
-config's meaning for the core (cost, capacity, admission rules) is in ``from_config``.
+config's meaning for the core (cost, capacity, admission rules) is in ``picker.config.build``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.config.build import (
+    admission_rules,
+    cost_function,
+    endpoint_budgets,
+    gate_rules,
+    identity,
+    metering_sink,
+)
 from picker.config.schema import PickerConfig, Tenancy
 from picker.config.trusted import reload_refusal, strip_list
 from picker.core import LaneSpec, Usage
@@ -27,16 +35,8 @@ from picker.core.estimates import TenantEstimates
 from picker.core.gate import QUEUE_FULL, Gate, Passage, Turnaway
 from picker.core.lanes import Scheduler
 from picker.core.selection import CapacityRules, EndpointState, Scorer
-from picker.dispatch.from_config import (
-    admission_rules,
-    cost_function,
-    endpoint_budgets,
-    gate_rules,
-    identity,
-    metering_sink,
-    refusal_error,
-)
 from picker.dispatch.log_budget import LogBudget
+from picker.dispatch.refusals import refusal_error
 from picker.errors import (
     LaneNotAllowed,
     NoEndpoint,

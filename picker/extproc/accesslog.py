@@ -22,55 +22,21 @@ interval late.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from picker.core.request import Usage
-from picker.extproc.service import (
+from picker.extproc.routed import (
     METER_KEY,
     METER_NAMESPACE,
     UPSTREAM_FAILURE_DETAILS,
-    ExternalProcessor,
+    LoggedResponse,
 )
+from picker.extproc.service import ExternalProcessor
 
 USAGE_NAMESPACE = "fairway.usage"
 """The metadata namespace Envoy's usage filters write (``picker.stack.envoy.usage_filters``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedResponse:
-    """What the gateway's access log says about one finished request."""
-
-    request_id: str
-    """The picker's name for the request (its ``fairway`` metadata)."""
-    status: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    cached_tokens: int
-    client_gone: bool
-    """The client's connection ended before the response did."""
-    body_bytes: int
-    """Response body bytes sent to the client."""
-    served: str | None
-    """The endpoint that served (``host:port``), after any retry."""
-    failure: str | None
-    """Why the gateway answered without an engine (its response code details), if it did."""
-    first_byte: float | None
-    """Seconds from the request's start to the engine's first byte."""
-
-    @property
-    def failed(self) -> bool:
-        return not 200 <= self.status < 300
-
-    def usage(self, prompt_only: bool) -> Usage | None:
-        """The engine's usage, when the log has it whole (``prompt_only``: an API without
-        output, whose usage has no completion count)."""
-        if self.prompt_tokens is None or (self.completion_tokens is None and not prompt_only):
-            return None
-        return Usage(self.prompt_tokens, self.completion_tokens or 0, self.cached_tokens)
 
 
 def _count(fields: dict | None, key: str) -> int | None:

@@ -46,7 +46,6 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -69,13 +68,16 @@ from picker.errors import (
     RequestError,
     Unauthorized,
 )
+from picker.extproc.routed import (
+    METER_KEY,
+    METER_NAMESPACE,
+    UPSTREAM_FAILURE_DETAILS,
+    LoggedResponse,
+)
 from picker.identity import KEY_HEADERS, OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
-
-if TYPE_CHECKING:
-    from picker.extproc.accesslog import LoggedResponse
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
 MODEL_HEADER = "x-gateway-model-name"
 """Set by GIE gateways from the body's model: the model of a request routed before its body."""
-METER_NAMESPACE = "fairway"
-METER_KEY = "request"
 RESPONSE_PATH_METADATA = "fairway-response-path"
 METER_STREAM = "meter-stream"
 ACCESS_LOG = "access-log"
@@ -190,12 +190,6 @@ def served_endpoint(message: pb.ProcessingRequest) -> str | None:
         if value is not None and value.string_value:
             return value.string_value
     return None
-
-
-UPSTREAM_FAILURE_DETAILS = ("upstream_reset_before_response_started", "response_timeout",
-                            "upstream_per_try_timeout", "no_healthy_upstream")
-"""``response.code_details`` of an Envoy answer given because no engine answered: connect
-failure or reset before the response began, no response in time, no host."""
 
 
 def upstream_failure(message: pb.ProcessingRequest) -> str | None:

@@ -2,7 +2,7 @@
 
 It answers: *what does the picker do with this traffic on this pool, and what does each tenant
 get?* without a network, a process or a wall clock. The gate is the one the server runs
-(``picker.core.gate.Gate``, built from a ``PickerConfig`` by ``picker.dispatch.from_config``); each
+(``picker.core.gate.Gate``, built from a ``PickerConfig`` by ``picker.config.build``); each
 endpoint is vLLM V1's scheduler (``picker.sim.vllm``); the traffic is a load-generator file
 (``picker.sim.traffic``) drawn with the same seeds as ``picker.sim.load`` sends it through a real
 gateway. Each engine step (``step_s``) the simulator, in this order: delivers arrivals to the gate
@@ -37,18 +37,18 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from picker.config.build import (
+    admission_rules,
+    cost_function,
+    endpoint_budgets,
+    gate_rules,
+)
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
 from picker.core.selection import figures_decide
 from picker.core.shared import Replica, StoreModel, StoreReply
-from picker.dispatch.from_config import (
-    admission_rules,
-    cost_function,
-    endpoint_budgets,
-    gate_rules,
-)
 from picker.sim.load import BACKLOG_ERROR_PAUSE_S, PlannedRequest, draw_request, plan_open_loop
 from picker.sim.traffic import Traffic
 from picker.sim.vllm import (

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from picker.config.build import capacity_rules
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, TenantRules
 from picker.core.gate import Gate, GateRules, Passage
 from picker.core.selection import CapacityRules, EndpointState, keeps_reserve, takes_backlogged
-from picker.dispatch.from_config import capacity_rules
 from picker.errors import ConfigError
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
+from picker.config.build import admission_rules, endpoint_budgets, gate_rules
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
 from picker.core import Usage
 from picker.core.admission import Admission
 from picker.core.gate import Gate, Passage
 from picker.dispatch.dispatcher import Dispatcher
-from picker.dispatch.from_config import admission_rules, endpoint_budgets, gate_rules
 from picker.errors import ConfigError
 
 A = "10.0.0.1:8000"

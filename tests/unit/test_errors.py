@@ -10,7 +10,7 @@ import pytest
 
 from picker import errors
 from picker.core.admission import Admission, BucketRule, Refused, TenantRules
-from picker.dispatch.from_config import refusal_error
+from picker.dispatch.refusals import refusal_error
 from picker.errors import InsufficientQuota, OverBudget, RequestError
 from picker.extproc.service import immediate
 from picker.openai import error_body

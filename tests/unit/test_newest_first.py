@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from picker.config.build import admission_rules, endpoint_budgets, gate_rules
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
 from picker.core import Usage
 from picker.core.admission import Admission
 from picker.core.gate import Gate, Passage
 from picker.dispatch.dispatcher import Dispatcher
-from picker.dispatch.from_config import admission_rules, endpoint_budgets, gate_rules
 
 A = "10.0.0.1:8000"
 

@@ -1,36 +1,23 @@
-"""What the picker's config means for the parts the dispatcher drives.
+"""What the picker's config means for the core: the config-to-core factories.
 
-It answers: *given a ``PickerConfig``, which cost function, capacity rules, admission rules,
-identity and metering sink does the picker use, and which error does a client get for each
-admission refusal?* One mapping each, so the dispatcher never reads raw config for them.
+It answers: *given a ``PickerConfig``, which cost function, capacity rules, gate rules, admission
+rules, identity and metering sink does the picker use?* One mapping each, so neither the
+dispatcher (``picker.dispatch``, the server's asyncio) nor the pool simulator (``picker.sim.pool``,
+the same gate in discrete time) reads raw config for them, and both build the same gate. It lives
+in the config layer, which may import the core (the core imports nothing of the picker), so the
+simulator needs nothing of the server.
 """
 
 from __future__ import annotations
 
 from picker.config.schema import Budget, PickerConfig, TenantPolicy
 from picker.core import ComputedTokenCost, ContextAwareCost, LinearCost
-from picker.core.admission import (
-    INPUT_TOO_LONG,
-    INSUFFICIENT_QUOTA,
-    OUTPUT_TOO_LONG,
-    OVER_BUDGET,
-    BucketRule,
-    Refused,
-    TenantRules,
-)
+from picker.core.admission import BucketRule, TenantRules
 from picker.core.cost import CostFunction
 from picker.core.gate import GateRules, LaneRules
 from picker.core.health import HealthRules
 from picker.core.selection import CapacityRules
-from picker.errors import (
-    ConfigError,
-    InputTooLong,
-    InsufficientQuota,
-    OutputTooLong,
-    OverBudget,
-    RequestError,
-    TenantQueueFull,
-)
+from picker.errors import ConfigError
 from picker.identity import Identity, KeyEntry
 from picker.metering import MeteringSink, open_sink
 
@@ -122,13 +109,3 @@ def metering_sink(config: PickerConfig) -> MeteringSink:
     except ConfigError as exc:
         raise exc.under("metering.output") from None
 
-
-_REFUSALS: dict[str, type[RequestError]] = {
-    INPUT_TOO_LONG: InputTooLong, OUTPUT_TOO_LONG: OutputTooLong, OVER_BUDGET: OverBudget,
-    INSUFFICIENT_QUOTA: InsufficientQuota}
-
-
-def refusal_error(refused: Refused) -> RequestError:
-    """The error a client gets for an admission refusal."""
-    kind = _REFUSALS.get(refused.reason, TenantQueueFull)
-    return kind(refused.message, retry_after=refused.retry_after)
