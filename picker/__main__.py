@@ -10,6 +10,7 @@ from pathlib import Path
 
 from picker.errors import ConfigError
 from picker.server import RunnerFailed, ServeSettings, serve
+from picker.tls import CLIENT_AUTH_MODES
 from picker.workers import CONNECTION_AGE, run_workers, workers_problem
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -55,6 +56,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cert-path", type=Path, metavar="DIR",
                      help="tls.crt and tls.key for ext_proc (a mounted TLS Secret), reloaded "
                           "when they change; default: self-signed at start")
+    run.add_argument("--client-ca", type=Path, metavar="FILE",
+                     help="PEM CA certificates: ext_proc clients (the gateway) must present a "
+                          "certificate they signed (mTLS); reloaded when the file changes")
+    run.add_argument("--client-name", action="append", default=[], metavar="NAME",
+                     help="with --client-ca: the client certificate must carry this name (a SAN "
+                          "or its CN); repeat for several")
+    run.add_argument("--client-auth", choices=CLIENT_AUTH_MODES,
+                     help="who may speak ext_proc: mtls (the default with --client-ca), none "
+                          "(the default without: no client certificate, and while "
+                          "tenancy.mode is header every stream is refused, since a tenant "
+                          "header is believed only from an authenticated gateway), "
+                          "trust-network (development: tenant headers believed from anyone "
+                          "who reaches the port)")
+    run.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                     help="a file (mounted Secret) with the bearer token every admin API call "
+                          "must send; needed on an address beyond loopback")
+    run.add_argument("--admin-auth", choices=("token", "none"),
+                     help="none: serve the admin API without a token on a non-loopback "
+                          "--host (whoever reaches it lists every tenant)")
     run.add_argument("--identity", metavar="NAME",
                      help="this replica's name (Lease holder, self-signed certificate); "
                           "default $POD_NAME")
@@ -78,11 +98,17 @@ def main(argv: list[str] | None = None) -> int:
             config_path=args.config, host=args.host, grpc_port=args.grpc_port,
             grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port,
             admin_port=args.admin_port, secure_serving=args.secure_serving,
-            cert_path=args.cert_path, grace=args.grace, config_map=args.config_map,
+            cert_path=args.cert_path, client_ca=args.client_ca,
+            client_names=tuple(args.client_name), client_auth=args.client_auth,
+            admin_token_file=args.admin_token_file, admin_auth=args.admin_auth,
+            grace=args.grace, config_map=args.config_map,
             pool=args.pool, lease=args.lease, identity=args.identity,
             kube_server=args.kube_server)
+        problem = settings.exposure_problem()
     except ValueError as exc:
         parser.error(str(exc))
+    if problem:
+        parser.error(problem)
     problem = workers_problem(settings, args.workers, args.connection_age) \
         if args.workers > 1 else None
     if problem:

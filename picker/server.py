@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
+from picker.admin.auth import AdminAuth, TokenFile
 from picker.admin.service import ADMIN_SERVICE, AdminService
 from picker.admin.v1 import admin_pb2_grpc
 from picker.config.reload import ConfigWatcher
@@ -66,7 +67,7 @@ from picker.k8s import (
 from picker.metrics import PickerMetrics
 from picker.scrape import Scraper
 from picker.state import RedisSync
-from picker.tls import CertificateSource
+from picker.tls import CertificateSource, ClientAuth
 
 log = logging.getLogger("picker")
 
@@ -172,6 +173,21 @@ class ServeSettings:
     cert_path: Path | None = None
     """A directory with ``tls.crt`` and ``tls.key`` (a mounted TLS Secret), reloaded when they
     change; unset: a self-signed certificate generated at start. Only with ``secure_serving``."""
+    client_ca: Path | None = None
+    """PEM CA certificates a client of the ext_proc port must present a certificate of (mTLS:
+    the gateway's); reloaded when the file changes. Only with ``secure_serving``."""
+    client_names: tuple[str, ...] = ()
+    """With ``client_ca``: the client certificate must carry one of these names (SAN or CN)."""
+    client_auth: str | None = None
+    """Who may speak ext_proc (``picker.tls.ClientAuth``): ``mtls`` (needs ``client_ca``),
+    ``none`` (no client certificate; header mode refused) or ``trust-network`` (the explicit
+    development mode: tenant headers believed from anyone). None: ``mtls`` with a CA, else
+    ``none``."""
+    admin_token_file: Path | None = None
+    """A file (a mounted Secret) with the bearer token every admin API call must carry."""
+    admin_auth: str | None = None
+    """``token`` (needs ``admin_token_file``) or ``none``: the admin API open to whoever reaches
+    it, which only a loopback ``host`` allows without saying so (a pod's other containers)."""
     grace: float = 130.0
     """Seconds running requests get to finish after SIGTERM: long enough for a long generation
     (upstream gives its picker 130 s too); the pod's terminationGracePeriodSeconds must exceed
@@ -215,6 +231,32 @@ class ServeSettings:
         # Said as the flags spell it: the command line shows this message as its usage error.
         if self.cert_path is not None and not self.secure_serving:
             raise ValueError("--cert-path needs --secure-serving")
+        if self.client_ca is not None and not self.secure_serving:
+            raise ValueError("--client-ca needs --secure-serving")
+        if self.client_auth == "mtls" and self.client_ca is None:
+            raise ValueError("--client-auth=mtls needs --client-ca")
+        if self.client_ca is not None and self.client_auth not in (None, "mtls"):
+            raise ValueError(f"--client-ca means --client-auth=mtls, not {self.client_auth}")
+        self.client_authentication()  # a bad mode or name list is a usage error
+        if self.admin_auth not in (None, "token", "none"):
+            raise ValueError("--admin-auth must be token or none")
+        if self.admin_auth == "token" and self.admin_token_file is None:
+            raise ValueError("--admin-auth=token needs --admin-token-file")
+
+    def client_authentication(self) -> ClientAuth:
+        """The ext_proc port's rule for its peers."""
+        mode = self.client_auth or ("mtls" if self.client_ca is not None else "none")
+        return ClientAuth(mode, frozenset(self.client_names))
+
+    def exposure_problem(self) -> str | None:
+        """Why these settings would serve tenants' figures to anyone, said as the flags spell
+        it: the admin API without a token on an address beyond loopback, unless asked for."""
+        if self.admin_token_file is not None or self.admin_auth == "none":
+            return None
+        if self.host in ("127.0.0.1", "::1", "localhost"):
+            return None
+        return (f"the admin API lists every tenant: on {self.host} it needs --admin-token-file "
+                "(a mounted Secret), or --admin-auth=none to serve it to whoever reaches it")
 
     @property
     def uses_kubernetes(self) -> bool:
@@ -315,7 +357,8 @@ def certificate_source(settings: ServeSettings) -> CertificateSource:
     """The ext_proc port's certificate: ``--cert-path``, else self-signed for this replica's
     name (``--identity``, ``$POD_NAME``) and the loopback names."""
     name = settings.identity or os.environ.get("POD_NAME")
-    return CertificateSource(settings.cert_path, [name] if name else [])
+    return CertificateSource(settings.cert_path, [name] if name else [],
+                             client_ca=settings.client_ca)
 
 
 async def _serve(settings: ServeSettings, client: KubeClient | None,
@@ -327,8 +370,13 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    problem = settings.exposure_problem()
+    if problem:
+        raise ValueError(problem)
     # TLS first: a bad --cert-path fails the start before anything listens.
     certificates = certificate_source(settings) if settings.secure_serving else None
+    admin_token = TokenFile(settings.admin_token_file) \
+        if settings.admin_token_file is not None else None
     # The health port first: alive (not ready) while the config is awaited.
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     probe_health = health_aio.HealthServicer()
@@ -344,7 +392,8 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
     if health_ready is not None:
         health_ready.set_result(health_port)
     try:
-        await _serve_config(settings, client, stop, ready, admin_ready, health, certificates)
+        await _serve_config(settings, client, stop, ready, admin_ready, health, certificates,
+                            admin_token)
     finally:
         await health.update(alive=False)
         await health_server.stop(0.5)
@@ -353,7 +402,8 @@ async def _serve(settings: ServeSettings, client: KubeClient | None,
 async def _serve_config(settings: ServeSettings, client: KubeClient | None,
                         stop: asyncio.Event, ready: asyncio.Future[tuple[int, int]] | None,
                         admin_ready: asyncio.Future[int] | None, health: Health,
-                        certificates: CertificateSource | None) -> None:
+                        certificates: CertificateSource | None,
+                        admin_token: TokenFile | None = None) -> None:
     config = await _initial_config(settings, client, stop)
     if config is None:
         return
@@ -374,8 +424,10 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
                      config.state.redis.key_prefix)
 
     server = grpc.aio.server(options=_ext_proc_options(settings))
+    client_auth = settings.client_authentication()
     processor = ExternalProcessor(dispatcher, lambda: dispatcher.config,
-                                  settings.meter_claim_timeout, settings.log_claim_timeout)
+                                  settings.meter_claim_timeout, settings.log_claim_timeout,
+                                  client_auth=client_auth)
     add_to_server(processor, server)
     # The access-log response path: the gateway's access log on the same port.
     add_access_log_to_server(AccessLogReceiver(processor), server)
@@ -385,7 +437,9 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     grpc_port = server.add_insecure_port(address) if certificates is None else \
         server.add_secure_port(address, certificates.credentials())
     admin = AdminService(dispatcher)
-    admin_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    admin_server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)],
+        interceptors=[AdminAuth(admin_token)] if admin_token is not None else None)
     admin_pb2_grpc.add_AdminServicer_to_server(admin, admin_server)
     admin_health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(admin_health, admin_server)
@@ -444,6 +498,10 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         log.info("ext_proc served over TLS: %s certificate, sha256 %s",
                  "self-signed" if settings.cert_path is None else str(settings.cert_path),
                  certificates.current.fingerprint)
+    _log_client_auth(client_auth, settings, config)
+    if admin_token is None:
+        log.warning("admin API without a token on %s (--admin-token-file unset): whoever "
+                    "reaches port %d can list every tenant", settings.host, admin_port)
     log.info("picker serving ext_proc on %s:%d, metrics on %s:%d, admin on %s:%d, policy %s",
              settings.host, grpc_port, settings.host, metrics_port, settings.host, admin_port,
              config.scheduling.policy)
@@ -485,6 +543,20 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         log.info("picker stopped")
     if failed:
         raise RunnerFailed("a background task of the picker failed") from failed[0]
+
+
+def _log_client_auth(auth: ClientAuth, settings: ServeSettings, config: PickerConfig) -> None:
+    if auth.mode == "mtls":
+        log.info("ext_proc clients authenticated: a certificate of %s%s", settings.client_ca,
+                 f" naming one of {sorted(auth.names)}" if auth.names else "")
+    elif auth.mode == "trust-network":
+        log.warning("ext_proc clients NOT authenticated (--client-auth=trust-network): whoever "
+                    "reaches port %d can route and name any tenant; development only, or a "
+                    "network only the gateway reaches", settings.grpc_port)
+    elif config.tenancy.mode == "header":
+        log.warning("ext_proc clients not authenticated (no --client-ca) and tenancy.mode is "
+                    "header: every ext_proc stream is refused until the gateway presents a "
+                    "client certificate (--client-ca) or --client-auth=trust-network is given")
 
 
 def _ext_proc_options(settings: ServeSettings) -> list[tuple[str, int]]:

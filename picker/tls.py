@@ -18,6 +18,20 @@ same:
 * ``server_certificate`` and ``unverified_channel_credentials`` are for clients (tests, tools)
   that dial a picker the way a gateway does: they fetch the certificate the server presents and
   trust exactly that one.
+
+Who may speak ext_proc (``ClientAuth``): whoever reaches the port can name any tenant in header
+mode and have it charged, so the picker authenticates its client. ``mtls`` (``--client-ca``): the
+handshake requires a client certificate signed by the configured CA (reloaded with the serving
+pair), optionally one of ``--client-name`` (a SAN or the CN), checked on each stream. Without a
+CA, ``none`` (the default) serves ext_proc to anyone but refuses every stream while the config is
+in header mode: an unauthenticated peer's tenant header is not believed, and rather than
+charge the default tenant for it (which would route and charge on an impostor's say, and bill a
+misconfigured gateway's every tenant as one, silently) the stream is refused, loudly (the
+gateway answers 5xx, the picker counts and logs why). API-key mode is served: the picker
+authenticates each request itself. ``trust-network`` is the explicit development mode: no client
+certificate, tenant headers believed from whoever connects (a NetworkPolicy is then all that
+stands between a pod and every tenant's budget).
+``certificate_authority`` and ``issue`` make the CA and the certificates for tests and the stack.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +80,21 @@ class KeyPair:
             serialization.Encoding.DER)
         return hashlib.sha256(der).hexdigest()
 
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)])
+    def configuration(self, client_ca: bytes | None = None
+                      ) -> grpc.ServerCertificateConfiguration:
+        """This pair served; ``client_ca``: the PEM CAs a client certificate must chain to."""
+        return grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)],
+                                                         root_certificates=client_ca)
+
+    def write(self, directory: Path, cert_file: str = CERT_FILE,
+              key_file: str = KEY_FILE) -> tuple[Path, Path]:
+        """Write the pair (as a TLS Secret's keys by default); returns the two paths."""
+        directory.mkdir(parents=True, exist_ok=True)
+        cert, key = directory / cert_file, directory / key_file
+        cert.write_bytes(self.cert_pem)
+        key.write_bytes(self.key_pem)
+        key.chmod(0o600)
+        return cert, key
 
 
 def _san(name: str) -> x509.GeneralName:
@@ -104,6 +131,67 @@ def self_signed(names: Sequence[str] = (), *,
                                      serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption()),
                    cert.not_valid_after_utc)
+
+
+def _pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KeyPair:
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM),
+                   key.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()),
+                   cert.not_valid_after_utc)
+
+
+def certificate_authority(name: str = "fairway-ca", *,
+                          validity: datetime.timedelta = SELF_SIGNED_VALIDITY) -> KeyPair:
+    """A new self-signed CA (ECDSA P-256) that signs only certificates (``issue``): what the
+    chart's ``genCA`` makes for the gateway's client certificate, for tests and the stack."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (x509.CertificateBuilder()
+            .subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + validity)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                         crl_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return _pair(cert, key)
+
+
+def issue(ca: KeyPair, names: Sequence[str], *, client: bool = True,
+          validity: datetime.timedelta = SELF_SIGNED_VALIDITY) -> KeyPair:
+    """A certificate for ``names`` (the first is also the CN) signed by ``ca``: a client
+    certificate (the gateway's) or, with ``client=False``, a server certificate."""
+    if not names:
+        raise ValueError("a certificate needs at least one name")
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
+    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    usage = x509.ExtendedKeyUsageOID.CLIENT_AUTH if client \
+        else x509.ExtendedKeyUsageOID.SERVER_AUTH
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
+                                     x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + validity)
+            .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return _pair(cert, key)
 
 
 def load_pair(directory: Path) -> KeyPair:
@@ -146,9 +234,13 @@ class CertificateSource:
     gRPC's threads, it returns a configuration when the certificate changed, else None.
     """
 
-    def __init__(self, cert_path: Path | None = None, names: Sequence[str] = ()) -> None:
+    def __init__(self, cert_path: Path | None = None, names: Sequence[str] = (),
+                 client_ca: Path | None = None) -> None:
         self.cert_path = cert_path
         self.names = tuple(names)
+        self.client_ca = client_ca
+        """A PEM file of the CAs a client certificate must chain to (``--client-ca``): set, the
+        handshake requires one (mTLS); reloaded when the file changes, like the pair."""
         self._lock = threading.Lock()
         self._seen: tuple[int, ...] | None = None
         if cert_path is None:
@@ -156,20 +248,27 @@ class CertificateSource:
         else:
             self._seen = _identity(cert_path)
             self.current = load_pair(cert_path)
+        self._ca_seen: tuple[int, ...] | None = None
+        self.client_ca_pem: bytes | None = None
+        if client_ca is not None:
+            self._ca_seen = _file_identity(client_ca)
+            self.client_ca_pem = load_ca(client_ca)
         self.reloads = 0
         """Certificates taken after the first (for tests and logs)."""
 
     def credentials(self) -> grpc.ServerCredentials:
         """Server credentials that serve ``current`` and ask ``fetch`` before each handshake.
-        No client certificate is asked for: gateways present none."""
-        return grpc.dynamic_ssl_server_credentials(self.current.configuration(), self.fetch,
-                                                   require_client_authentication=False)
+        A client certificate is required (and verified against ``client_ca``) only with a CA."""
+        return grpc.dynamic_ssl_server_credentials(
+            self.current.configuration(self.client_ca_pem), self.fetch,
+            require_client_authentication=self.client_ca_pem is not None)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         try:
             with self._lock:
                 changed = self._refresh()
-                return self.current.configuration() if changed else None
+                changed = self._refresh_ca() or changed
+                return self.current.configuration(self.client_ca_pem) if changed else None
         except Exception:  # an exception here would fail the handshake: keep the old pair
             log.exception("TLS certificate check failed; serving the previous certificate")
             return None
@@ -206,15 +305,104 @@ class CertificateSource:
         return True
 
 
+    def _refresh_ca(self) -> bool:
+        if self.client_ca is None:
+            return False
+        try:
+            identity = _file_identity(self.client_ca)
+            if identity == self._ca_seen:
+                return False
+            self._ca_seen = identity
+            pem = load_ca(self.client_ca)
+        except (OSError, ValueError) as error:
+            log.warning("client CA %s not loaded (%s); verifying against the previous one",
+                        self.client_ca, error)
+            return False
+        if pem == self.client_ca_pem:
+            return False
+        self.client_ca_pem = pem
+        self.reloads += 1
+        log.info("client CA reloaded from %s", self.client_ca)
+        return True
+
+
+def _file_identity(path: Path) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def load_ca(path: Path) -> bytes:
+    """The PEM CA certificates of ``path`` (a bundle may hold several, as during a rotation),
+    checked to parse: ``ValueError`` names the file when none does."""
+    pem = path.read_bytes()
+    try:
+        certificates = x509.load_pem_x509_certificates(pem)
+    except ValueError as error:
+        raise ValueError(f"{path}: not PEM CA certificates ({error})") from None
+    if not certificates:
+        raise ValueError(f"{path}: no certificate")
+    return pem
+
+
+CLIENT_AUTH_MODES = ("mtls", "none", "trust-network")
+"""``--client-auth``: who may speak ext_proc (module docstring)."""
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """Who may speak ext_proc: the rule ``ExternalProcessor`` applies to each stream."""
+
+    mode: str = "none"
+    names: frozenset[str] = frozenset()
+    """With ``mtls``: the client certificate must carry one of these (a DNS, URI or IP SAN, or
+    its CN); empty: any certificate the CA signed."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in CLIENT_AUTH_MODES:
+            raise ValueError(f"--client-auth must be one of {', '.join(CLIENT_AUTH_MODES)}")
+        if self.names and self.mode != "mtls":
+            raise ValueError("--client-name needs --client-ca (mTLS)")
+
+    def refusal(self, context: grpc.aio.ServicerContext, header_mode: bool) -> str | None:
+        """Why this stream's peer may not speak ext_proc, or None. Only a pinned name costs a
+        look at the connection (the handshake verified the chain already)."""
+        if self.mode == "trust-network":
+            return None
+        if self.mode == "none":
+            return UNAUTHENTICATED_HEADER_MODE if header_mode else None
+        if not self.names:
+            return None
+        presented = peer_names(context.auth_context())
+        if presented & self.names:
+            return None
+        return f"client certificate names {sorted(presented)[:4]} are not among --client-name"
+
+
+UNAUTHENTICATED_HEADER_MODE = (
+    "tenancy.mode is header and this connection has no verified client certificate: a tenant "
+    "header is believed only from an authenticated gateway (--client-ca), or with the explicit "
+    "--client-auth=trust-network")
+
+
+def peer_names(auth_context: Mapping[str, Sequence[bytes]]) -> set[str]:
+    """The SANs and CN of a verified client certificate, from gRPC's auth context."""
+    return {value.decode(errors="replace")
+            for key in ("x509_subject_alternative_name", "x509_common_name")
+            for value in auth_context.get(key, ())}
+
+
 def server_certificate(host: str, port: int, timeout: float = 5.0) -> bytes:
     """The PEM certificate a TLS server presents on ``host:port``, unverified."""
     return ssl.get_server_certificate((host, port), timeout=timeout).encode()
 
 
-def unverified_channel_credentials(host: str, port: int,
-                                   timeout: float = 5.0) -> grpc.ChannelCredentials:
+def unverified_channel_credentials(host: str, port: int, timeout: float = 5.0,
+                                   client: KeyPair | None = None) -> grpc.ChannelCredentials:
     """Channel credentials that trust exactly the certificate ``host:port`` presents now: a
     gateway's "TLS without verification", for gRPC clients (which always verify). The
     self-signed certificate names ``localhost`` and the loopback addresses, so dial one of
-    those (or override the target name)."""
-    return grpc.ssl_channel_credentials(root_certificates=server_certificate(host, port, timeout))
+    those (or override the target name). ``client``: the certificate to present (mTLS)."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=server_certificate(host, port, timeout),
+        private_key=client.key_pem if client else None,
+        certificate_chain=client.cert_pem if client else None)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from fairway_operator.settings import Settings
 from picker.config.strict import parse_duration
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--admin-address", default=_env("ADMIN_ADDRESS"),
                         help="host:port of the picker's admin API; unset: no live figures in "
                              "status (FAIRWAY_ADMIN_ADDRESS)")
+    parser.add_argument("--admin-token-file", type=Path, default=_env("ADMIN_TOKEN_FILE"),
+                        help="a file with the picker admin API's bearer token (the chart's "
+                             "Secret, mounted; FAIRWAY_ADMIN_TOKEN_FILE)")
     parser.add_argument("--status-interval", default=_env("STATUS_INTERVAL", "10s"),
                         help="how often the live figures are read, e.g. 10s "
                              "(FAIRWAY_STATUS_INTERVAL; default %(default)s)")
@@ -79,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
             pool=args.pool, namespaces=tuple(dict.fromkeys(namespaces)),
             base_configmap=args.base_configmap, base_key=args.base_key,
             output_configmap=args.output_configmap, output_key=args.output_key,
-            admin_address=args.admin_address or None, status_interval=interval)
+            admin_address=args.admin_address or None,
+            admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
+            status_interval=interval)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     return settings, args

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -33,8 +34,11 @@ class AdminClient:
     event loop; ``close`` it in the same loop."""
 
     def __init__(self, address: str, timeout: float = 2.0, max_age: float = 1.0,
-                 reconnect_backoff: float = 10.0) -> None:
+                 reconnect_backoff: float = 10.0, token_file: Path | None = None) -> None:
         self.address = address
+        self.token_file = token_file
+        """The admin API's bearer token (a mounted Secret), read at each call: a rotation is
+        followed without a restart."""
         self._timeout = timeout
         self._max_age = max_age
         self._reconnect_backoff = reconnect_backoff
@@ -62,18 +66,28 @@ class AdminClient:
             self._stub = admin_pb2_grpc.AdminStub(self._channel)
         try:
             # The answer is paged (busiest first); a configured tenant may be on a later page.
+            metadata = self._metadata()
             answer = await self._stub.ListTenants(admin_pb2.ListTenantsRequest(limit=MAX_PAGE),
-                                                  timeout=self._timeout)
+                                                  timeout=self._timeout, metadata=metadata)
             token, pages = answer.next_page_token, 1
             while token and pages < MAX_PAGES:
                 page = await self._stub.ListTenants(
                     admin_pb2.ListTenantsRequest(limit=MAX_PAGE, page_token=token),
-                    timeout=self._timeout)
+                    timeout=self._timeout, metadata=metadata)
                 answer.tenants.extend(page.tenants)
                 token, pages = page.next_page_token, pages + 1
             return answer
         except grpc.aio.AioRpcError as exc:
             raise PickerUnreachable(f"{self.address}: {exc.code().name}: {exc.details()}") from None
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        if self.token_file is None:
+            return None
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise PickerUnreachable(f"admin token {self.token_file}: {exc}") from None
+        return (("authorization", f"Bearer {token}"),)
 
     async def close(self) -> None:
         if self._latest is not None and not self._latest.done():

@@ -72,6 +72,7 @@ def build_registry(settings: Settings, kube: Kube, *,
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(settings, kube)
     admin = (AdminClient(settings.admin_address, timeout=settings.admin_timeout,
+                         token_file=settings.admin_token_file,
                          max_age=min(1.0, settings.status_interval / 2),
                          reconnect_backoff=max(settings.status_interval, 1.0))
              if settings.admin_address else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Settings:
     status_interval: float = 10.0
     """Seconds between two reads of the live figures (share, queued, running, budgets) into
     each applied policy's status."""
+    admin_token_file: Path | None = None
+    """A file with the bearer token the picker's admin API asks for (the chart's Secret,
+    mounted); read again at each call, so a rotated Secret is followed."""
     admin_timeout: float = 2.0
     """Seconds an admin API call may take before the picker counts as unreachable."""
     kube_timeout: float = 10.0

@@ -1,9 +1,12 @@
-"""``python -m picker.ctl top --admin HOST:PORT [--interval 1] [--once]``: the command line."""
+"""``python -m picker.ctl top --admin HOST:PORT [--interval 1] [--once] [--token-file FILE]``:
+the command line."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from picker.ctl.top import DEFAULT_ADMIN, run
 
@@ -36,9 +39,18 @@ def main(argv: list[str] | None = None) -> int:
                      help="print the tables once and exit (for scripts)")
     top.add_argument("--timeout", type=_positive, default=5.0,
                      help="seconds to wait for each answer (default 5)")
+    top.add_argument("--token-file", type=Path, metavar="FILE",
+                     help="the admin API's bearer token (the picker's --admin-token-file); "
+                          "default: $FAIRWAY_ADMIN_TOKEN")
     args = parser.parse_args(argv)
     try:
-        return run(args.admin, interval=args.interval, once=args.once, timeout=args.timeout)
+        token = args.token_file.read_text().strip() if args.token_file \
+            else os.environ.get("FAIRWAY_ADMIN_TOKEN") or None
+    except OSError as exc:
+        parser.error(f"--token-file: {exc}")
+    try:
+        return run(args.admin, interval=args.interval, once=args.once, timeout=args.timeout,
+                   token=token)
     except KeyboardInterrupt:
         return 0
 

@@ -122,17 +122,25 @@ def render(address: str, tenants: admin_pb2.ListTenantsResponse,
     return "\n".join(lines) + "\n"
 
 
-def fetch(stub: admin_pb2_grpc.AdminStub, address: str, timeout: float
+def fetch(stub: admin_pb2_grpc.AdminStub, address: str, timeout: float,
+          token: str | None = None
           ) -> tuple[admin_pb2.ListTenantsResponse, admin_pb2.ListEndpointsResponse]:
-    """Both answers; raises Unreachable with a message naming ``address``."""
+    """Both answers (``token``: the admin API's bearer token); raises Unreachable with a
+    message naming ``address``."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     try:
-        return (stub.ListTenants(admin_pb2.ListTenantsRequest(limit=TOP_LIMIT), timeout=timeout),
-                stub.ListEndpoints(admin_pb2.ListEndpointsRequest(), timeout=timeout))
+        return (stub.ListTenants(admin_pb2.ListTenantsRequest(limit=TOP_LIMIT), timeout=timeout,
+                                 metadata=metadata),
+                stub.ListEndpoints(admin_pb2.ListEndpointsRequest(), timeout=timeout,
+                                   metadata=metadata))
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else None
         details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = f"no answer within {timeout:g}s"
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            reason = ("it asks for the admin token: --token-file FILE or $FAIRWAY_ADMIN_TOKEN "
+                      "(the chart's Secret <release>-fairway-picker-admin-token, key token)")
         elif code == grpc.StatusCode.UNIMPLEMENTED:
             reason = "it does not serve fairway.v1.Admin (is it the picker's --admin-port?)"
         else:
@@ -142,7 +150,7 @@ def fetch(stub: admin_pb2_grpc.AdminStub, address: str, timeout: float
 
 
 def run(address: str, *, interval: float = 1.0, once: bool = False, timeout: float = 5.0,
-        out: TextIO | None = None) -> int:
+        out: TextIO | None = None, token: str | None = None) -> int:
     """Show the tables until interrupted (``once``: one time); returns the exit code.
 
     Any failure to get an answer ends it with exit code 1 and a message on stderr.
@@ -152,7 +160,7 @@ def run(address: str, *, interval: float = 1.0, once: bool = False, timeout: flo
         stub = admin_pb2_grpc.AdminStub(channel)
         while True:
             try:
-                tenants, endpoints = fetch(stub, address, timeout)
+                tenants, endpoints = fetch(stub, address, timeout, token)
             except Unreachable as exc:
                 print(exc, file=sys.stderr)
                 return 1

@@ -95,6 +95,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                                request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
                                context: grpc.aio.ServicerContext
                                ) -> als_pb2.StreamAccessLogsResponse:
+        # A forged log entry could settle (charge) a routed request: the same peers as ext_proc.
+        if self.processor.client_auth is not None:
+            await self.processor.authorize(context)
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
                 try:

@@ -76,8 +76,9 @@ from picker.extproc.routed import (
 )
 from picker.identity import KEY_HEADERS, OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
-from picker.openai.paths import ApiKind, classify
+from picker.openai.paths import INFERENCE_PATHS, ApiKind, classify, normalise_path
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
+from picker.tls import UNAUTHENTICATED_HEADER_MODE, ClientAuth
 
 log = logging.getLogger(__name__)
 
@@ -798,9 +799,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` backed by the fair dispatcher."""
 
     def __init__(self, dispatcher: Dispatcher, config: Callable[[], PickerConfig],
-                 meter_claim_timeout: float = 10.0, log_claim_timeout: float = 330.0) -> None:
+                 meter_claim_timeout: float = 10.0, log_claim_timeout: float = 330.0,
+                 client_auth: ClientAuth | None = None) -> None:
         self.dispatcher = dispatcher
         self._config = config
+        self.client_auth = client_auth
+        """Who may speak ext_proc on this port (``picker.tls.ClientAuth``); None: anyone (the
+        in-process tests that drive the servicer directly)."""
+        self._refusals_logged_at = -math.inf
         self.meter_claim_timeout = meter_claim_timeout
         """Seconds a routed request waits for its meter stream before it is settled as gone."""
         self.log_claim_timeout = log_claim_timeout
@@ -818,11 +824,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        config = self._config()
+        if self.client_auth is not None:
+            await self.authorize(context, config)
         path = next((value for key, value in context.invocation_metadata() or ()
                      if key == RESPONSE_PATH_METADATA), None)
         metered = path in (METER_STREAM, ACCESS_LOG)
         meter_id = f"{self._id_prefix}-{next(self._ids)}" if metered else None
-        config = self._config()
         exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies,
                              logged=path == ACCESS_LOG)
         handed_over = False
@@ -862,6 +870,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             exchange.release_body()
             if not handed_over:
                 exchange.abandon()
+
+    async def authorize(self, context: grpc.aio.ServicerContext,
+                        config: PickerConfig | None = None) -> None:
+        """Refuse the stream (PERMISSION_DENIED, before any message is read: nothing routed,
+        charged or metered) unless its peer may speak ext_proc (``client_auth``)."""
+        assert self.client_auth is not None
+        config = config or self._config()
+        reason = self.client_auth.refusal(context, config.tenancy.mode == "header")
+        if reason is None:
+            return
+        kind = "unauthenticated" if reason == UNAUTHENTICATED_HEADER_MODE else "name"
+        self.dispatcher.metrics.peers_refused.labels(kind).inc()
+        now = asyncio.get_running_loop().time()
+        # At most one line a minute: an impostor (or a misconfigured gateway) must not flood it.
+        if now - self._refusals_logged_at >= UNCLAIMED_LOG_INTERVAL:
+            self._refusals_logged_at = now
+            log.warning("ext_proc stream from %s refused: %s (counted in "
+                        "fairway_ext_proc_peers_refused_total)", context.peer(), reason)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
     def count_fault(self, error: Exception) -> None:
         """A bug met while handling a message or a log entry: counted, logged once per kind."""

@@ -116,6 +116,10 @@ class PickerMetrics:
         self.faults = Counter("fairway_faults", "Faults of the picker's own (bugs) met while "
                               "serving a request, by exception type; each got a clear 500.",
                               ["kind"], registry=r)
+        self.peers_refused = Counter(
+            "fairway_ext_proc_peers_refused", "ext_proc and access-log streams refused because "
+            "their connection is not an authenticated gateway's (--client-auth), by reason.",
+            ["reason"], registry=r)
         self.meter_unclaimed = Counter(
             "fairway_meter_unclaimed", "Routed requests whose meter stream never came within "
             "the claim timeout (the gateway's metering filter missing, or the picker far behind): "

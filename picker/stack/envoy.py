@@ -191,14 +191,27 @@ PATH_NORMALISATION: dict[str, Any] = {
 """HttpConnectionManager fields of every Envoy config fairway ships."""
 
 UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+GATEWAY_NAME = "fairway-gateway"
+"""The name in the gateway's client certificate (the chart's and the stack's), which the picker
+pins with ``--client-name``."""
+GATEWAY_CERT_DIR = "/etc/fairway/gateway-tls"
+"""Where the shipped Envoy configs read the gateway's client certificate: the chart's Secret
+``<release>-gateway-tls`` (``tls.crt``, ``tls.key``) mounted into the gateway's Envoy."""
 
 
-def picker_transport_socket(sni: str | None = None) -> dict[str, Any]:
+def picker_transport_socket(sni: str | None = None,
+                            client_cert: tuple[str | Path, str | Path] | None = None
+                            ) -> dict[str, Any]:
     """TLS to the picker without a validation context: encrypted, the picker not authenticated
     (its certificate is self-signed by default), exactly how Envoy AI Gateway and kgateway dial
-    an Endpoint Picker. ``h2`` is offered by ALPN (the picker speaks gRPC)."""
-    context: dict[str, Any] = {"@type": UPSTREAM_TLS,
-                               "common_tls_context": {"alpn_protocols": ["h2"]}}
+    an Endpoint Picker. ``h2`` is offered by ALPN (the picker speaks gRPC). ``client_cert``:
+    the certificate and key files Envoy presents, so that the picker knows its gateway (mTLS,
+    ``--client-ca``): without one a picker that authenticates its clients refuses Envoy."""
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if client_cert is not None:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": str(client_cert[0])},
+                                       "private_key": {"filename": str(client_cert[1])}}]
+    context: dict[str, Any] = {"@type": UPSTREAM_TLS, "common_tls_context": common}
     if sni:
         context["sni"] = sni
     return {"name": "envoy.transport_sockets.tls", "typed_config": context}
@@ -505,7 +518,9 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                  failure_mode_allow: bool = False, request_timeout_s: int = 300,
                  access_log: Path | None = None,
                  response_path: str = "meter-stream", picker_tls: bool = True,
-                 picker_sni: str | None = None, identity: str = "strip",
+                 picker_sni: str | None = None,
+                 picker_client_cert: tuple[str | Path, str | Path] | None = None,
+                 identity: str = "strip",
                  jwt: JwtIdentity | None = None,
                  endpoints: list[str] | None = None,
                  pool_pods: str | None = None,
@@ -520,6 +535,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
     ``picker_tls``: dial the picker over TLS without verification (the picker's default,
     ``--secure-serving``); False for a picker started with ``--secure-serving=false``.
     ``picker_sni``: the server name sent in the TLS handshake (optional).
+    ``picker_client_cert``: the certificate and key files Envoy presents to the picker (a
+    picker run with ``--client-ca`` requires one).
     ``picker_streams_per_connection``: at most this many ext_proc streams on one connection to
     the picker, so that a busy Envoy opens several; a picker of worker processes
     (``--workers``) is handed connections, not streams, by the kernel (``SO_REUSEPORT``).
@@ -582,7 +599,8 @@ def envoy_config(listen_port: int, admin_port: int, picker_port: int | list[int]
                                   for port in ports]}]},
         })
         if picker_tls:
-            clusters[-1]["transport_socket"] = picker_transport_socket(picker_sni)
+            clusters[-1]["transport_socket"] = picker_transport_socket(picker_sni,
+                                                                       picker_client_cert)
     return {
         "admin": {"address": _address(admin_port)},
         "static_resources": {

@@ -28,11 +28,13 @@ import yaml
 from picker.config.schema import load_config
 from picker.stack.envoy import (
     FALLBACK_ENDPOINTS,
+    GATEWAY_NAME,
     JwtIdentity,
     client_controlled_headers,
     envoy_binary,
     write_envoy_config,
 )
+from picker.tls import certificate_authority, issue
 
 
 def hold_port(port: int) -> socket.socket:
@@ -159,6 +161,14 @@ class Stack:
     as the gateways do; False: both plaintext (``--secure-serving=false``)."""
     picker_args: list[str] = field(default_factory=list)
     """Extra flags for ``python -m picker serve`` (e.g. ``--cert-path DIR``)."""
+    client_auth: str | None = None
+    """Who may speak ext_proc to the picker (``--client-auth``): ``mtls``, Envoy presenting
+    ``gateway_client_cert`` (signed by the stack's own CA, ``GATEWAY_NAME``); ``trust-network``
+    (TEST ONLY, like ``identity``'s default: tenant headers believed from any client);
+    ``none``. None: ``mtls`` with ``secure_serving`` and envoy.py's Envoy, else
+    ``trust-network`` (a plaintext picker, or an ``envoy_bootstrap`` that presents no
+    certificate unless it uses ``gateway_client_cert`` and sets this to ``mtls``). Flags
+    ``--client-auth``/``--client-ca`` in ``picker_args`` win."""
     identity: str = "trusted-client"
     """How envoy.py's Envoy establishes the tenant (``picker.stack.envoy.IDENTITY_MODES``). The
     default is the TEST-ONLY ``trusted-client``: the tests, benchmarks and demos send the tenant
@@ -231,6 +241,39 @@ class Stack:
                 and "endpoints" not in self.picker_config)
 
     @property
+    def picker_client_auth(self) -> str:
+        """``client_auth`` resolved."""
+        if self.client_auth is not None:
+            return self.client_auth
+        return "mtls" if self.secure_serving and self.envoy_bootstrap is None \
+            else "trust-network"
+
+    @property
+    def tls_dir(self) -> Path:
+        """The stack's CA (``ca.crt``) and the gateway's client pair (``gateway.crt``/``.key``)."""
+        return self.workdir / "tls"
+
+    @property
+    def gateway_client_cert(self) -> tuple[Path, Path]:
+        """The certificate and key Envoy presents to the picker (made at ``start``)."""
+        return self.tls_dir / "gateway.crt", self.tls_dir / "gateway.key"
+
+    def _make_certificates(self) -> None:
+        if (self.tls_dir / "ca.crt").exists():
+            return
+        ca = certificate_authority("fairway-stack-ca")
+        ca.write(self.tls_dir, "ca.crt", "ca.key")
+        issue(ca, [GATEWAY_NAME]).write(self.tls_dir, "gateway.crt", "gateway.key")
+
+    def _client_auth_args(self) -> list[str]:
+        if any(arg.startswith(("--client-auth", "--client-ca")) for arg in self.picker_args):
+            return []
+        mode = self.picker_client_auth
+        if mode == "mtls":
+            return ["--client-ca", str(self.tls_dir / "ca.crt"), "--client-name", GATEWAY_NAME]
+        return [f"--client-auth={mode}"]
+
+    @property
     def access_log(self) -> Path:
         return self.workdir / "access.log"
 
@@ -255,6 +298,8 @@ class Stack:
 
     def start(self) -> Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.secure_serving:
+            self._make_certificates()
         try:
             self._start()
         except BaseException:
@@ -294,6 +339,8 @@ class Stack:
                 else None,
                 access_log=self.access_log, response_path=self.response_path,
                 picker_tls=self.secure_serving, identity=self.identity, jwt=self.jwt,
+                picker_client_cert=self.gateway_client_cert
+                if self.picker_client_auth == "mtls" else None,
                 endpoints=self.endpoint_addresses if self.retries else None,
                 picker_streams_per_connection=self.picker_streams_per_connection,
                 # The headers this picker's config trusts, not a fixed four.
@@ -421,7 +468,7 @@ class Stack:
         self.picker_processes.append(self._spawn(
             [sys.executable, "-m", "picker", "serve", *source, *_picker_ports(0, 0, 0, 0),
              "--grace", "2", f"--secure-serving={str(self.secure_serving).lower()}",
-             *self.picker_args], name, "picker listening"))
+             *self._client_auth_args(), *self.picker_args], name, "picker listening"))
         # The ports it bound, as it printed them (their lines come before the marker's).
         output = self._startup_output[name]
         self.replica_ports.append({port: int(_printed_port(output, port))

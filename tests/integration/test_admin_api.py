@@ -223,7 +223,7 @@ async def test_serve_binds_the_admin_api_on_its_own_port_and_closes_it_on_stop(
         admin_ready: asyncio.Future[int] = loop.create_future()
         stop = asyncio.Event()
         settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
-                                 admin_port=0, grace=1.0)
+                                 admin_port=0, grace=1.0, client_auth="trust-network")
         task = asyncio.create_task(serve(settings, stop, ready, admin_ready))
         try:
             grpc_port, metrics_port = await asyncio.wait_for(asyncio.shield(ready), TIMEOUT)

@@ -32,6 +32,8 @@ defaults under another release name), and checked:
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import copy
 import functools
 import json
@@ -40,10 +42,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helm_python import Chart, HelmRenderError, HelmValuesError, lint, package
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
@@ -51,6 +56,8 @@ import picker.__main__ as picker_main
 from fairway_operator import render as operator_render
 from fairway_operator.__main__ import parse_args as operator_parse_args
 from picker.config.schema import PickerConfig, load_config
+from picker.server import ServeSettings, serve
+from picker.tls import KeyPair, certificate_authority, issue, unverified_channel_credentials
 from tests.expect import expected_message
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -598,8 +605,11 @@ def test_with_redis_the_secrets_are_mounted_where_the_config_names_them() -> Non
         _one("redis-no-operator", "ConfigMap", "picker-config")["data"]["picker.yaml"]))
     assert config.state.redis.password_file is None and config.state.redis.ca_file is None
     deployment = _one("redis-no-operator", "Deployment", "picker")
-    assert [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
-    assert [m["name"] for m in _container(deployment)["volumeMounts"]] == ["tmp"]
+    # (the gateway CA and the admin token are mounted whatever the state backend)
+    assert [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]] == [
+        "tmp", "client-ca", "admin-token"]
+    assert [m["name"] for m in _container(deployment)["volumeMounts"]] == [
+        "tmp", "client-ca", "admin-token"]
 
 
 # --- the operator and the names the components share -------------------------------------------
@@ -802,7 +812,29 @@ def test_network_policies() -> None:
     assert not _selected(by_port["admin"][0]["podSelector"]["matchLabels"],
                          picker_pods["metadata"]["labels"])
     assert operator["spec"]["ingress"] == [] and operator["spec"]["policyTypes"] == ["Ingress"]
-    assert _kind("default", "NetworkPolicy") == []
+
+
+def test_network_policies_are_on_by_default() -> None:
+    """Without any value the picker takes ext_proc only from the samples' Gateway's pods,
+    metrics only from the monitoring namespace and the admin API only from the operator."""
+    policy = _one("default", "NetworkPolicy", "picker")
+    by_port = {port["port"]: rule["from"] for rule in policy["spec"]["ingress"]
+               for port in rule["ports"]}
+    gateway = [{"podSelector": {"matchLabels": {
+        "gateway.networking.k8s.io/gateway-name": "inference-gateway"}}}]
+    assert by_port["ext-proc"] == by_port["health"] == gateway
+    assert by_port["metrics"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    operator = _one("default", "Deployment", "operator")["spec"]["template"]["metadata"]
+    (admin,) = by_port["admin"]
+    assert _selected(admin["podSelector"]["matchLabels"], operator["labels"])
+    # A picker.ctl pod may be let in beside the operator (it still needs the token).
+    manifests = _chart().render({"networkPolicy": {"admin": [{"podSelector": {
+        "matchLabels": {"app": "ops"}}}]}}, name="fairway", namespace=NS, is_install=True)
+    (policy, _) = yaml.safe_load_all(manifests["fairway/templates/networkpolicy.yaml"])
+    admin_from = [rule["from"] for rule in policy["spec"]["ingress"]
+                  if rule["ports"] == [{"port": "admin", "protocol": "TCP"}]]
+    assert admin_from[0][1:] == [{"podSelector": {"matchLabels": {"app": "ops"}}}]
 
 
 def test_network_policy_with_only_a_gateway_pod_selector() -> None:
@@ -822,6 +854,146 @@ def test_network_policy_leaves_the_pickers_way_to_redis_open() -> None:
     manifests = _chart().render(values, name="fairway", namespace=NS, is_install=True)
     for policy in yaml.safe_load_all(manifests["fairway/templates/networkpolicy.yaml"]):
         assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+
+
+# --- who may speak to the picker: mTLS on ext_proc, the admin token ---------------------------
+
+
+def _secret(case_id: str, name: str) -> dict[str, bytes]:
+    (secret,) = [o for o in _kind(case_id, "Secret") if o["metadata"]["name"] == name]
+    return {key: base64.b64decode(value) for key, value in secret["data"].items()}
+
+
+def _mounted(deployment: dict, path: str) -> dict:
+    """The volume mounted at the directory of ``path`` in the first container."""
+    directory = str(Path(path).parent)
+    (mount,) = [m for m in _container(deployment)["volumeMounts"] if m["mountPath"] == directory]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == mount["name"]]
+    return volume
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_the_picker_requires_the_gateways_client_certificate(case_id: str) -> None:
+    """By default (TLS on) the picker verifies a client certificate against a CA Secret it
+    mounts where ``--client-ca`` points, and pins the names; plaintext says its mode."""
+    values = _values(case_id)["picker"]["tls"]
+    deployment = _one(case_id, "Deployment", "picker")
+    settings = _picker_settings(_container(deployment)["args"])
+    auth = settings.client_authentication()
+    if not values["enabled"]:
+        assert auth.mode == values["clientAuth"]["mode"] != "mtls"
+        assert settings.client_ca is None
+        return
+    assert auth.mode == "mtls" and auth.names == {"fairway-gateway"}
+    volume = _mounted(deployment, str(settings.client_ca))
+    fullname = deployment["metadata"]["name"]
+    assert volume["secret"] == {"secretName": f"{fullname}-client-ca",
+                                "items": [{"key": "ca.crt", "path": settings.client_ca.name}]}
+    # The gateway's Secret is a TLS Secret signed by that CA, for the pinned name.
+    ca = x509.load_pem_x509_certificate(_secret(case_id, f"{fullname}-client-ca")["ca.crt"])
+    gateway = _secret(case_id, f"{fullname}-gateway-tls")
+    cert = x509.load_pem_x509_certificate(gateway["tls.crt"])
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["fairway-gateway"]
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert x509.ExtendedKeyUsageOID.CLIENT_AUTH in usage
+    assert gateway["ca.crt"] == _secret(case_id, f"{fullname}-client-ca")["ca.crt"]
+
+
+def test_a_picker_with_the_rendered_ca_serves_only_the_rendered_gateway(tmp_path: Path) -> None:
+    """The chart's generated CA and gateway certificate, handed to a real picker: the gateway's
+    certificate is served, a client without one (or with another CA's) is refused at the
+    handshake."""
+    (tmp_path / "ca.crt").write_bytes(_secret("default", "fairway-picker-client-ca")["ca.crt"])
+    gateway = _secret("default", "fairway-picker-gateway-tls")
+    pair = KeyPair(gateway["tls.crt"], gateway["tls.key"], None)  # type: ignore[arg-type]
+    stranger = issue(certificate_authority("another-ca"), ["fairway-gateway"])
+    config = tmp_path / "picker.yaml"
+    config.write_text(json.dumps({"endpoints": [{"address": "127.0.0.1:9"}]}))
+
+    async def check(port: int, client: KeyPair | None) -> bool:
+        credentials = await asyncio.to_thread(unverified_channel_credentials, "127.0.0.1",
+                                              port, 5.0, client)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+        return True
+
+    async def scenario() -> list[bool]:
+        stop = asyncio.Event()
+        ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        settings = ServeSettings(config, grpc_port=0, grpc_health_port=0, metrics_port=0,
+                                 admin_port=0, grace=0.2, client_ca=tmp_path / "ca.crt",
+                                 client_names=("fairway-gateway",))
+        task = asyncio.create_task(serve(settings, stop, ready))
+        try:
+            port, _ = await asyncio.wait_for(asyncio.shield(ready), 15)
+            return [await check(port, pair), await check(port, None),
+                    await check(port, stranger)]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+    assert asyncio.run(scenario()) == [True, False, False]
+
+
+def test_a_ca_secret_of_ones_own_replaces_the_generated_ones() -> None:
+    """cert-manager (or any CA): the picker mounts the named Secret's key; nothing generated."""
+    manifests = _chart().render({"picker": {"tls": {"clientAuth": {
+        "caSecretName": "gateway-ca", "caKey": "tls-ca.pem"}}}}, name="fairway", namespace=NS,
+        is_install=True)
+    objects = [o for path, text in manifests.items() if path.endswith(".yaml")
+               for o in yaml.safe_load_all(text) if o]
+    names = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    assert names == {"fairway-picker-admin-token"}
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"
+                     and o["metadata"]["name"] == "fairway-picker"]
+    settings = _picker_settings(_container(deployment)["args"])
+    assert _mounted(deployment, str(settings.client_ca))["secret"] == {
+        "secretName": "gateway-ca", "items": [{"key": "tls-ca.pem", "path": "ca.crt"}]}
+
+
+def test_the_gateway_secret_goes_to_the_gateways_namespace() -> None:
+    manifests = _chart().render({"picker": {"tls": {"clientAuth": {
+        "gatewayNamespace": "envoy-gateway-system"}}}}, name="fairway", namespace=NS,
+        is_install=True)
+    secrets = {o["metadata"]["name"]: o["metadata"]["namespace"]
+               for path, text in manifests.items() if path.endswith(".yaml")
+               for o in yaml.safe_load_all(text) if o and o["kind"] == "Secret"}
+    assert secrets == {"fairway-picker-client-ca": NS,
+                       "fairway-picker-gateway-tls": "envoy-gateway-system",
+                       "fairway-picker-admin-token": NS}
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_the_admin_api_needs_the_token_the_operator_sends(
+        case_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The picker's ``--admin-token-file`` and the operator's are one Secret's ``token``."""
+    monkeypatch.delenv("FAIRWAY_ADMIN_TOKEN_FILE", raising=False)
+    picker = _one(case_id, "Deployment", "picker")
+    settings = _picker_settings(_container(picker)["args"])
+    assert settings.admin_token_file is not None and settings.exposure_problem() is None
+    volume = _mounted(picker, str(settings.admin_token_file))
+    secret = volume["secret"]["secretName"]
+    assert volume["secret"]["items"] == [{"key": "token",
+                                          "path": settings.admin_token_file.name}]
+    assert len(_secret(case_id, secret)["token"]) >= 32
+    if _values(case_id)["operator"]["enabled"]:
+        operator = _one(case_id, "Deployment", "operator")
+        operator_settings, _ = operator_parse_args(_container(operator)["args"])
+        assert operator_settings.admin_token_file == settings.admin_token_file
+        assert _mounted(operator, str(operator_settings.admin_token_file)) == volume
+    # Without the token flag, the chart's 0.0.0.0 would be refused at start.
+    args = [a for a in _container(picker)["args"] if not a.startswith("--admin-token-file")]
+    with pytest.raises(SystemExit):
+        picker_main.main(args)
 
 
 # --- files shared with the repository ----------------------------------------------------------
@@ -868,8 +1040,15 @@ def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
     with Chart.load(archive) as packaged:
         assert [c["data"] for c in packaged.crds] == [c["data"] for c in _chart().crds]
         assert packaged.schema == _chart().schema
-        assert packaged.render({}, name="fairway", namespace=NS, is_install=True) == \
-            _rendered("default")[0]
+        assert _unkeyed(packaged.render({}, name="fairway", namespace=NS, is_install=True)) \
+            == _unkeyed(_rendered("default")[0])
+
+
+def _unkeyed(manifests: dict[str, str]) -> dict[str, str]:
+    """The manifests with the generated keys, certificates and token blanked (new each render
+    without a cluster to look the old ones up in)."""
+    return {path: re.sub(r"^(  (?:ca\.crt|tls\.crt|tls\.key|token)): \S+$", r"\1: ...", text,
+                         flags=re.M) for path, text in manifests.items()}
 
 
 @pytest.mark.parametrize("case_id", ["default", "ha", "inferencepool-failopen", "no-operator",

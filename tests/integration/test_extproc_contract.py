@@ -352,8 +352,9 @@ async def running_picker(tmp_path: Path, *, endpoints: int = 1, meter_claim_time
         path.write_text(json.dumps(document))  # JSON is YAML
         stop = asyncio.Event()
         ready: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        # The test's own client stands in for the gateway: tenant headers believed from it.
         settings = ServeSettings(path, grpc_port=0, grpc_health_port=0, metrics_port=0,
-                                 admin_port=0, grace=1.0,
+                                 admin_port=0, grace=1.0, client_auth="trust-network",
                                  meter_claim_timeout=meter_claim_timeout,
                                  log_claim_timeout=log_claim_timeout)
         task = asyncio.create_task(serve(settings, stop, ready))

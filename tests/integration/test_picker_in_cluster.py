@@ -99,7 +99,8 @@ async def picker(url: str, **settings: Any) -> AsyncIterator[tuple[int, int]]:
     admin_ready: asyncio.Future[int] = loop.create_future()
     task = asyncio.create_task(serve(ServeSettings(
         grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=0.5, kube_server=url,
-        config_map=f"{NS}/fairway-picker-config", **settings), stop, ready, admin_ready))
+        config_map=f"{NS}/fairway-picker-config", client_auth="trust-network", **settings),
+        stop, ready, admin_ready))
     try:
         (grpc_port, _), admin_port = await asyncio.wait_for(
             asyncio.gather(asyncio.shield(ready), asyncio.shield(admin_ready)), 20)

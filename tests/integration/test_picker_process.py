@@ -96,6 +96,11 @@ async def _read_lines(stream: asyncio.StreamReader, sink: list[str]) -> None:
 
 
 async def spawn(config_path: Path, *extra: str) -> Process:
+    """``python -m picker serve``; the tests' own gRPC clients stand in for the gateway, so
+    unless ``extra`` says who may speak ext_proc, tenant headers are believed from them
+    (``--client-auth=trust-network``, the explicit development mode)."""
+    if not any(arg.startswith(("--client-auth", "--client-ca")) for arg in extra):
+        extra = ("--client-auth=trust-network", *extra)
     grpc_port, metrics_port = reserved_port(), reserved_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "picker", "serve", "--config", str(config_path),

@@ -229,7 +229,8 @@ async def in_process(tmp_path: Path | None = None, url: str | None = None,
         if url else {}
     task = asyncio.create_task(serve(ServeSettings(
         grpc_port=0, grpc_health_port=0, metrics_port=0, admin_port=0, grace=5.0,
-        **source, **settings), stop, ready, health_ready=health_ready))
+        client_auth="trust-network", **source, **settings), stop, ready,
+        health_ready=health_ready))
     try:
         health = await asyncio.wait_for(asyncio.shield(health_ready), 20)
         yield stop, health, ready

@@ -116,8 +116,11 @@ same as upstream's picker: ext_proc 9002, gRPC health 9003, metrics 9090; the ad
 {{- if ge (float64 .Values.picker.grace) (float64 .Values.picker.terminationGracePeriodSeconds) }}
 {{- fail "picker.terminationGracePeriodSeconds must exceed picker.grace (the kubelet kills the pod after it)" }}
 {{- end }}
-{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.namespaceSelector) (not .Values.networkPolicy.gateway.podSelector) }}
-{{- fail "networkPolicy.gateway needs a namespaceSelector or a podSelector (who may reach ext_proc)" }}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gateway.namespaceSelector) (not .Values.networkPolicy.gateway.podSelector) (not .Values.networkPolicy.gateway.gatewayName) }}
+{{- fail "networkPolicy.gateway needs a gatewayName, a namespaceSelector or a podSelector (who may reach ext_proc)" }}
+{{- end }}
+{{- if and (not .Values.picker.tls.enabled) (eq .Values.picker.tls.clientAuth.mode "mtls") }}
+{{- fail "picker.tls.clientAuth.mode mtls needs picker.tls.enabled (a client certificate is a TLS thing): set mode none or trust-network for plaintext ext_proc" }}
 {{- end }}
 {{- if and (gt (int .Values.picker.workers) 1) (ne .Values.state.backend "redis") }}
 {{- fail "picker.workers > 1 needs state.backend redis (the workers share their counters and the endpoints through it)" }}
@@ -183,9 +186,39 @@ the picker's name, so two pools sharing a Redis stay apart. */}}
 
 {{/* Where the picker finds tls.secretName's tls.crt and tls.key (--cert-path). */}}
 {{- define "fairway.tlsMountPath" -}}/etc/fairway/tls{{- end }}
+{{- define "fairway.clientCaMountPath" -}}/etc/fairway/client-ca{{- end }}
+{{- define "fairway.adminTokenMountPath" -}}/etc/fairway/admin{{- end }}
+
+{{/* mTLS on ext_proc: "true" when the picker requires the gateway's client certificate. */}}
+{{- define "fairway.mtls" -}}
+{{- if and .Values.picker.tls.enabled (eq .Values.picker.tls.clientAuth.mode "mtls") }}true{{ end }}
+{{- end }}
+
+{{/* The Secret with the gateway CA the picker verifies client certificates against. */}}
+{{- define "fairway.clientCaSecret" -}}
+{{- .Values.picker.tls.clientAuth.caSecretName | default (printf "%s-client-ca" (include "fairway.picker.fullname" .)) }}
+{{- end }}
+
+{{- define "fairway.gatewayTlsSecret" -}}
+{{- printf "%s-gateway-tls" (include "fairway.picker.fullname" .) }}
+{{- end }}
+
+{{/* The Secret (key `token`) with the admin API's bearer token. */}}
+{{- define "fairway.adminTokenSecret" -}}
+{{- .Values.picker.admin.tokenSecretName | default (printf "%s-admin-token" (include "fairway.picker.fullname" .)) }}
+{{- end }}
 
 {{/* One NetworkPolicy peer (a list of one) from {namespaceSelector, podSelector}; with neither,
 every namespace. */}}
+{{/* The gateway's peer: its selectors, else the pods of the Gateway gatewayName. */}}
+{{- define "fairway.gatewayPeer" -}}
+{{- if or .namespaceSelector .podSelector }}
+{{- include "fairway.networkPeer" . }}
+{{- else }}
+{{- include "fairway.networkPeer" (dict "podSelector" (dict "matchLabels" (dict "gateway.networking.k8s.io/gateway-name" .gatewayName))) }}
+{{- end }}
+{{- end }}
+
 {{- define "fairway.networkPeer" -}}
 {{- $peer := dict }}
 {{- with .namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end }}
