@@ -84,7 +84,8 @@ def _tenant_rules(policy: TenantPolicy) -> TenantRules:
         over_budget=policy.over_budget.action, demote_lane=policy.over_budget.lane,
         max_queued=limits.max_queued, max_concurrent=limits.max_concurrent,
         max_input_tokens=limits.max_input_tokens, max_output_tokens=limits.max_output_tokens,
-        output_limit_action=limits.output_limit)
+        output_limit_action=limits.output_limit,
+        reserve="expected" if policy.budgets.reserve == "expected" else "worst_case")
 
 
 def admission_rules(config: PickerConfig) -> tuple[dict[str, TenantRules], TenantRules]:

@@ -328,6 +328,20 @@ class Budgets:
     """Short window (seconds to minutes): smooths bursts."""
     sustained: Budget | None = None
     """Long window (hours to a day): the tenant's quota."""
+    reserve: Literal["worstCase", "expected"] = "worstCase"
+    """What a request reserves until it is settled. ``worstCase``: what it may cost, prompt +
+    output cap × choices (``max_tokens``, else ``models[].maxModelLen`` less the prompt, times
+    ``max(n, best_of)``), the cap lowered (and sent to the engine) so that no request costs
+    more than the smallest budget holds; a request waits (429 with ``Retry-After``, or is
+    demoted) until its worst case fits, and a tenant never gets more than its budget, however
+    many requests it sends at once. The cost: a reservation held longer than needed, so a client
+    that sets no ``max_tokens`` runs fewer requests at once (docs/budgets.md, measured).
+    ``expected``: prompt + expected output × choices, while the tenant's outstanding worst case
+    (over its requests in flight, worst case less reserved) stays within its level: one
+    request more at once, and an overshoot of at most one request's worst case, owed. Either
+    way a debt is owed in full (no floor): a tenant in debt waits (debt + its next request's
+    need) / refill rate, the debt being at most one request's worst case plus what the prompt
+    estimate fell short by (in demote mode, what the demote lane served over the budget)."""
 
 
 @dataclass(frozen=True)

@@ -7,22 +7,41 @@ buckets: a **burst** budget that absorbs short spikes and a **sustained** budget
 period. The concurrency cap is applied at dispatch, not here (``may_start``): a tenant at its cap
 stays queued and the dispatcher serves someone else meanwhile.
 
-Budgets work on estimates and settle on actuals. Output length is unknown at admission, so
-``admit`` **reserves** ``prompt + expected output`` from every bucket at once and ``finish``
-refunds (or charges) the difference from what the request actually used. The reservation is taken
-before the next admission looks at the bucket, so concurrent requests cannot overshoot a budget
-together: the overshoot is bounded by how far estimates fell short, never by how many requests
-were in flight.
+Budgets work on bounds and settle on actuals. Output length is unknown at admission, so by
+default (``reserve="worst_case"``) ``admit`` **reserves** what the request may cost, ``prompt +
+output cap × choices`` (the cap: its ``max_tokens``, else the model's context less the prompt,
+else none), from every bucket at once, and ``finish`` refunds the difference from what it
+actually used. The cap is **bounded by what the budget can pay**: when that worst case is more
+than the smallest of the tenant's budgets holds full, the output cap sent to the engine is
+lowered until it fits (``Admitted.max_output_tokens``). A request waits (or is demoted) until
+its whole worst case fits the level, so no number of concurrent requests overshoots a budget:
+the level stays at or above zero, prompt estimate errors aside.
+
+``reserve="expected"`` is the documented alternative: it reserves ``prompt + expected output ×
+choices`` and keeps, per tenant, the **outstanding** worst case, the sum over its queued and
+running requests of ``worst case − reserved``. A request is admitted only while that
+outstanding sum does not exceed the level (and the level covers its own reservation). The
+invariant ``level − outstanding`` (what the level would be if every request in flight used its
+worst case) then only falls at an admission, which needs it at or above zero, and by that
+request's worst case; a settlement or refill only raises it. So the level never ends below
+minus one request's worst case: the overshoot is at most one request's worst case, and it is
+owed.
+
+**Debt is owed in full.** A bucket has no floor: what a request used beyond its reservation
+(a prompt estimated low, a demoted request) stays charged, and the tenant waits ``(debt +
+next request's need) / refill rate`` before its next admission. In reject mode the debt is at
+most one request's worst case plus estimate error; levels are kept finite (``MAX_DEBT``).
 
 Choices made on purpose:
 
 - Buckets start full and refill continuously at ``capacity / refill_seconds`` tokens a second.
 - A bucket may go negative: a demoted request is charged although the bucket was short (otherwise
   demotion would be free and a tenant could flood the demote lane at no cost to its budget), a
-  request may use more than it reserved, and an estimate larger than a bucket's capacity is
-  admitted on a full bucket (it could never find that much in it: waiting forever would not
-  help). The debt delays the tenant's next admissions, which is the point, but it is capped at one
-  capacity: whatever happened, refill brings any bucket back to full within twice its period.
+  request may use more than it reserved, and an estimate larger than a bucket's capacity (a
+  prompt alone larger than it) is admitted on a full bucket (it could never find that much in
+  it: waiting forever would not help). The debt delays the tenant's next admissions, which is
+  the point; nothing forgives it. In demote mode it grows with what the demote lane served
+  over the budget, and the tenant's requests stay demoted until refill has paid it.
 - State is per tenant, created at its first admission and forgotten once it is indistinguishable
   from fresh state (nothing queued or running and every bucket full), so forgetting loses nothing.
   ``finish`` forgets at once when it can, which covers every tenant without budgets; ``prune``
@@ -46,6 +65,7 @@ SUSTAINED = "sustained"
 
 OverBudgetAction = Literal["reject", "demote"]
 OutputLimitAction = Literal["reject", "clamp"]
+ReserveRule = Literal["worst_case", "expected"]
 
 # Refusal reasons (metric labels). The first two are the client's fault and will not pass on retry.
 INPUT_TOO_LONG = "input_too_long"
@@ -59,6 +79,9 @@ INSUFFICIENT_QUOTA = "insufficient_quota"
 # Bucket comparisons allow this many tokens of float error, so that a client retrying exactly
 # ``retry_after`` seconds later is admitted whatever rounding the refill arithmetic did.
 _EPSILON = 1e-6
+MAX_DEBT = float(2**53)
+"""How far below zero a level may go: no floor a tenant can reach (a million tokens a second
+for 285 years), only a bound that keeps levels finite and exact whatever is reported."""
 
 
 def _is_int(value: object) -> bool:
@@ -120,6 +143,10 @@ class TenantRules:
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     output_limit_action: OutputLimitAction = "reject"
+    reserve: ReserveRule = "worst_case"
+    """``worst_case``: a request reserves what it may cost (prompt + output cap × choices);
+    ``expected``: prompt + expected output × choices, while the tenant's outstanding worst case
+    stays within its level (see the module docstring)."""
 
     def __post_init__(self) -> None:
         # The config loader reports errors by path; this only stops a bad rule from reaching the
@@ -140,6 +167,8 @@ class TenantRules:
         if self.output_limit_action not in ("reject", "clamp"):
             raise ValueError("output_limit_action must be 'reject' or 'clamp', "
                              f"not {self.output_limit_action!r}")
+        if self.reserve not in ("worst_case", "expected"):
+            raise ValueError(f"reserve must be 'worst_case' or 'expected', not {self.reserve!r}")
 
     @property
     def budgets(self) -> tuple[tuple[str, BucketRule], ...]:
@@ -171,10 +200,11 @@ class _Bucket:
             self.updated = now
 
     def add(self, tokens: float) -> float:
-        """Change the level by ``tokens`` within ±capacity; returns the change made."""
+        """Change the level by ``tokens``, up to the capacity (no floor but ``MAX_DEBT``);
+        returns the change made."""
         capacity = float(self.rule.capacity_tokens)
         before = self.level
-        self.level = max(-capacity, min(capacity, self.level + tokens))
+        self.level = max(-MAX_DEBT, min(capacity, self.level + tokens))
         self.untaken += self.level - before
         return self.level - before
 
@@ -186,12 +216,14 @@ class _Bucket:
 
 
 class _TenantState:
-    __slots__ = ("buckets", "queued", "running")
+    __slots__ = ("buckets", "outstanding", "queued", "running")
 
     def __init__(self, rules: TenantRules, now: float) -> None:
         self.buckets: dict[str, _Bucket] = {w: _Bucket(r, now) for w, r in rules.budgets}
         self.queued = 0
         self.running = 0
+        self.outstanding = 0
+        """Over its queued and running requests: worst case less what was reserved."""
 
     def refilled(self, now: float) -> Iterator[tuple[str, _Bucket]]:
         for window, bucket in self.buckets.items():
@@ -215,7 +247,8 @@ class Reservation:
 
     tenant: str
     reserved_tokens: int
-    """The estimate taken from every bucket at admission: prompt + expected output."""
+    """What was taken from every bucket at admission: its worst case, or with ``reserve:
+    expected`` prompt + expected output."""
     state: str = "queued"
     _holder: _TenantState | None = field(default=None, repr=False)
     # The buckets the estimate was taken from: a bucket that ``update`` added later was not
@@ -223,6 +256,9 @@ class Reservation:
     _charged: tuple[tuple[_Bucket, float], ...] = field(default=(), repr=False)
     # With what each was charged: less than the estimate where the debt cap clipped it, so that
     # settling gives back only what was taken and the actual use is always charged.
+    worst_case_tokens: int = 0
+    """Prompt + output cap × choices (the cap bounded by what the budget can pay); the same as
+    ``reserved_tokens`` with ``reserve: worst_case`` (not bounded without budgets)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,9 +270,11 @@ class Admitted:
     """The lane asked for, or the tenant's demote lane when it was over budget."""
     max_output_tokens: int | None
     """The output limit to send to the engine: the request's own, clamped to the tenant's limit,
-    or the tenant's limit when the request set none (``None``: no limit on either side)."""
+    or the tenant's limit when the request set none, lowered to what the budget can pay
+    (``None``: no limit on any side; the model's context, which the engine applies itself, is
+    not sent)."""
     expected_output_tokens: int
-    """The output estimate that was reserved (capped by ``max_output_tokens``)."""
+    """The output estimate of one choice (capped by ``max_output_tokens``)."""
     demoted: bool = False
 
 
@@ -307,8 +345,9 @@ class Admission:
     def admit(self, tenant: str, lane: str, prompt_tokens: int, max_output_tokens: int | None,
               expected_output_tokens: int, now: float, *,
               cap_prompt_tokens: int | None = None,
-              prereserved: int | None = None) -> Admitted | Refused:
-        """Decide whether a request may queue; when it may, reserve its estimate.
+              prereserved: int | None = None, choices: int = 1,
+              output_limit: int | None = None) -> Admitted | Refused:
+        """Decide whether a request may queue; when it may, reserve it (``reserve``).
 
         ``cap_prompt_tokens`` is what ``max_input_tokens`` is judged on (default
         ``prompt_tokens``): a bound the tenant cannot talk down, where ``prompt_tokens`` is a
@@ -316,8 +355,11 @@ class Admission:
 
         ``max_output_tokens`` is the request's ``max_tokens`` (``None`` when it set none, 0 for a
         request that produces no output, such as embeddings);
-        ``expected_output_tokens`` is the caller's guess of the output it will produce. Checks run
-        in order: prompt size, output limit, the tenant's queued requests, then the budgets.
+        ``expected_output_tokens`` is the caller's guess of the output of one choice;
+        ``choices`` how many the engine generates (``max(n, best_of)``); ``output_limit`` the
+        most one choice may produce when the request sets no cap (the model's context less the
+        prompt; ``None``: unknown). Checks run in order: prompt size, output limit, the tenant's
+        queued requests, then the budgets.
         """
         _count("prompt_tokens", prompt_tokens)
         _count("expected_output_tokens", expected_output_tokens)
@@ -331,20 +373,11 @@ class Admission:
             return Refused(INPUT_TOO_LONG,
                            f"the prompt has {judged} tokens, more than the "
                            f"{rules.max_input_tokens} allowed")
-        limit = rules.max_output_tokens
-        if limit is not None:
-            if max_output_tokens is None:
-                # Unbounded output would make the estimate meaningless: the engine gets the limit.
-                max_output_tokens = limit
-            elif max_output_tokens > limit:
-                if rules.output_limit_action == "reject":
-                    return Refused(OUTPUT_TOO_LONG,
-                                   f"max_tokens is {max_output_tokens}, more than the {limit} "
-                                   "allowed")
-                max_output_tokens = limit
-        expected = expected_output_tokens
-        if max_output_tokens is not None:
-            expected = min(expected, max_output_tokens)
+        plan = self._plan(rules, prompt_tokens, max_output_tokens, expected_output_tokens,
+                          choices, output_limit)
+        if isinstance(plan, Refused):
+            return plan
+        max_output_tokens, expected, estimate, worst = plan
 
         state = self._tenants.get(tenant)
         if (rules.max_queued is not None and state is not None
@@ -355,9 +388,10 @@ class Admission:
         if state is None:
             state = self._tenants[tenant] = _TenantState(rules, now)
 
-        estimate = prompt_tokens + expected
-        # Reserved already in the shared store (``near_limit``): the store judged the budget.
-        refusal = None if prereserved is not None else self._check_budgets(state, estimate, now)
+        # Reserved already in the shared store (``near_limit``): the store judged the budget,
+        # all but the outstanding worst case, which only this picker knows.
+        refusal = self._check_budgets(state, estimate, worst, now,
+                                      outstanding_only=prereserved is not None)
         demoted = False
         if refusal is not None:
             if rules.over_budget == "reject":
@@ -370,25 +404,76 @@ class Admission:
             for bucket in state.buckets.values():
                 bucket.untaken += prereserved  # the store has it: send only the difference
         state.queued += 1
-        reservation = Reservation(tenant, estimate, "queued", state, charged)
+        state.outstanding += worst - estimate
+        reservation = Reservation(tenant, estimate, "queued", state, charged,
+                                  worst_case_tokens=worst)
         return Admitted(reservation, lane, max_output_tokens, expected, demoted)
 
-    def _check_budgets(self, state: _TenantState, estimate: int, now: float) -> Refused | None:
-        worst: tuple[float, str, _Bucket, bool, bool] | None = None
+    def _plan(self, rules: TenantRules, prompt: int, cap: int | None, expected: int,
+              choices: int, output_limit: int | None
+              ) -> tuple[int | None, int, int, int] | Refused:
+        """``(output cap to send, expected output of one choice, tokens to reserve, worst
+        case)`` of a request, or its refusal for a ``max_tokens`` over the tenant's limit."""
+        if not (_is_int(choices) and choices > 0):
+            raise ValueError(f"choices must be a positive integer, not {choices!r}")
+        if output_limit is not None:
+            _count("output_limit", output_limit)
+        limit = rules.max_output_tokens
+        if limit is not None:
+            if cap is None:
+                # Unbounded output would make the estimate meaningless: the engine gets the limit.
+                cap = limit
+            elif cap > limit:
+                if rules.output_limit_action == "reject":
+                    return Refused(OUTPUT_TOO_LONG,
+                                   f"max_tokens is {cap}, more than the {limit} allowed")
+                cap = limit
+        # The most one choice may produce: its cap, else the model's (which the engine applies
+        # itself, so it is not sent), else nothing bounds it.
+        bound = cap if cap is not None else output_limit
+        budgets = rules.budgets
+        if budgets:
+            # Bounded by what the budget can pay: no request may cost more than a full bucket
+            # (its prompt alone excepted), so its output cap is lowered until it fits.
+            full = min(rule.capacity_tokens for _, rule in budgets)
+            payable = max(1, (full - prompt) // choices)
+            if bound is None or bound > payable:
+                bound = cap = payable
+        if bound is not None:
+            expected = min(expected, bound)
+        reserved = prompt + expected * choices
+        if bound is None:
+            return cap, expected, reserved, reserved  # no budget to bound or to protect
+        worst = prompt + bound * choices
+        return cap, expected, worst if rules.reserve == "worst_case" else reserved, worst
+
+    def _check_budgets(self, state: _TenantState, estimate: int, worst: int, now: float, *,
+                       outstanding_only: bool = False) -> Refused | None:
+        """The refusal of a request reserving ``estimate`` (worst case ``worst``), if a budget
+        cannot take it: a level below the reservation, or below the tenant's outstanding worst
+        case (``reserve: expected``; 0 otherwise)."""
+        worst_found: tuple[float, str, _Bucket, bool, bool] | None = None
+        outstanding = state.outstanding
         for window, bucket in state.refilled(now):
             capacity = bucket.rule.capacity_tokens
             # An estimate above the capacity can never fit: it waits for a full bucket instead.
             oversized = estimate > capacity
-            needed = min(estimate, capacity)
+            needed = max(outstanding, 0 if outstanding_only else min(estimate, capacity))
             short = bucket.level + _EPSILON < needed
-            sliced = not short and self._over_slice(bucket, needed)
+            sliced = not short and not outstanding_only and self._over_slice(bucket, needed)
             if short or sliced:
-                wait = bucket.seconds_until(needed) if short else self.slice_wait
-                if worst is None or wait > worst[0]:
-                    worst = (wait, window, bucket, oversized, sliced)
-        if worst is None:
+                if not short:
+                    wait = self.slice_wait
+                elif needed > capacity:
+                    # Only requests ending bring the outstanding worst case within reach.
+                    wait = max(self.queue_full_retry_after, bucket.seconds_until(capacity))
+                else:
+                    wait = bucket.seconds_until(needed)
+                if worst_found is None or wait > worst_found[0]:
+                    worst_found = (wait, window, bucket, oversized, sliced)
+        if worst_found is None:
             return None
-        wait, window, bucket, oversized, sliced = worst
+        wait, window, bucket, oversized, sliced = worst_found
         capacity = bucket.rule.capacity_tokens
         if sliced:
             message = (f"this picker has spent its part of the {window} token budget until it "
@@ -399,8 +484,12 @@ class Admission:
                        f"{format_duration(wait)}")
         else:
             left = max(0, math.floor(bucket.level))
+            need = (f"an estimated {estimate}" if estimate == worst
+                    else f"{estimate} (at most {worst})")
+            if outstanding > 0:
+                need += f" and its requests in flight may still use {outstanding} more"
             message = (f"over the {window} token budget: {left} of {capacity} tokens left, this "
-                       f"request needs an estimated {estimate}; retry in {format_duration(wait)}")
+                       f"request needs {need}; retry in {format_duration(wait)}")
         # The bucket that must wait longest binds: when that is the long window, waiting out the
         # burst would not help, and the client is told so (OpenAI's ``insufficient_quota``).
         reason = INSUFFICIENT_QUOTA if window == SUSTAINED and not sliced else OVER_BUDGET
@@ -414,14 +503,13 @@ class Admission:
         return self.replicas > 1 and bool(self.rules_for(tenant).budgets)
 
     def budget_needs(self, tenant: str, prompt_tokens: int, max_output_tokens: int | None,
-                     expected_output_tokens: int) -> int:
-        """The tokens ``admit`` would reserve for this request (its estimate)."""
-        limit = self.rules_for(tenant).max_output_tokens
-        cap = max_output_tokens
-        if limit is not None and (cap is None or cap > limit):
-            cap = limit  # as admit clamps (a request it rejects for it never reaches budgets)
-        expected = expected_output_tokens if cap is None else min(expected_output_tokens, cap)
-        return prompt_tokens + expected
+                     expected_output_tokens: int, *, choices: int = 1,
+                     output_limit: int | None = None) -> int:
+        """The tokens ``admit`` would reserve for this request (a request it refuses for its
+        output cap never reaches the budgets: 0)."""
+        plan = self._plan(self.rules_for(tenant), prompt_tokens, max_output_tokens,
+                          expected_output_tokens, choices, output_limit)
+        return 0 if isinstance(plan, Refused) else plan[2]
 
     def windows(self, tenant: str) -> tuple[tuple[str, BucketRule], ...]:
         """The tenant's budgets: (window, rule)."""
@@ -478,12 +566,14 @@ class Admission:
         _count("actual_tokens", actual_tokens)
         holder = self._holder(reservation)
         taken = dict(reservation._charged)
+        used = min(actual_tokens, MAX_DEBT)  # a huge int would not fit a float
         for _, bucket in holder.refilled(now):
-            bucket.add(taken.get(bucket, 0.0) - actual_tokens)
+            bucket.add(taken.get(bucket, 0.0) - used)
         if reservation.state == "queued":
             holder.queued -= 1
         else:
             holder.running -= 1
+        holder.outstanding -= reservation.worst_case_tokens - reservation.reserved_tokens
         reservation.state = "done"
         self._forget_if_idle(reservation.tenant, holder, now)
 
@@ -567,7 +657,7 @@ class Admission:
         bucket = state.buckets[window]
         capacity = float(rule.capacity_tokens)
         stored = capacity if level is None else level
-        bucket.level = max(-capacity, min(capacity, stored + bucket.untaken))
+        bucket.level = max(-MAX_DEBT, min(capacity, stored + bucket.untaken))
         bucket.synced = stored
         bucket.updated = now
 

@@ -139,6 +139,9 @@ class Passage:
     stream: bool
     subset: frozenset[str] | None = None
     request_id: str = ""
+    choices: int = 1
+    """Choices the engine generates for it (``max(n, best_of)``): its output is that many
+    times one choice's."""
     reservation: Reservation | None = None
     """Its hold on the tenant's budgets and caps (admission)."""
     demoted: bool = False
@@ -181,6 +184,16 @@ class Passage:
 
 
 P = TypeVar("P", bound=Passage)
+
+
+def output_limit(max_model_len: int | None, prompt_tokens: int, body_prompt_tokens: int
+                 ) -> int | None:
+    """The most one choice of a request without ``max_tokens`` may produce: the model's
+    context less its prompt (the smaller of the two estimates: a prompt estimated high must
+    not talk the bound down), at least 1; None when the context is not known."""
+    if max_model_len is None:
+        return None
+    return max(1, max_model_len - min(prompt_tokens, body_prompt_tokens))
 
 
 def still_waiting(sent: list[P], waiting: float) -> set[P]:
@@ -408,20 +421,23 @@ class Gate:
     def admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
               prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
               subset: frozenset[str] | None = None, request_id: str = "",
-              prereserved: int | None = None, output_seen: bool = True
-              ) -> P | Refused | Turnaway:
+              prereserved: int | None = None, output_seen: bool = True, choices: int = 1,
+              max_model_len: int | None = None) -> P | Refused | Turnaway:
         """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
         set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
 
         ``lane``: the lane asked for (already checked with ``choose_lane``); default the
         tenant's. ``prompt_tokens``: the body's estimate. ``prereserved``: tokens already
         reserved for it in the shared store (``budget_needs``); a request not admitted gives
-        them back. ``output_seen``: see ``Passage.output_seen``.
+        them back. ``output_seen``: see ``Passage.output_seen``. ``choices``: the output
+        sequences it asks for (``max(n, best_of)``); ``max_model_len``: the model's context,
+        which bounds the output of a request without ``max_tokens`` (None: unknown).
         """
         decision = self._admit(build, tenant, lane, model=model, prompt_tokens=prompt_tokens,
                                max_tokens=max_tokens, stream=stream, now=now, subset=subset,
                                request_id=request_id, prereserved=prereserved,
-                               output_seen=output_seen)
+                               output_seen=output_seen, choices=choices,
+                               max_model_len=max_model_len)
         # Refused before anything was reserved here: the store's reservation goes back. (A full
         # queue is turned away after: settling that reservation gives it back.)
         if prereserved is not None and (isinstance(decision, Refused) or (
@@ -430,16 +446,20 @@ class Gate:
         return decision
 
     def budget_needs(self, tenant: str, *, model: str, prompt_tokens: int,
-                     max_tokens: int | None, stream: bool, now: float) -> int:
+                     max_tokens: int | None, stream: bool, now: float, choices: int = 1,
+                     max_model_len: int | None = None) -> int:
         """What ``admit`` would reserve from the tenant's budgets for this request."""
         prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
         expected = self.expected_output(tenant, max_tokens, stream, now)
-        return self.admission.budget_needs(tenant, prompt, max_tokens, expected)
+        return self.admission.budget_needs(
+            tenant, prompt, max_tokens, expected, choices=choices,
+            output_limit=output_limit(max_model_len, prompt, prompt_tokens))
 
     def _admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
                prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
                subset: frozenset[str] | None, request_id: str,
-               prereserved: int | None, output_seen: bool) -> P | Refused | Turnaway:
+               prereserved: int | None, output_seen: bool, choices: int,
+               max_model_len: int | None) -> P | Refused | Turnaway:
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(e.in_service(now) and (subset is None or e.address in subset)
@@ -449,11 +469,12 @@ class Gate:
         # the cap is judged on at least the body's own size (``TenantEstimates.prompt_floor``).
         prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
         expected = self.expected_output(tenant, max_tokens, stream, now)
-        self._note_arrival(tenant, prompt + expected, now)
+        self._note_arrival(tenant, prompt + expected * choices, now)
         decision = self.admission.admit(
             tenant, lane, prompt, max_tokens, expected, now,
             cap_prompt_tokens=self.estimates.prompt_floor(prompt_tokens, prompt),
-            prereserved=prereserved)
+            prereserved=prereserved, choices=choices,
+            output_limit=output_limit(max_model_len, prompt, prompt_tokens))
         if isinstance(decision, Refused):
             return decision
         if self.queued_total() >= self.rules.max_queued and not self._shed_for(decision.lane,
@@ -468,7 +489,7 @@ class Gate:
             body_prompt_tokens=prompt_tokens, body_max_tokens=max_tokens, stream=stream,
             subset=subset, request_id=request_id, reservation=decision.reservation,
             demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None,
-            output_seen=output_seen)
+            output_seen=output_seen, choices=choices)
         self.passages[request] = passage
         self._waiting.setdefault(passage.lane, {})[request] = passage
         self._place(passage, now)
@@ -486,8 +507,10 @@ class Gate:
         return min(max_tokens, max(1, round(min(average, max_tokens))))
 
     def output_estimate(self, passage: Passage, now: float) -> int:
-        """Expected output of a non-streaming request: the tenant's moving average, capped."""
-        return self.expected_output(passage.tenant, passage.output_cap, False, now)
+        """Expected output of a non-streaming request: the tenant's moving average, capped,
+        times its choices."""
+        return self.expected_output(passage.tenant, passage.output_cap, False,
+                                    now) * passage.choices
 
     def _note_arrival(self, tenant: str, tokens: int, now: float) -> None:
         """Remember when the tenant last sent and how big its requests are (for the reserve)."""
@@ -663,7 +686,7 @@ class Gate:
 
     def _projected(self, passage: Passage, now: float) -> int:
         return passage.request.prompt_tokens + self.expected_output(
-            passage.tenant, passage.output_cap, passage.stream, now)
+            passage.tenant, passage.output_cap, passage.stream, now) * passage.choices
 
     def _backlogged(self, tenant: str) -> bool:
         """More than one request of the tenant is waiting: it keeps the pool busy by itself.
@@ -897,7 +920,7 @@ class Gate:
                 output = max(output, request.estimated_output)
             elif outcome == "unmetered":
                 output = max(output, self.expected_output(
-                    passage.tenant, passage.output_cap, passage.stream, now))
+                    passage.tenant, passage.output_cap, passage.stream, now) * passage.choices)
             usage = Usage(request.prompt_tokens, output, 0)
         self.scheduler.finish(request, usage)
         del self.passages[request]
@@ -941,14 +964,16 @@ class Gate:
                                         passage.body_prompt_tokens, usage.prompt_tokens, now)
         # Requests without output (embeddings) would drag the tenant's average towards 0.
         cap = passage.output_cap
+        # The estimate is of one choice: a request of n choices reports n choices' output.
+        output = usage.completion_tokens // passage.choices
         if passage.stream and cap != 0:
             # A stream's own counted output; one cut short (cancelled, failed, stopped at its
             # max_tokens) may only raise the estimate.
             self.estimates.learn_output(
-                passage.tenant, usage.completion_tokens, now, stream=True,
-                complete=outcome == "ok" and (cap is None or usage.completion_tokens < cap))
+                passage.tenant, output, now, stream=True,
+                complete=outcome == "ok" and (cap is None or output < cap))
         elif outcome == "ok" and reported and cap != 0:
-            self.estimates.learn_output(passage.tenant, usage.completion_tokens, now)
+            self.estimates.learn_output(passage.tenant, output, now)
 
     # -- endpoint health (outlier ejection, ``picker.core.health``) --
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from picker.core.admission import Admission
+from picker.core.admission import MAX_DEBT, Admission
 from picker.core.estimates import TenantEstimates
 from picker.core.gate import Gate
 from picker.core.lanes import Scheduler
@@ -222,7 +222,8 @@ class StoreModel:
         for b in changes.budgets:
             key = (b.tenant, b.window)
             level = self._refilled(key, now) + b.change if key in self.buckets else b.level
-            self.buckets[key] = (max(-b.capacity, min(float(b.capacity), level)), now,
+            # No floor but MAX_DEBT: a debt is owed in full (``picker.core.admission``).
+            self.buckets[key] = (max(-MAX_DEBT, min(float(b.capacity), level)), now,
                                  b.capacity, b.rate)
         for e in changes.estimates:
             self.estimates[(e.kind, e.tenant, e.model)] = (e.value, now)

@@ -63,6 +63,8 @@ class Ticket(Passage):
     """One request's passage through the picker: the gate's record, and what waits on it."""
 
     inference: InferenceRequest = field(kw_only=True)
+    lane_asked: str | None = None
+    """The lane the request asked for (metered: a replay asks for it again)."""
     error: RequestError | None = None
     """Set when the request was shed from the queue for a higher lane."""
     _ready: asyncio.Future[None] | None = None
@@ -274,7 +276,9 @@ class Dispatcher:
             model=inference.model, prompt_tokens=inference.prompt_tokens,
             max_tokens=inference.max_tokens, stream=inference.stream, now=self.clock(),
             subset=subset, request_id=request_id, prereserved=prereserved,
-            output_seen=output_seen))
+            output_seen=output_seen, choices=inference.choices,
+            max_model_len=self.max_model_len(inference.model)))
+        ticket.lane_asked = lane
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),
                                           ticket.lane).inc()
@@ -288,6 +292,11 @@ class Dispatcher:
             error.metered = True
             raise error
         return ticket
+
+    def max_model_len(self, model: str) -> int | None:
+        """The model's context length (``models[].maxModelLen``), when configured."""
+        entry = self.config.model(model)
+        return None if entry is None else entry.max_model_len
 
     def _check_serving(self) -> None:
         """Raise the refusal of a picker that takes no requests now (shutting down, a standby,
@@ -309,7 +318,8 @@ class Dispatcher:
         needs = gate.budget_needs(tenant, model=inference.model,
                                   prompt_tokens=inference.prompt_tokens,
                                   max_tokens=inference.max_tokens, stream=inference.stream,
-                                  now=now)
+                                  now=now, choices=inference.choices,
+                                  max_model_len=self.max_model_len(inference.model))
         answer = await reserve(tenant, needs)
         if answer is None:
             return None  # the store is away: judged on this picker's view
@@ -462,8 +472,9 @@ class Dispatcher:
         if not self.metering.enabled:
             return
         end_ms = (now - ticket.arrived_at) * 1000
+        wall = self.wall_clock()
         self.metering.write(MeteringRecord(
-            request_id=ticket.request_id, timestamp=self.wall_clock(), tenant_id=ticket.tenant,
+            request_id=ticket.request_id, timestamp=wall, tenant_id=ticket.tenant,
             model=ticket.inference.model, priority_lane=ticket.lane, outcome=outcome,
             finish_reason=ticket.finish_reason or outcome,
             endpoint=ticket.endpoint.address if ticket.endpoint is not None else None,
@@ -474,7 +485,8 @@ class Dispatcher:
                       - ticket.arrived_at) * 1000,
             ttft_ms=None if ticket.first_byte_at is None else
             (ticket.first_byte_at - ticket.arrived_at) * 1000,
-            e2e_ms=end_ms))
+            e2e_ms=end_ms, arrived_at=wall - end_ms / 1000, max_tokens=ticket.body_max_tokens,
+            stream=ticket.stream, lane_asked=ticket.lane_asked))
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
         # The metrics fold unconfigured tenants into "other" themselves (TenantCapped).

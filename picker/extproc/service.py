@@ -297,7 +297,8 @@ def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None
     priority mode the tenant's standing): a client's own is replaced, or removed when none is
     set (it would otherwise jump the engine's queue). The output cap (``cap_key``:
     ``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is set when admission
-    clamped it.
+    clamped it, and only ever lowered: a body routed before it was read (``AT_HEADERS``) keeps
+    a smaller cap of its own.
     """
     changed = False
     if engine_priority is None:
@@ -308,7 +309,8 @@ def rewrite_body(body: dict, engine_priority: int | None, max_tokens: int | None
     if max_tokens is not None and cap_key is not None:
         key = "max_completion_tokens" if cap_key == "max_tokens" \
             and "max_completion_tokens" in body else cap_key
-        if body.get(key) != max_tokens:
+        own = body.get(key)
+        if not (isinstance(own, int) and 0 < own <= max_tokens):
             body[key] = max_tokens
             changed = True
     return changed
@@ -674,8 +676,13 @@ class _Exchange:
 
     def _rewritten(self, inference: InferenceRequest, ticket: Ticket) -> bytes | None:
         """The body as policy wants it, or None when it needs no change."""
-        changed = rewrite_body(inference.body, ticket.engine_priority,
-                               ticket.max_tokens, inference.output_cap_key)
+        cap = ticket.max_tokens
+        if cap is not None and inference.choices > ticket.choices:
+            # Routed before its body was read (AT_HEADERS), as one choice: the n it asks for
+            # share the output admission reserved, so none can cost more than it was bounded to.
+            cap = max(1, cap * ticket.choices // inference.choices)
+        changed = rewrite_body(inference.body, ticket.engine_priority, cap,
+                               inference.output_cap_key)
         if self.logged and inference.stream and inference.kind in USAGE_OPTION_KINDS:
             changed = ask_continuous_usage(inference.body) or changed
         if not changed:

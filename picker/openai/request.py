@@ -41,6 +41,9 @@ class InferenceRequest:
     output_cap_key: str | None = "max_tokens"
     """The body key holding the output cap (``max_tokens``, ``max_completion_tokens``,
     ``max_output_tokens``), where a clamped cap must be written; None for embeddings."""
+    choices: int = 1
+    """Output sequences the engine generates: ``max(n, best_of)`` (chat and completions), each up
+    to the output cap."""
 
 
 def _text_tokens(text: str) -> int:
@@ -180,7 +183,20 @@ def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT) -> InferenceRequest
     include_usage = bool(stream and isinstance(options, dict) and options.get("include_usage"))
     return InferenceRequest(model=model, prompt_tokens=estimate_prompt_tokens(data),
                             max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                            body=data, kind=kind, output_cap_key=cap_key)
+                            body=data, kind=kind, output_cap_key=cap_key,
+                            choices=_choices(data))
+
+
+def _choices(data: dict[str, Any]) -> int:
+    """``max(n, best_of)``: the sequences vLLM generates (``best_of`` of them, ``n`` returned),
+    each costing output up to the cap. vLLM refuses ``best_of`` below ``n``; so does this."""
+    n = _positive_int(data, "n") or 1
+    best_of = _positive_int(data, "best_of")
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise BadRequest(f"'best_of' ({best_of}) must be at least 'n' ({n})")
+    return best_of
 
 
 def _responses(model: str, data: dict[str, Any]) -> InferenceRequest:

@@ -129,7 +129,8 @@ for _ = 1, budgets do
     else
       level = tonumber(ARGV[i + 2])
     end
-    level = math.max(-cap, math.min(cap, level))
+    -- no floor but MAX_DEBT: a debt is owed in full
+    level = math.max(-9007199254740992, math.min(cap, level))
     redis.call('HSET', KEYS[2], ARGV[i], string.format('%.17g %.17g %s %s', level, now,
                                                      ARGV[i + 3], ARGV[i + 4]))
   end
@@ -228,7 +229,7 @@ end
 for k = 0, n - 1 do
   local at = 2 + 4 * k
   local cap = tonumber(ARGV[at + 2])
-  local level = math.max(-cap, levels[k] - tonumber(ARGV[at + 1]))
+  local level = math.max(-9007199254740992, levels[k] - tonumber(ARGV[at + 1]))
   redis.call('HSET', KEYS[1], ARGV[at], string.format('%.17g %.17g %s %s', level, now,
                                                       ARGV[at + 2], ARGV[at + 3]))
 end

@@ -74,7 +74,7 @@ class Picker:
 
     def spend(self, tenant: str, tokens: int) -> None:
         now = self.dispatcher.clock()
-        admitted = self.admission.admit(tenant, "default", tokens, None, 0, now)
+        admitted = self.admission.admit(tenant, "default", tokens, 0, 0, now)
         assert isinstance(admitted, Admitted)
         self.admission.finish(admitted.reservation, tokens, now)
 
@@ -125,7 +125,7 @@ async def test_a_restarted_picker_resumes_with_the_levels_it_had(
         assert await after.sync.load(asyncio.Event())
         assert after.level("a") == pytest.approx(level, abs=1)
         assert after.scheduler.counter("a") == pytest.approx(counter)
-        refused = after.admission.admit("a", "default", 2000, None, 0, after.dispatcher.clock())
+        refused = after.admission.admit("a", "default", 2000, 0, 0, after.dispatcher.clock())
         assert not isinstance(refused, Admitted)
 
 

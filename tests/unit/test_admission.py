@@ -3,6 +3,7 @@ the concurrency cap, rule updates, rate-limit headers and forgetting idle tenant
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picker.core.admission import (
+    MAX_DEBT,
     Admission,
     Admitted,
     BucketRule,
@@ -28,15 +30,16 @@ def admission(rules: TenantRules, default: TenantRules | None = None) -> Admissi
 
 
 def admitted(a: Admission, tokens: int, now: float = 0.0, tenant: str = "t",
-             max_output: int | None = None, expected: int = 0) -> Admitted:
-    """Admit a request of ``tokens`` prompt tokens and insist it was admitted."""
+             max_output: int | None = 0, expected: int = 0) -> Admitted:
+    """Admit a request of ``tokens`` prompt tokens and insist it was admitted (by default one
+    without output, whose worst case is its prompt)."""
     outcome = a.admit(tenant, LANE, tokens, max_output, expected, now)
     assert isinstance(outcome, Admitted), outcome
     return outcome
 
 
 def refused(a: Admission, tokens: int, now: float = 0.0, tenant: str = "t",
-            max_output: int | None = None, expected: int = 0) -> Refused:
+            max_output: int | None = 0, expected: int = 0) -> Refused:
     outcome = a.admit(tenant, LANE, tokens, max_output, expected, now)
     assert isinstance(outcome, Refused), outcome
     return outcome
@@ -165,7 +168,7 @@ def test_the_tenant_queue_cap_counts_queued_requests_only() -> None:
 def test_over_budget_retry_after_is_the_time_until_the_estimate_fits() -> None:
     a = admission(TenantRules(burst=BURST_1000))
     a.finish(admitted(a, 900).reservation, 900, now=0.0)
-    r = refused(a, 200, expected=100, now=0.0)  # needs 300, has 100, refills 10/s
+    r = refused(a, 200, max_output=100, now=0.0)  # needs 300, has 100, refills 10/s
     assert (r.reason, r.status, r.window) == ("over_budget", "rate_limited", "burst")
     assert r.retry_after == pytest.approx(20.0)
     assert "100 of 1000" in r.message and "20s" in r.message
@@ -209,7 +212,7 @@ def test_an_estimate_above_capacity_waits_for_a_full_bucket_and_is_then_admitted
 
 def test_reservations_stop_concurrent_requests_from_overshooting_together() -> None:
     a = admission(TenantRules(burst=BURST_1000))
-    outcomes = [a.admit("t", LANE, 100, None, 0, 0.0) for _ in range(20)]
+    outcomes = [a.admit("t", LANE, 100, 0, 0, 0.0) for _ in range(20)]
     assert sum(isinstance(o, Admitted) for o in outcomes) == 10
 
 
@@ -230,14 +233,25 @@ def test_over_budget_demote_admits_into_the_demote_lane_and_still_charges() -> N
     assert not admitted(a, 100, now=30.0).demoted
 
 
-def test_debt_is_capped_so_refill_always_brings_a_tenant_back() -> None:
+def test_debt_is_owed_in_full_and_waited_out_at_the_refill_rate() -> None:
+    """No floor forgives a debt: 50 demoted requests of 1000 leave 49,000 owed, and the next
+    request waits (debt + its need) / rate = (49,000 + 1000) / 10 = 5000 s."""
     a = admission(TenantRules(burst=BURST_1000, over_budget="demote", demote_lane="batch"))
     for _ in range(50):
         admitted(a, 1000)
-    assert level(a, 0.0) == pytest.approx(-1000.0)
+    assert level(a, 0.0) == pytest.approx(-49_000.0)
     a.update({"t": TenantRules(burst=BURST_1000)}, TenantRules(), now=0.0)  # now reject
-    assert refused(a, 1000, now=0.0).retry_after == pytest.approx(200.0)  # two periods
-    admitted(a, 1000, now=200.0)
+    assert refused(a, 1000, now=0.0).retry_after == pytest.approx(5000.0)
+    assert refused(a, 1000, now=4999.0).retry_after == pytest.approx(1.0)
+    admitted(a, 1000, now=5000.0)
+
+
+def test_levels_stay_finite_whatever_is_reported() -> None:
+    a = admission(TenantRules(burst=BURST_1000))
+    ok = admitted(a, 10)
+    a.finish(ok.reservation, 10**400, now=0.0)  # an absurd usage: charged, and finite
+    assert -MAX_DEBT <= level(a, 0.0) < -MAX_DEBT / 2
+    assert refused(a, 1, now=0.0).retry_after < math.inf
 
 
 # -- settling --
@@ -246,7 +260,7 @@ def test_debt_is_capped_so_refill_always_brings_a_tenant_back() -> None:
 def test_finish_refunds_what_was_reserved_but_not_used() -> None:
     a = admission(TenantRules(burst=BURST_1000))
     ok = admitted(a, 100, max_output=800, expected=400)
-    assert level(a, 0.0) == pytest.approx(500.0)
+    assert level(a, 0.0) == pytest.approx(100.0)  # its worst case: 100 + 800
     a.finish(ok.reservation, 200, now=0.0)
     assert level(a, 0.0) == pytest.approx(800.0)
     assert ok.reservation.state == "done" and a.queued("t") == 0
@@ -527,3 +541,193 @@ def test_oversized_estimate_is_settled_to_actual_use_not_forgiven() -> None:
     admission.finish(admitted.reservation, 15, now=0.0)
     remaining, capacity = admission.budget_state(0.0)["t"]["burst"]
     assert (remaining, capacity) == (pytest.approx(40 - 15), 40)
+
+
+# -- admission that cannot be outrun (worst-case reservation, choices, debt owed) --
+
+
+BURST_3000 = BucketRule(3000, 60.0)  # 50 tokens a second
+
+
+def test_a_request_reserves_its_worst_case_prompt_plus_max_tokens_times_choices() -> None:
+    a = admission(TenantRules(burst=BucketRule(10_000, 60.0)))
+    ok = a.admit("t", LANE, 100, 200, 50, 0.0, choices=8)
+    assert isinstance(ok, Admitted)
+    assert ok.reservation.reserved_tokens == ok.reservation.worst_case_tokens == 100 + 200 * 8
+    assert ok.max_output_tokens == 200 and ok.expected_output_tokens == 50
+    assert level(a, 0.0) == pytest.approx(10_000 - 1700)
+    assert a.budget_needs("t", 100, 200, 50, choices=8) == 1700
+
+
+def test_n_choices_are_reserved_as_n_and_their_cap_split_to_fit_the_budget() -> None:
+    """``n: 8`` without max_tokens on a 3,000 budget: each choice may produce (3000-100)//8."""
+    a = admission(TenantRules(burst=BURST_3000))
+    ok = a.admit("t", LANE, 100, None, 50, 0.0, choices=8)
+    assert isinstance(ok, Admitted)
+    assert ok.max_output_tokens == 362  # sent to the engine: 8 x 362 + 100 <= 3000
+    assert ok.reservation.reserved_tokens == 100 + 8 * 362
+    assert refused(a, 10, now=0.0).reason == "over_budget"  # 4 tokens left
+
+
+def test_without_max_tokens_the_models_context_bounds_the_worst_case() -> None:
+    a = admission(TenantRules(burst=BucketRule(100_000, 60.0)))
+    ok = a.admit("t", LANE, 1000, None, 50, 0.0, output_limit=4096 - 1000)
+    assert isinstance(ok, Admitted)
+    assert ok.reservation.reserved_tokens == 4096
+    assert ok.max_output_tokens is None  # the engine applies its own context: nothing sent
+
+
+def test_a_worst_case_over_a_full_budget_is_capped_to_what_the_budget_can_pay() -> None:
+    a = admission(TenantRules(burst=BURST_3000, sustained=BucketRule(2000, 3600.0)))
+    ok = a.admit("t", LANE, 100, 5000, 300, 0.0)  # the smallest budget binds: 2000
+    assert isinstance(ok, Admitted)
+    assert ok.max_output_tokens == 1900 and ok.reservation.reserved_tokens == 2000
+    unbounded = admission(TenantRules(burst=BURST_3000)).admit("t", LANE, 100, None, 300, 0.0)
+    assert isinstance(unbounded, Admitted) and unbounded.max_output_tokens == 2900
+    # A tenant without budgets has nothing to bound it: its request goes as it came.
+    free = admission(TenantRules()).admit("t", LANE, 100, None, 300, 0.0)
+    assert isinstance(free, Admitted) and free.max_output_tokens is None
+
+
+def test_a_request_whose_worst_case_does_not_fit_waits_until_it_does() -> None:
+    a = admission(TenantRules(burst=BURST_3000))
+    admitted(a, 10, max_output=2000)  # 990 left
+    r = refused(a, 10, max_output=1000)  # needs 1010
+    assert r.retry_after == pytest.approx(20 / 50)
+    assert "1010" in r.message
+    admitted(a, 10, max_output=1000, now=0.4)
+
+
+def test_fifteen_concurrent_streams_of_max_tokens_1000_get_no_more_than_the_budget() -> None:
+    """The attack: a 3,000-token burst budget, 15 concurrent requests with max_tokens 1000
+    that each use all of it. Before: 11 served, 11,000 output tokens. Now: 2 (2 x 1010)."""
+    a = admission(TenantRules(burst=BURST_3000))
+    outcomes = [a.admit("t", LANE, 10, 1000, 100, 0.0) for _ in range(15)]
+    served = [o for o in outcomes if isinstance(o, Admitted)]
+    assert len(served) == 2
+    for ok in served:
+        a.start(ok.reservation)
+        a.finish(ok.reservation, 10 + 1000, now=0.0)
+    assert level(a, 0.0) == pytest.approx(3000 - 2 * 1010)
+
+
+def test_reserve_expected_refuses_while_the_outstanding_worst_case_exceeds_the_level() -> None:
+    a = admission(TenantRules(burst=BURST_3000, reserve="expected"))
+    outcomes = [a.admit("t", LANE, 10, 1000, 100, 0.0) for _ in range(15)]
+    served = [o for o in outcomes if isinstance(o, Admitted)]
+    # Each reserves 110 and may use 900 more: admitted while 900 x (admitted) <= 3000 - 110 x
+    # (admitted), so 3 (2,700 <= 2,670 is false for the fourth).
+    assert len(served) == 3
+    assert served[0].reservation.reserved_tokens == 110
+    assert served[0].reservation.worst_case_tokens == 1010
+    refusal = a.admit("t", LANE, 10, 1000, 100, 0.0)
+    assert isinstance(refusal, Refused) and "in flight may still use 2700" in refusal.message
+    for ok in served:
+        a.finish(ok.reservation, 1010, now=0.0)
+    # The overshoot is at most one request's worst case, and it is owed.
+    assert level(a, 0.0) == pytest.approx(3000 - 3 * 1010)
+    assert -1010 <= level(a, 0.0) < 0
+    # The debt is waited out, then the next request's need: (30 + 110) / 50 s.
+    assert refused(a, 10, max_output=1000, expected=100).retry_after == pytest.approx(2.8)
+
+
+def test_reserve_expected_admits_again_once_requests_in_flight_settle() -> None:
+    a = admission(TenantRules(burst=BucketRule(3000, 3600.0), reserve="expected"))
+    first = a.admit("t", LANE, 10, 1000, 100, 0.0)
+    assert isinstance(first, Admitted)
+    for _ in range(2):
+        assert isinstance(a.admit("t", LANE, 10, 1000, 100, 0.0), Admitted)
+    assert isinstance(a.admit("t", LANE, 10, 1000, 100, 0.0), Refused)
+    a.finish(first.reservation, 60, now=0.0)  # used little: 900 less outstanding, 50 back
+    assert isinstance(a.admit("t", LANE, 10, 1000, 100, 0.0), Admitted)
+
+
+def test_a_prereserved_request_is_still_held_to_the_outstanding_worst_case() -> None:
+    """Beside other pickers the store judged the level; the outstanding worst case only this
+    picker knows, so ``reserve: expected`` still refuses on it."""
+    a = admission(TenantRules(burst=BucketRule(1000, 3600.0), reserve="expected"))
+    for _ in range(2):
+        assert isinstance(a.admit("t", LANE, 10, 500, 10, 0.0, prereserved=20), Admitted)
+    # Level 960, outstanding 980: the third is refused whatever the store reserved.
+    assert isinstance(a.admit("t", LANE, 10, 500, 10, 0.0, prereserved=20), Refused)
+
+
+def test_choices_and_output_limit_must_make_sense() -> None:
+    a = admission(TenantRules())
+    for kwargs in ({"choices": 0}, {"choices": True}, {"output_limit": -1}):
+        with pytest.raises(ValueError):
+            a.admit("t", LANE, 10, 10, 10, 0.0, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        TenantRules(reserve="sometimes")  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(500, 20_000),
+    seconds=st.integers(1, 1000),
+    expected_mode=st.booleans(),
+    steps=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 2000), st.integers(1, 3000),
+                  st.one_of(st.none(), st.integers(0, 5000)), st.integers(1, 8),
+                  st.integers(0, 1000), st.integers(0, 1000), st.integers(0, 39)),
+        max_size=80,
+    ),
+    data=st.data(),
+)
+def test_served_tokens_never_exceed_the_budget_plus_one_worst_case(
+        capacity: int, seconds: int, expected_mode: bool,
+        steps: list[tuple[bool, int, int, int | None, int, int, int, int]],
+        data: st.DataObject) -> None:
+    """Whatever requests a tenant sends concurrently (prompt, max_tokens or none, 1-8 choices,
+    up to 40 in flight), each using anything up to its worst case (prompt estimated right):
+    over any interval from the start, the tokens served stay within capacity + refill (+ one
+    request's worst case with ``reserve: expected``), every worst case within a full budget,
+    and the bucket's level is exactly capacity − used + refill: no overshoot is forgiven."""
+    rule = BucketRule(capacity, float(seconds))
+    a = admission(TenantRules(burst=rule, reserve="expected" if expected_mode else "worst_case"))
+    now = 0.0
+    live: list[tuple[Reservation, int]] = []
+    served = 0
+    largest = 0  # the largest worst case admitted
+    model_len = 4096
+    # The bucket refills only while below capacity; track the exact level as the bound.
+    expected_level = float(capacity)
+
+    def settle(index: int) -> None:
+        nonlocal served, expected_level
+        reservation, actual = live.pop(index)
+        a.finish(reservation, actual, now)
+        served += actual
+        # A refund never fills a bucket beyond its capacity; nothing else moves the level.
+        expected_level = min(float(capacity), expected_level + reservation.reserved_tokens
+                             - actual)
+
+    for is_admit, dt_ms, prompt, cap, choices, expected_pm, used_pm, pick in steps:
+        if dt_ms:
+            now += dt_ms / 1000
+            expected_level = min(float(capacity), expected_level + rule.rate * dt_ms / 1000)
+        if is_admit and len(live) < 40:
+            limit = max(1, model_len - prompt)
+            outcome = a.admit("t", LANE, prompt, cap, expected_pm, now, choices=choices,
+                              output_limit=limit if pick % 2 else None)
+            if isinstance(outcome, Admitted):
+                r = outcome.reservation
+                assert r.worst_case_tokens <= max(capacity, prompt + choices)
+                largest = max(largest, r.worst_case_tokens)
+                output = outcome.max_output_tokens
+                if output is None:
+                    output = limit if pick % 2 else 10**6  # a tenant without caps (unused)
+                worst_output = r.worst_case_tokens - prompt
+                assert output * choices <= worst_output or outcome.max_output_tokens is None
+                actual = prompt + worst_output * used_pm // 1000
+                live.append((r, actual))
+                expected_level -= r.reserved_tokens
+        elif live:
+            settle(pick % len(live))
+    while live:
+        settle(data.draw(st.integers(0, len(live) - 1)))
+
+    bound = capacity + rule.rate * now + (largest if expected_mode else 0)
+    oversized = max(0, largest - capacity)  # a prompt alone larger than the budget
+    assert served <= bound + oversized + 1e-6 * (1 + len(steps))
+    assert level(a, now) == pytest.approx(expected_level, abs=1e-6 * (1 + capacity))

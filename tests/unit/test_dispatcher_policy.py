@@ -44,35 +44,51 @@ def _policy_config(tenant: dict[str, Any], *, budget: int = 1000, **sections: An
     return _config([A], budget=budget, lanes=LANES, tenants=[tenant], **sections)
 
 
-async def test_budget_reserves_the_estimate_and_refuses_with_the_wait_for_refill() -> None:
+async def test_budget_reserves_the_worst_case_and_refuses_with_the_wait_for_refill() -> None:
     clock = FakeClock()
     d = _dispatcher(_policy_config({"id": "a", "budgets": {"burst": {"tokens": 1000,
                                                                      "per": "100s"}}}), clock)
-    # Each reserves its prompt and the output estimate: min(max_tokens, 256 by default).
-    first = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # reserves 356
-    second = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # 712
+    # Each reserves what it may cost: its prompt and its max_tokens.
+    first = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # reserves 400
+    second = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # 800
     with pytest.raises(OverBudget) as refused:
-        await d.admit("a", _request(100, stream=False, max_tokens=300))  # 356 > 288 left
+        await d.admit("a", _request(100, stream=False, max_tokens=300))  # 400 > 200 left
     assert refused.value.http_status == 429
-    assert refused.value.retry_after == pytest.approx(6.8)  # 68 short at 10 tokens/s
-    # Settling to actual use refunds what the estimate over-reserved.
+    assert refused.value.retry_after == pytest.approx(20.0)  # 200 short at 10 tokens/s
+    # Settling to actual use refunds what the worst case over-reserved.
     d.complete(first, Usage(100, 50), "ok")
     d.complete(second, Usage(100, 50), "ok")
     assert d.admission.budget_state(clock())["a"]["burst"][0] == pytest.approx(700)
     await _admit(d, "a", _request(100, stream=False, max_tokens=300))
 
 
+async def test_budget_reserve_expected_reserves_the_estimate_while_the_worst_case_fits() -> None:
+    clock = FakeClock()
+    d = _dispatcher(_policy_config({"id": "a", "budgets": {
+        "burst": {"tokens": 1000, "per": "100s"}, "reserve": "expected"}}), clock)
+    # Each reserves its prompt and the output estimate, min(max_tokens, 256 by default), and
+    # may still use 44 more: admitted while that outstanding worst case is within the level.
+    first = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # 356, 44 more
+    second = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # 712, 88
+    with pytest.raises(OverBudget) as refused:
+        await d.admit("a", _request(100, stream=False, max_tokens=300))  # 356 > 288 left
+    assert refused.value.retry_after == pytest.approx(6.8)  # 68 short at 10 tokens/s
+    d.complete(first, Usage(100, 50), "ok")
+    d.complete(second, Usage(100, 50), "ok")
+    assert d.admission.budget_state(clock())["a"]["burst"][0] == pytest.approx(700)
+
+
 async def test_cancelled_while_queued_gives_the_whole_reservation_back() -> None:
     d = _dispatcher(_policy_config({"id": "a", "budgets": {"burst": {"tokens": 1000,
                                                                      "per": "1h"}}}, budget=100))
-    running = await _admit(d, "a", _request(100))
+    running = await _admit(d, "a", _request(100, max_tokens=256))
     held = await _hold(d, "a", 100, stream=False, max_tokens=100)
     assert not held.done()
     held.cancel()
     await asyncio.gather(held, return_exceptions=True)
     remaining = d.admission.budget_state(d.clock())["a"]["burst"][0]
     d.complete(running, Usage(100, 10), "ok")
-    assert remaining == pytest.approx(1000 - (100 + 256))  # only the running request's estimate
+    assert remaining == pytest.approx(1000 - (100 + 256))  # only the running request's
     assert d.admission.budget_state(d.clock()).get("a", {}).get("burst", (890,))[0] == \
         pytest.approx(890)
 

@@ -39,6 +39,7 @@ EXPECTED: dict[type[RequestError], tuple[int, str, str, str]] = {
     errors.NotLeader: (503, "server_error", "not_leader", "not_leader"),
     errors.StateUnavailable: (503, "server_error", "state_unavailable", "state_unavailable"),
     errors.BodyBuffersFull: (503, "server_error", "server_overloaded", "buffers_full"),
+    errors.MeterBacklog: (503, "server_error", "picker_overloaded", "meter_backlog"),
     errors.BodyTimeout: (408, "invalid_request_error", "request_timeout", "body_timeout"),
     errors.InternalError: (500, "server_error", "internal_error", "internal"),
 }
@@ -145,10 +146,10 @@ def test_immediate_response_tells_clients_not_to_retry_a_spent_quota() -> None:
 
 def _refusal(rules: TenantRules, spend: int, ask: int, now: float) -> Refused:
     admission = Admission({}, rules)
-    first = admission.admit("t", "default", spend, None, 0, 0.0)
+    first = admission.admit("t", "default", spend, 0, 0, 0.0)
     assert not isinstance(first, Refused)
     admission.finish(first.reservation, spend, 0.0)
-    refused = admission.admit("t", "default", ask, None, 0, now)
+    refused = admission.admit("t", "default", ask, 0, 0, now)
     assert isinstance(refused, Refused)
     return refused
 

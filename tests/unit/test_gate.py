@@ -26,6 +26,7 @@ from picker.core.gate import (
     LaneRules,
     Passage,
     Turnaway,
+    output_limit,
     still_waiting,
 )
 from picker.core.health import HealthRules
@@ -667,3 +668,53 @@ def test_upstream_failed_settles_to_nothing_and_counts_towards_ejection() -> Non
     assert gate.upstream_failed(again, "connect failure", 2.0)  # the second in a row ejects
     assert not gate.endpoints[E1].in_service(2.0)
     assert gate.endpoints[E1].inflight_requests == 0
+
+
+# -- worst-case reservation through the gate --
+
+
+def test_n_choices_are_reserved_sized_and_settled_as_n() -> None:
+    """``n: 8`` with max_tokens 100: reserved as 8 choices, its expected size on the endpoint
+    is 8 choices', and the tenant's output estimate learns one choice's output."""
+    budget = TenantRules(burst=BucketRule(capacity_tokens=10_000, refill_seconds=100.0))
+    gate, _ = make_gate(budgets={E1: 100_000}, tenants={"a": budget})
+    passage = gate.admit(Passage, "a", None, model="m", prompt_tokens=50, max_tokens=100,
+                         stream=False, now=0.0, choices=8)
+    assert isinstance(passage, Passage) and passage.choices == 8
+    assert passage.reservation is not None
+    assert passage.reservation.reserved_tokens == 50 + 8 * 100
+    assert gate.budget_needs("a", model="m", prompt_tokens=50, max_tokens=100, stream=False,
+                             now=0.0, choices=8) == 850
+    estimate = gate.expected_output("a", 100, False, 0.0)
+    assert passage.projected_tokens == 50 + 8 * estimate
+    gate.complete(passage, Usage(50, 8 * 40), "ok", 0.0)
+    assert gate.admission.budget_state(0.0)["a"]["burst"][0] == pytest.approx(10_000 - 370)
+    one = gate.admit(Passage, "b", None, model="m", prompt_tokens=50, max_tokens=100,
+                     stream=False, now=0.0)
+    assert isinstance(one, Passage) and one.choices == 1
+
+
+def test_a_request_without_max_tokens_is_bounded_by_the_model_and_the_budget() -> None:
+    budget = TenantRules(burst=BucketRule(capacity_tokens=3000, refill_seconds=60.0))
+    gate, _ = make_gate(budgets={E1: 100_000}, tenants={"a": budget, "b": budget})
+    # The model's context (2048) bounds it below the budget: reserved, nothing sent.
+    small = gate.admit(Passage, "a", None, model="m", prompt_tokens=48, max_tokens=None,
+                       stream=True, now=0.0, max_model_len=2048)
+    assert isinstance(small, Passage) and small.reservation is not None
+    assert small.reservation.reserved_tokens == 2048 and small.max_tokens is None
+    # Unknown context: the budget bounds it, and the engine is told (Passage.max_tokens).
+    big = gate.admit(Passage, "b", None, model="m", prompt_tokens=100, max_tokens=None,
+                     stream=True, now=0.0)
+    assert isinstance(big, Passage) and big.max_tokens == 2900 and big.output_cap == 2900
+    refused = gate.admit(Passage, "b", None, model="m", prompt_tokens=10, max_tokens=10,
+                         stream=True, now=0.0)
+    assert isinstance(refused, Refused)
+    # Settled to usage: the worst case was only held, never charged.
+    gate.complete(big, Usage(100, 200), "ok", 0.0)
+    assert gate.admission.budget_state(0.0)["b"]["burst"][0] == pytest.approx(2700)
+
+
+def test_output_limit_is_the_context_less_the_smaller_prompt_estimate() -> None:
+    assert output_limit(None, 10, 10) is None
+    assert output_limit(4096, 1000, 800) == 3296
+    assert output_limit(4096, 5000, 5000) == 1

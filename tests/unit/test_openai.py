@@ -317,3 +317,23 @@ def test_oversize_non_streaming_body_is_not_parsed_for_usage() -> None:
 def test_null_max_completion_tokens_falls_back_to_max_tokens() -> None:
     body = b'{"model": "m", "prompt": "x", "max_completion_tokens": null, "max_tokens": 5}'
     assert parse_request(body).max_tokens == 5
+
+
+@pytest.mark.parametrize("fields, choices", [
+    ({}, 1), ({"n": None}, 1), ({"n": 8}, 8), ({"best_of": 3}, 3), ({"n": 2, "best_of": 5}, 5),
+    ({"n": 4, "best_of": 4}, 4)])
+def test_choices_are_the_larger_of_n_and_best_of(fields: dict[str, Any], choices: int) -> None:
+    for shape in ({"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}):
+        body = json.dumps({"model": "m", "max_tokens": 10, **shape, **fields}).encode()
+        assert parse_request(body).choices == choices
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"n": 0}, "'n'"), ({"n": -1}, "'n'"), ({"n": 1.5}, "'n'"), ({"n": True}, "'n'"),
+    ({"n": "8"}, "'n'"), ({"best_of": 0}, "'best_of'"),
+    ({"n": 4, "best_of": 2}, "'best_of' (2) must be at least 'n' (4)")])
+def test_bad_n_or_best_of_is_a_bad_request(fields: dict[str, Any], fragment: str) -> None:
+    body = json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+    with pytest.raises(BadRequest) as error:
+        parse_request(body)
+    assert fragment in str(error.value)

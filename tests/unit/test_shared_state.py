@@ -54,7 +54,7 @@ class Replica:
         self.scheduler.finish(request)
 
     def spend(self, tenant: str, tokens: int) -> None:
-        admitted = self.admission.admit(tenant, "default", tokens, None, 0, 0.0)
+        admitted = self.admission.admit(tenant, "default", tokens, 0, 0, 0.0)
         assert isinstance(admitted, Admitted)
         self.admission.finish(admitted.reservation, tokens, 0.0)
 
@@ -112,7 +112,7 @@ def test_a_restarted_replica_resumes_from_the_store() -> None:
     after.sync(store)
     assert after.scheduler.counter("a") == pytest.approx(100 + 2 * 100)
     assert after.level("a") == pytest.approx(300.0)
-    refused = after.admission.admit("a", "default", 400, None, 0, 0.0)
+    refused = after.admission.admit("a", "default", 400, 0, 0, 0.0)
     assert not isinstance(refused, Admitted)  # the spent burst budget stays spent
 
 
@@ -162,7 +162,7 @@ def test_a_lift_is_a_change_peers_see() -> None:
 
 def test_a_budget_change_is_kept_until_taken_even_when_the_tenant_could_be_forgotten() -> None:
     one = Replica()
-    spent = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    spent = one.admission.admit("a", "default", 100, 0, 0, 0.0)
     assert isinstance(spent, Admitted)
     one.admission.finish(spent.reservation, 100, 0.0)
     one.admission.prune(7200.0)  # refilled to full and idle: a fresh tenant but for its change
@@ -175,7 +175,7 @@ def test_a_budget_change_is_kept_until_taken_even_when_the_tenant_could_be_forgo
 
 def test_a_refund_that_cancels_the_reservation_is_no_change() -> None:
     one = Replica()
-    admitted = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    admitted = one.admission.admit("a", "default", 100, 0, 0, 0.0)
     assert isinstance(admitted, Admitted)
     one.admission.finish(admitted.reservation, 0, 0.0)  # cancelled: everything refunded
     assert take_changes(one.scheduler, one.admission, 0.0).budgets == ()
@@ -235,7 +235,7 @@ def test_a_lift_above_the_store_s_counter_raises_it_with_what_was_charged_since(
 
 
 def _admitted(replica: Replica, tokens: int) -> bool:
-    admitted = replica.admission.admit("a", "default", tokens, None, 0, 0.0)
+    admitted = replica.admission.admit("a", "default", tokens, 0, 0, 0.0)
     return isinstance(admitted, Admitted)
 
 
@@ -261,7 +261,7 @@ def test_a_picker_over_its_part_is_told_to_retry_after_the_next_exchange() -> No
     one.sync(store)
     one.admission.replicas, one.admission.slice_wait = 4, 0.1
     assert _admitted(one, 200)  # the first request passes
-    refused = one.admission.admit("a", "default", 100, None, 0, 0.0)
+    refused = one.admission.admit("a", "default", 100, 0, 0, 0.0)
     assert not isinstance(refused, Admitted)
     assert refused.retry_after == 0.1 and "part of the burst token budget" in refused.message
 
@@ -270,8 +270,8 @@ def test_a_request_reserved_in_the_store_is_not_sent_again_and_a_refused_one_goe
     one = Replica()
     one.admission.replicas = 2
     assert one.admission.judged_in_store("a") and not one.admission.judged_in_store("nobody")
-    assert one.admission.budget_needs("a", 100, None, 40) == 140
-    admitted = one.admission.admit("a", "default", 100, None, 40, 0.0, prereserved=150)
+    assert one.admission.budget_needs("a", 100, 40, 40) == 140
+    admitted = one.admission.admit("a", "default", 100, 40, 40, 0.0, prereserved=150)
     assert isinstance(admitted, Admitted)
     assert one.level("a") == 1000 - 140  # reserved here as usual
     changes = take_changes(one.scheduler, one.admission, 0.0)
@@ -287,8 +287,8 @@ def test_a_prereserved_admission_takes_the_store_s_word_over_a_stale_view() -> N
     one = Replica()
     one.admission.replicas = 2
     one.spend("a", 990)  # this picker's view: 10 left
-    assert not isinstance(one.admission.admit("a", "default", 100, None, 0, 0.0), Admitted)
-    assert isinstance(one.admission.admit("a", "default", 100, None, 0, 0.0, prereserved=100),
+    assert not isinstance(one.admission.admit("a", "default", 100, 0, 0, 0.0), Admitted)
+    assert isinstance(one.admission.admit("a", "default", 100, 0, 0, 0.0, prereserved=100),
                       Admitted)
 
 
