@@ -76,7 +76,7 @@ from picker.extproc.routed import (
 )
 from picker.identity import KEY_HEADERS, OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
-from picker.openai.paths import INFERENCE_PATHS, ApiKind, classify, normalise_path
+from picker.openai.paths import ApiKind, classify, forward_path
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
 from picker.tls import UNAUTHENTICATED_HEADER_MODE, ClientAuth
 
@@ -355,6 +355,9 @@ def _body_replaced(chunk: bytes | None) -> pb.ProcessingResponse:
         response=pb.CommonResponse(body_mutation=mutation)))
 
 
+NOTHING_COMPUTED = Usage(0, 0, 0)
+"""What an engine's error answer (a status other than 2xx) reports it computed."""
+
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -401,6 +404,9 @@ class _Exchange:
         no meter stream is coming: output cannot be counted, so it is settled on the estimate."""
         self.kind: ApiKind | None = None
         """The inference API of the path; None for a pass-through path."""
+        self.forward_path: str | None = None
+        """The canonical path to send upstream, when the request's own spelling differs (a
+        trailing slash, upper case, escapes): the engine is sent the path the picker judged."""
         self.model: str | None = None
         self.tenant = config.tenancy.default_tenant
         self.lane: str | None = None
@@ -426,7 +432,8 @@ class _Exchange:
         if kind == "request_trailers":
             # Trailers end a request whose last body chunk did not say end_of_stream.
             self.body_complete = True
-            replies = [] if self.routed or self.done else await self._body_complete()
+            replies = [] if self.routed or self.done \
+                else self._with_path(await self._body_complete())
             return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             self.observe_response(message)
@@ -513,6 +520,8 @@ class _Exchange:
             # Who, which lane and which API are known from the headers: refuse before the body.
             self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
                                  self.config.routing.pass_through_set)
+            if self.kind is not None:
+                self.forward_path = forward_path(self.headers.get(":path", ""))
             self.tenant = self.dispatcher.identity.tenant(self.headers)
             self.lane = self.dispatcher.choose_lane(self.tenant, self._lane_asked())
             if self.kind is not None and message.request_headers.end_of_stream:
@@ -525,7 +534,7 @@ class _Exchange:
         if self.plan is BodyPlan.BUFFERED:
             return [_HEADERS_CONTINUE]
         if self.plan is BodyPlan.AT_HEADERS:
-            return await self._route_before_body()
+            return self._with_path(await self._route_before_body())
         return []
 
     def _lane_asked(self) -> str | None:
@@ -589,7 +598,7 @@ class _Exchange:
                 "request body exceeds the gateway's buffer"))
         if not body.end_of_stream:
             return []
-        return await self._body_complete()
+        return self._with_path(await self._body_complete())
 
     async def _body_complete(self) -> list[pb.ProcessingResponse]:
         """The whole body is in (HOLD or BUFFERED): admit, queue, and route."""
@@ -674,6 +683,25 @@ class _Exchange:
         rewritten = self._rewritten(inference, ticket)
         return [_body_replaced(bytes(self.body) if rewritten is None else rewritten)]
 
+    def _with_path(self, replies: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
+        """``replies`` with the route (the one that clears the route cache) also setting
+        ``:path`` to ``forward_path``, when the request spelled its path otherwise: Envoy would
+        forward ``/V1/chat/completions`` or ``/v1/chat/completions/`` unchanged, the engine
+        answer 404, and the request be charged for nothing served. (Envoy's default mutation
+        rules let ext_proc set ``:path``; a gateway that forbids it sends the spelling as is,
+        and a refusal from the engine is charged nothing.)"""
+        if self.forward_path is None:
+            return replies
+        for reply in replies:
+            which = reply.WhichOneof("response")
+            if which in ("request_headers", "request_body"):
+                common = getattr(reply, which).response
+                if common.clear_route_cache:
+                    common.header_mutation.set_headers.append(
+                        _set_header(":path", self.forward_path))
+                    break
+        return replies
+
     def _rewritten(self, inference: InferenceRequest, ticket: Ticket) -> bytes | None:
         """The body as policy wants it, or None when it needs no change."""
         cap = ticket.max_tokens
@@ -734,9 +762,12 @@ class _Exchange:
         self._settle(ticket, self._usage(), "error" if self.response_failed else "ok")
 
     def _usage(self) -> Usage | None:
-        """The engine's usage as the response reported it (None: not reported, or failed)."""
-        return self.meter.finish() if self.meter is not None and not self.response_failed \
-            else None
+        """The engine's usage as the response reported it (None: not reported). An engine that
+        answered with an error status (400 for a prompt past the context, 404) computed
+        nothing and is charged nothing, not the prompt estimate."""
+        if self.meter is None:
+            return None
+        return NOTHING_COMPUTED if self.response_failed else self.meter.finish()
 
     def _settle(self, ticket: Ticket, usage: Usage | None, outcome: str) -> None:
         if self.meter is not None:
@@ -759,7 +790,10 @@ class _Exchange:
         if logged.first_byte is not None and logged.body_bytes:
             dispatcher.on_first_byte(ticket, at=ticket.arrived_at + logged.first_byte)
         if logged.failed:
-            dispatcher.complete(ticket, None, "error")
+            # An engine's error answer computed nothing (a request the client left before
+            # any answer, status 0, stays on its estimate).
+            dispatcher.complete(ticket, NOTHING_COMPUTED if logged.status >= 400 else None,
+                                "error")
             return
         outcome = "cancelled" if logged.client_gone else "ok"
         usage = logged.usage(prompt_only=self.kind is ApiKind.EMBEDDINGS)
@@ -790,7 +824,7 @@ class _Exchange:
         # was read whole was delivered whole.
         usage = self._usage()
         if usage is not None:
-            self._settle(ticket, usage, "ok")
+            self._settle(ticket, usage, "error" if self.response_failed else "ok")
             return
         # A response the picker was never to see (no body sent; or the access log's entry, lost):
         # its output went uncounted, so it is charged the estimate.

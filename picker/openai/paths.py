@@ -22,8 +22,10 @@ one canonical form and ``classify`` matches the canonical form:
 
 The rules over-approximate what any server behind the gateway might do: a model server that
 decodes once and matches exactly (vLLM) sees an inference path only where ``classify`` does too.
-A path we call inference that the server does not know is charged and answered 404 by it; the
-reverse, an inference request let through uncharged, cannot happen. A path without ``%``, ``\\``,
+So that the server serves what the picker judged, the picker sends it the canonical path
+(``forward_path``, set as ``:path`` with the route); a gateway that will not let it and a server
+that answers 404 cost the tenant nothing (an engine's refusal is charged nothing). The reverse,
+an inference request let through uncharged, cannot happen. A path without ``%``, ``\\``,
 ``//``, ``/.``, upper case, a query or a trailing slash takes a fast path (one regular-expression
 search).
 """
@@ -164,6 +166,19 @@ def classify(method: str, raw_path: str,
         raise MethodNotAllowed(f"{_shown(method)} is not allowed on {path}; allowed: "
                                f"{', '.join(allowed)}")
     raise NotFound(f"Invalid URL ({_shown(method)} {_shown(path)})")
+
+
+def forward_path(raw: str) -> str | None:
+    """The path to send the engine for an inference request whose ``:path`` is ``raw``: None
+    when ``raw`` is already canonical (the usual case: one look-up), else its canonical form
+    with ``raw``'s query kept. A gateway forwards the spelling it got (``/V1/chat/completions``,
+    ``/v1/chat/completions/``), which vLLM answers 404 although the picker judged (and charged)
+    an inference request: the picker sends the path it judged instead."""
+    path, mark, query = raw.partition("?")
+    if path in INFERENCE_PATHS:
+        return None
+    canonical = normalise_path(raw)
+    return canonical + mark + query.partition("#")[0] if mark else canonical
 
 
 def _shown(text: str) -> str:

@@ -478,6 +478,20 @@ async def test_unlisted_path_is_refused_404_and_not_charged(pool: Picker) -> Non
     assert await pool.metric("fairway_service_tokens_total") == 0
 
 
+@pytest.mark.parametrize(("path", "sent"), [
+    ("/v1/chat/completions/", "/v1/chat/completions"),
+    ("/V1/Chat/Completions?x=1", "/v1/chat/completions?x=1"),
+    (CHAT, None)])
+async def test_the_route_sends_the_engine_the_path_the_picker_judged(
+        pool: Picker, path: str, sent: str | None) -> None:
+    """A spelling the picker normalises went to the engine unchanged, which answered 404 to a
+    request charged as inference (issue 26): the route now sets ``:path`` too."""
+    stream = pool.open()
+    await send_request(stream, chat_body(), path=path)
+    reply = await stream.reply()
+    assert header_mutation(reply, "request_headers").get(":path") == sent
+
+
 async def test_listed_pass_through_post_is_routed_with_its_body_and_not_charged(
         tmp_path: Path) -> None:
     async with running_picker(tmp_path, routing={"passThrough": [
@@ -726,6 +740,19 @@ async def test_error_response_is_not_charged_for_output(pool: Picker) -> None:
                           b'"completion_tokens": 999}}}'])
     await pool.eventually("fairway_requests_total", 1, tenant="b", outcome="error")
     assert await pool.metric("fairway_service_tokens_total", tenant="b", kind="completion") == 0
+    assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
+
+
+@pytest.mark.parametrize("status", [400, 404])
+async def test_a_request_the_engine_refuses_is_charged_nothing(pool: Picker, status: int) -> None:
+    """Issue 26: a context-length 400 was charged its prompt estimate (17,790 tokens once)."""
+    stream = pool.open()
+    await route(stream, chat_body("word " * 400, max_tokens=4), headers={TENANT_HEADER: "b"})
+    await relay_response(stream, status, "application/json",
+                         [b'{"error": {"message": "maximum context length is 16 tokens"}}'])
+    await pool.eventually("fairway_requests_total", 1, tenant="b", outcome="error")
+    assert await pool.metric("fairway_service_tokens_total", tenant="b", kind="prompt") == 0
+    assert await pool.metric("fairway_weighted_service_total", tenant="b") == 0
     assert await pool.metric("fairway_endpoint_inflight_tokens") == 0
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from picker.config.schema import load_config
 from picker.errors import BadRequest, MethodNotAllowed, NotFound, RequestError
-from picker.openai.paths import INFERENCE_PATHS, ApiKind, classify, normalise_path
+from picker.openai.paths import INFERENCE_PATHS, ApiKind, classify, forward_path, normalise_path
 
 DEFAULT_PASS = frozenset({("GET", "/v1/models"), ("GET", "/health")})
 
@@ -318,3 +318,21 @@ def test_an_empty_pass_through_list_refuses_every_other_path() -> None:
     with pytest.raises(NotFound):
         classify("GET", "/v1/models", listed)
     assert classify("POST", "/v1/responses", listed) is ApiKind.RESPONSES
+
+
+# -- the path sent to the engine (issue 26: judged inference, forwarded as a 404) --
+
+@pytest.mark.parametrize(("raw", "forwarded"), [
+    ("/v1/chat/completions", None),
+    ("/v1/chat/completions?api-version=1", None),
+    ("/v1/chat/completions/", "/v1/chat/completions"),
+    ("/V1/chat/completions", "/v1/chat/completions"),
+    ("/v1//Chat/./completions/?api-version=1", "/v1/chat/completions?api-version=1"),
+    ("/v1/chat%2Fcompletions", "/v1/chat/completions"),
+    ("/v1/messages/", "/v1/messages"),
+])
+def test_an_inference_path_is_forwarded_as_the_picker_judged_it(raw: str,
+                                                                forwarded: str | None) -> None:
+    assert forward_path(raw) == forwarded
+    sent = forward_path(raw) or raw
+    assert sent.partition("?")[0] in INFERENCE_PATHS
