@@ -15,6 +15,7 @@ from typing import Literal
 
 from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import BadRequest, ConfigError
+from picker.openai.media import DEFAULT_COSTS, PartCosts
 from picker.openai.paths import INFERENCE_PATHS, normalise_method, normalise_path
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -308,6 +309,33 @@ class Model:
     """The engine's context length (vLLM ``--max-model-len``): a request that sets no
     ``max_tokens`` may produce up to this less its prompt, so that is what it is reserved at.
     Unset: such a request is reserved at what its budget can pay (and its output capped there)."""
+    image_tokens: int | None = field(default=None, metadata=_camel("image_tokens", ge=1))
+    """Prompt tokens of every image, for a processor that resizes each to one grid (LLaVA-1.5:
+    576, Gemma 3: 256). Unset: by the image's size (``imagePatchPixels``, ``imageMaxTokens``)."""
+    image_patch_pixels: int = field(default=28, metadata=_camel("image_patch_pixels", ge=1))
+    """Side in pixels of the square one image token covers: an image of ``w×h`` pixels costs
+    ``ceil(w/p)·ceil(h/p)`` tokens (Qwen2-VL and Qwen2.5-VL: 28, Pixtral: 16). The size is read
+    from a base64 image's header (PNG, JPEG, GIF, WebP)."""
+    image_max_tokens: int = field(default=16384, metadata=_camel("image_max_tokens", ge=1))
+    """Tokens of the largest image (Qwen2-VL: its ``max_pixels`` ÷ 28², 16,384 by default), and
+    of an image whose size the picker cannot read (a remote URL): an under-estimate would let a
+    tenant outrun its budget, and the engine's usage settles the charge."""
+    audio_tokens_per_second: float = field(
+        default=25.0, metadata=_camel("audio_tokens_per_second", gt=0, le=10000))
+    """Prompt tokens a second of ``input_audio`` (Qwen2-Audio: 25); audio by URL counts as 30
+    seconds."""
+    file_tokens: int = field(default=4096, metadata=_camel("file_tokens", ge=1))
+    """Tokens of a file part given by reference (``file_id``, a URL); a file in the body counts
+    as text, a token per four bytes."""
+
+    @functools.cached_property
+    def part_costs(self) -> PartCosts:
+        """What the prompt estimate charges this model's non-text parts."""
+        return PartCosts(image_tokens=self.image_tokens,
+                         image_patch_pixels=self.image_patch_pixels,
+                         image_max_tokens=self.image_max_tokens,
+                         audio_tokens_per_second=self.audio_tokens_per_second,
+                         file_tokens=self.file_tokens)
 
 
 @dataclass(frozen=True)
@@ -666,6 +694,12 @@ class PickerConfig:
             if model.name == "*":
                 fallback = model
         return fallback
+
+    def part_costs(self, name: str) -> PartCosts:
+        """What an image, audio or file part costs for model ``name`` (its entry, the ``"*"``
+        entry, or the defaults): ``picker.openai.parse_request`` takes this."""
+        entry = self.model(name)
+        return DEFAULT_COSTS if entry is None else entry.part_costs
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         """The configured entry of ``tenant_id``, if any."""

@@ -9,16 +9,20 @@ engine reads it.
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from picker.errors import BadRequest
+from picker.openai.media import DEFAULT_COSTS, PartCosts
 from picker.openai.paths import ApiKind
+from picker.openai.tokens import text_tokens
 
 CHARS_PER_TOKEN = 4
-"""Prompt estimate: English BPE tokenizers average about four characters a token. The estimate only
-orders the queue until the engine reports ``usage.prompt_tokens``; no tokenizer is downloaded."""
+"""English BPE tokenizers average about four characters a token: what a body's size says of its
+prompt before the body is read. A body's text is estimated by ``picker.openai.tokens`` (by
+script), its images, audio and files by ``picker.openai.media`` (per model); the engine's
+``usage.prompt_tokens`` settles the charge. No tokenizer is downloaded."""
 MESSAGE_OVERHEAD_TOKENS = 4
 """Chat template tokens added per message (role markers, separators)."""
 
@@ -47,27 +51,138 @@ class InferenceRequest:
 
 
 def _text_tokens(text: str) -> int:
-    return math.ceil(len(text) / CHARS_PER_TOKEN)
+    return text_tokens(text)
 
 
-def _content_tokens(content: Any) -> int:
-    if isinstance(content, str):
-        return _text_tokens(content)
-    if isinstance(content, list):  # multi-part content: count the text parts
-        return sum(_text_tokens(p.get("text", "")) for p in content
-                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+def _json_tokens(value: Any) -> int:
+    """A structure as chat templates render it: JSON text (``tojson``, default separators)."""
+    try:
+        return text_tokens(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):  # parsed JSON always dumps; be safe for other callers
+        return 0
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _url(value: Any) -> str:
+    """An image or file reference: a string, or an object holding it under ``url``."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else ""
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _part_tokens(part: dict[str, Any], costs: PartCosts) -> int:
+    """One content part or block of any API: text, image, audio, file, tool call or result."""
+    tokens = 0
+    for key in ("text", "thinking", "refusal"):
+        if isinstance(part.get(key), str):
+            tokens += _text_tokens(part[key])
+    kind = part.get("type")
+    if kind not in _TEXT_PARTS:
+        tokens += _media_tokens(kind, part, costs)
+    if part.get("content") is not None:  # tool_result, nested blocks
+        tokens += _block_tokens(part["content"], costs)
+    if isinstance(part.get("input"), dict):  # tool_use: its arguments as JSON
+        tokens += _text_tokens(json.dumps(part["input"], separators=(",", ":")))
+    return tokens
+
+
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking",
+                         "tool_use", "tool_result"})
+
+
+def _media_tokens(kind: Any, part: dict[str, Any], costs: PartCosts) -> int:
+    """An image, audio, video or file part (``picker.openai.media``); 0 for other kinds."""
+    if kind in ("image_url", "input_image"):  # chat; Responses (a file_id: size unknown)
+        return costs.image(_url(part.get("image_url")))
+    if kind == "image":  # Anthropic: {"source": {"type": "base64", "data"} or a URL}
+        source = _dict(part.get("source"))
+        data = _str(source.get("data"))
+        if source.get("type") == "base64" and data is not None:
+            return costs.image(data, bare=True)
+        return costs.image(_url(source))
+    if kind == "input_audio":  # chat: {"input_audio": {"data", "format"}}
+        data = _str(_dict(part.get("input_audio")).get("data"))
+        return costs.audio_url() if data is None else costs.audio(data)
+    if kind == "audio_url":
+        return costs.audio_url()
+    if kind == "video_url":  # a frame's worth at least: videos are not estimated further
+        return costs.image_max_tokens
+    if kind in ("file", "input_file"):  # chat {"file": {"file_data"}}; Responses flat
+        holder = _dict(part.get("file")) if kind == "file" else part
+        return costs.file(_str(holder.get("file_data")))
+    if kind == "document":  # Anthropic: base64, plain text, nested content, or a URL
+        source = _dict(part.get("source"))
+        data = _str(source.get("data"))
+        if source.get("type") == "text" and data is not None:
+            return _text_tokens(data)
+        if source.get("type") == "content":
+            return _block_tokens(source.get("content"), costs)
+        return costs.file(data)
     return 0
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+def _content_tokens(content: Any, costs: PartCosts = DEFAULT_COSTS) -> int:
+    if isinstance(content, str):
+        return _text_tokens(content)
+    if isinstance(content, list):  # multi-part content
+        return sum(_part_tokens(p, costs) for p in content if isinstance(p, dict))
+    return 0
+
+
+TOOLS_OVERHEAD_TOKENS = 100
+"""The instructions a chat template wraps function schemas in (Qwen 2.5's "# Tools ... within
+<tools></tools> XML tags ..." is about 100 tokens, Llama 3.1's about 60)."""
+
+
+def _structure_tokens(body: dict[str, Any], tools_key: str = "tools") -> int:
+    """``tools`` (function schemas as the chat template renders them: JSON text, plus the
+    template's instructions), a named ``tool_choice``, and a ``response_format`` /
+    Responses ``text.format`` schema. vLLM does not put the schema in the prompt (it constrains
+    decoding); it is counted as text anyway, which errs high by its size."""
+    tokens = 0
+    tools = body.get(tools_key)
+    if isinstance(tools, list) and tools:
+        tokens += TOOLS_OVERHEAD_TOKENS + _json_tokens(tools)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        tokens += _json_tokens(choice)
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") != "text":
+        tokens += _json_tokens(response_format)
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict) \
+            and text["format"].get("type") != "text":
+        tokens += _json_tokens(text["format"])
+    return tokens
+
+
+def estimate_prompt_tokens(body: dict[str, Any], costs: PartCosts = DEFAULT_COSTS) -> int:
     """Prompt tokens of a chat or completions body, estimated without a tokenizer (>= 1)."""
     if "messages" in body:
         messages = body["messages"]
-        total = sum(MESSAGE_OVERHEAD_TOKENS + _content_tokens(m.get("content"))
+        total = sum(MESSAGE_OVERHEAD_TOKENS + _content_tokens(m.get("content"), costs)
+                    + _tool_call_tokens(m)
                     for m in messages if isinstance(m, dict))
+        total += _structure_tokens(body)
     else:
         total = _prompt_tokens(body.get("prompt", ""))
     return max(1, total)
+
+
+def _tool_call_tokens(message: dict[str, Any]) -> int:
+    """An assistant message's ``tool_calls``: the template renders each call's name and
+    arguments."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return 0
+    return _json_tokens(calls)
 
 
 def _prompt_tokens(prompt: Any) -> int:
@@ -82,7 +197,7 @@ def _prompt_tokens(prompt: Any) -> int:
     return 0
 
 
-def _item_tokens(item: Any) -> int:
+def _item_tokens(item: Any, costs: PartCosts = DEFAULT_COSTS) -> int:
     """A Responses ``input`` item: a message (content text or parts), a tool call or its output."""
     if isinstance(item, str):
         return _text_tokens(item)
@@ -91,16 +206,11 @@ def _item_tokens(item: Any) -> int:
     tokens = MESSAGE_OVERHEAD_TOKENS
     content = item.get("content")
     if isinstance(content, list):
-        # Parts: input_text / output_text carry "text"; tool results may nest further blocks.
-        for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    tokens += _text_tokens(text)
-                elif part.get("content") is not None:
-                    tokens += _content_tokens(part["content"])
+        # Parts: input_text / output_text carry "text", input_image / input_file their data;
+        # tool results may nest further blocks.
+        tokens += sum(_part_tokens(p, costs) for p in content if isinstance(p, dict))
     else:
-        tokens += _content_tokens(content)
+        tokens += _content_tokens(content, costs)
     for key in ("output", "arguments"):  # function_call_output / function_call items
         value = item.get(key)
         if isinstance(value, str):
@@ -108,23 +218,14 @@ def _item_tokens(item: Any) -> int:
     return tokens
 
 
-def _block_tokens(content: Any) -> int:
-    """An Anthropic content: a string, or blocks (text, tool_result with nested content, ...)."""
+def _block_tokens(content: Any, costs: PartCosts = DEFAULT_COSTS) -> int:
+    """An Anthropic content: a string, or blocks (text, image, document, tool_use, tool_result
+    with nested content, ...)."""
     if isinstance(content, str):
         return _text_tokens(content)
-    tokens = 0
     if isinstance(content, list):
-        for block in content:
-            if not isinstance(block, dict):
-                continue
-            for key in ("text", "thinking"):
-                if isinstance(block.get(key), str):
-                    tokens += _text_tokens(block[key])
-            if block.get("content") is not None:  # tool_result
-                tokens += _block_tokens(block["content"])
-            if isinstance(block.get("input"), dict):  # tool_use: its arguments as JSON
-                tokens += _text_tokens(json.dumps(block["input"], separators=(",", ":")))
-    return tokens
+        return sum(_part_tokens(b, costs) for b in content if isinstance(b, dict))
+    return 0
 
 
 def _positive_int(data: dict[str, Any], key: str) -> int | None:
@@ -143,9 +244,12 @@ def _stream(data: dict[str, Any]) -> bool:
     return stream
 
 
-def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT) -> InferenceRequest:
+def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT,
+                  part_costs: Callable[[str], PartCosts] | None = None) -> InferenceRequest:
     """Parse the JSON body of an inference request of ``kind``, or raise BadRequest naming the
-    field. ``COMPLETIONS`` and ``CHAT`` accept either shape (``messages`` or ``prompt``)."""
+    field. ``COMPLETIONS`` and ``CHAT`` accept either shape (``messages`` or ``prompt``).
+    ``part_costs``: what an image, audio or file part costs for the body's model (the config's
+    ``models``); default ``DEFAULT_COSTS``."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -158,12 +262,13 @@ def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT) -> InferenceRequest
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string")
+    costs = DEFAULT_COSTS if part_costs is None else part_costs(model)
     if kind is ApiKind.RESPONSES:
-        return _responses(model, data)
+        return _responses(model, data, costs)
     if kind is ApiKind.EMBEDDINGS:
         return _embeddings(model, data)
     if kind is ApiKind.MESSAGES:
-        return _messages(model, data)
+        return _messages(model, data, costs)
     if "messages" in data:
         if not isinstance(data["messages"], list) or not data["messages"]:
             raise BadRequest("'messages' must be a non-empty list")
@@ -181,7 +286,7 @@ def parse_request(body: bytes, kind: ApiKind = ApiKind.CHAT) -> InferenceRequest
     stream = _stream(data)
     options = data.get("stream_options") or {}
     include_usage = bool(stream and isinstance(options, dict) and options.get("include_usage"))
-    return InferenceRequest(model=model, prompt_tokens=estimate_prompt_tokens(data),
+    return InferenceRequest(model=model, prompt_tokens=estimate_prompt_tokens(data, costs),
                             max_tokens=max_tokens, stream=stream, include_usage=include_usage,
                             body=data, kind=kind, output_cap_key=cap_key,
                             choices=_choices(data))
@@ -199,7 +304,7 @@ def _choices(data: dict[str, Any]) -> int:
     return best_of
 
 
-def _responses(model: str, data: dict[str, Any]) -> InferenceRequest:
+def _responses(model: str, data: dict[str, Any], costs: PartCosts) -> InferenceRequest:
     """OpenAI Responses API: ``input`` (text or items), ``instructions``, ``max_output_tokens``."""
     if "input" not in data:
         raise BadRequest("'input' is required")
@@ -207,7 +312,7 @@ def _responses(model: str, data: dict[str, Any]) -> InferenceRequest:
     if isinstance(items, str):
         total = _text_tokens(items)
     elif isinstance(items, list):
-        total = sum(_item_tokens(item) for item in items)
+        total = sum(_item_tokens(item, costs) for item in items)
     else:
         raise BadRequest("'input' must be a string or a list of input items")
     instructions = data.get("instructions")
@@ -215,6 +320,7 @@ def _responses(model: str, data: dict[str, Any]) -> InferenceRequest:
         if not isinstance(instructions, str):
             raise BadRequest("'instructions' must be a string")
         total += MESSAGE_OVERHEAD_TOKENS + _text_tokens(instructions)
+    total += _structure_tokens(data)
     stream = _stream(data)
     return InferenceRequest(model=model, prompt_tokens=max(1, total),
                             max_tokens=_positive_int(data, "max_output_tokens"), stream=stream,
@@ -247,7 +353,7 @@ def _is_ids(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-def _messages(model: str, data: dict[str, Any]) -> InferenceRequest:
+def _messages(model: str, data: dict[str, Any], costs: PartCosts) -> InferenceRequest:
     """Anthropic Messages: ``messages``, ``system`` (text or text blocks), required
     ``max_tokens``."""
     messages = data.get("messages")
@@ -260,12 +366,13 @@ def _messages(model: str, data: dict[str, Any]) -> InferenceRequest:
         content = message.get("content")
         if not isinstance(content, str | list):
             raise BadRequest(f"'messages[{i}].content' must be a string or a list of blocks")
-        total += MESSAGE_OVERHEAD_TOKENS + _block_tokens(content)
+        total += MESSAGE_OVERHEAD_TOKENS + _block_tokens(content, costs)
     system = data.get("system")
     if system is not None:
         if not isinstance(system, str | list):
             raise BadRequest("'system' must be a string or a list of text blocks")
-        total += MESSAGE_OVERHEAD_TOKENS + _block_tokens(system)
+        total += MESSAGE_OVERHEAD_TOKENS + _block_tokens(system, costs)
+    total += _structure_tokens(data)
     if data.get("max_tokens") is None:
         raise BadRequest("'max_tokens' is required")
     max_tokens = _positive_int(data, "max_tokens")

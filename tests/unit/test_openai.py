@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from picker.core.request import Usage
 from picker.errors import BadRequest
 from picker.openai import ResponseMeter, error_body, parse_request
+from picker.openai.media import DEFAULT_COSTS
 from picker.openai.request import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS, estimate_prompt_tokens
 from picker.openai.response import MAX_BUFFERED_BYTES
 
@@ -56,12 +57,13 @@ def test_chat_estimate_counts_each_message_with_its_overhead() -> None:
     assert estimate_prompt_tokens(body) == 2 + 3 + 2 * MESSAGE_OVERHEAD_TOKENS
 
 
-def test_chat_estimate_counts_only_the_text_parts_of_multi_part_content() -> None:
+def test_chat_estimate_counts_text_parts_and_an_image_it_cannot_measure_at_the_cap() -> None:
     content = [{"type": "text", "text": "a" * 12},
                {"type": "image_url", "image_url": {"url": "http://x/" + "z" * 400}},
                {"type": "text", "text": "b" * 4}]
     body = {"messages": [{"role": "user", "content": content}]}
-    assert estimate_prompt_tokens(body) == 3 + 1 + MESSAGE_OVERHEAD_TOKENS
+    assert estimate_prompt_tokens(body) == \
+        3 + 1 + DEFAULT_COSTS.image_max_tokens + MESSAGE_OVERHEAD_TOKENS
 
 
 def test_chat_estimate_of_a_message_without_content_is_its_overhead() -> None:
@@ -268,7 +270,8 @@ def test_any_chunking_of_a_stream_gives_the_same_count_and_usage(data: st.DataOb
     assert b"".join(chunks) == body
     meter = ResponseMeter(streaming=True)
     delivered = sum(meter.feed(chunk) for chunk in chunks)
-    expected = sum(1 for w in words if w)
+    # One a decode step at least, and no fewer than the text's characters / 4.
+    expected = max(sum(1 for w in words if w), -(-sum(map(len, words)) // 4))
     assert delivered == meter.counted_tokens == expected
     assert meter.finish() == Usage(7, len(words), 2)
     assert meter.done
@@ -337,3 +340,36 @@ def test_bad_n_or_best_of_is_a_bad_request(fields: dict[str, Any], fragment: str
     with pytest.raises(BadRequest) as error:
         parse_request(body)
     assert fragment in str(error.value)
+
+
+# -- a stream without usage is counted by what its events carry (issue 26) --
+
+
+def test_events_carrying_many_tokens_are_not_counted_one_each() -> None:
+    """``include_usage: false`` and an engine packing text into few events: each event was
+    counted one token whatever it carried (40 characters, about 10 tokens, counted 1)."""
+    text = "the quick brown fox jumps over a lazy do"  # 40 characters
+    meter = ResponseMeter(streaming=True)
+    assert meter.feed(_sse(_chat_chunk(text), _chat_chunk(text))) == 20
+    assert meter.feed(_sse(_chat_chunk("a"), "[DONE]")) == 1  # a step is one token at least
+    assert meter.counted_tokens == 21 and meter.finish() is None
+
+
+@pytest.mark.parametrize(("kind", "event"), [
+    (ApiKind.MESSAGES, b'event: content_block_delta\ndata: {"type": "content_block_delta", '
+                       b'"index": 0, "delta": {"type": "text_delta", "text": "%s"}}\n\n'),
+    (ApiKind.RESPONSES, b'event: response.output_text.delta\ndata: {"type": '
+                        b'"response.output_text.delta", "delta": "%s"}\n\n'),
+    (ApiKind.COMPLETIONS, b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n'),
+])
+def test_every_api_counts_the_text_its_events_carry(kind: ApiKind, event: bytes) -> None:
+    meter = ResponseMeter(streaming=True, kind=kind)
+    assert meter.feed(event % (b"x" * 40)) == 10
+    assert meter.feed(event % b"y") == 1
+
+
+def test_tool_call_arguments_count_as_text() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]}}]}
+    meter = ResponseMeter(streaming=True)
+    assert meter.feed(_sse(chunk)) == -(-(11 + 30) // 4)

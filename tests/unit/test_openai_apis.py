@@ -17,8 +17,10 @@ from picker.dispatch import Dispatcher
 from picker.errors import BadRequest
 from picker.metrics import PickerMetrics
 from picker.openai import ResponseMeter, parse_request
+from picker.openai.media import DEFAULT_COSTS
 from picker.openai.paths import ApiKind
-from picker.openai.request import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS
+from picker.openai.request import MESSAGE_OVERHEAD_TOKENS
+from picker.openai.tokens import text_tokens
 
 R, E, M = ApiKind.RESPONSES, ApiKind.EMBEDDINGS, ApiKind.MESSAGES
 
@@ -77,7 +79,8 @@ def test_responses_item_list_counts_messages_parts_and_tool_items() -> None:
         {"type": "function_call_output", "call_id": "c1", "output": "e" * 20},
     ]
     request = parse_request(_body(input=items), R)
-    assert request.prompt_tokens == 2 + 3 + 1 + 4 + 5 + 5 * MESSAGE_OVERHEAD_TOKENS
+    image = DEFAULT_COSTS.image_max_tokens  # a remote URL: its size is not known
+    assert request.prompt_tokens == 2 + 3 + image + 1 + 4 + 5 + 5 * MESSAGE_OVERHEAD_TOKENS
     assert request.max_tokens is None and not request.stream and not request.include_usage
 
 
@@ -137,8 +140,10 @@ def test_messages_count_blocks_and_system() -> None:
                          {"type": "image", "source": {"type": "base64", "data": "z" * 999}}]},
                  ])
     request = parse_request(body, M)
-    tool_input = -(-len('{"k":"vv"}') // CHARS_PER_TOKEN)
-    assert request.prompt_tokens == 2 + 3 + 1 + tool_input + 2 + 4 * MESSAGE_OVERHEAD_TOKENS
+    tool_input = text_tokens('{"k":"vv"}')
+    image = DEFAULT_COSTS.image_max_tokens  # not an image format the picker can measure
+    assert request.prompt_tokens == \
+        2 + 3 + 1 + tool_input + 2 + image + 4 * MESSAGE_OVERHEAD_TOKENS
     assert request.kind is M and request.max_tokens == 64 and request.output_cap_key == "max_tokens"
     assert request.stream and request.include_usage
 
