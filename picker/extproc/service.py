@@ -509,6 +509,12 @@ class _Exchange:
             self.echo_response = response_mode == _MODE.FULL_DUPLEX_STREAMED
             self.response_unseen = response_mode == _MODE.NONE and self.meter_id is None
         try:
+            # Who, which lane and which API are known from the headers: refuse before the body
+            # (the API first, so that a refusal comes in its error shape).
+            self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
+                                 self.config.routing.pass_through_set)
+            if self.kind is not None:
+                self.forward_path = forward_path(self.headers.get(":path", ""))
             if repeated in _KEY_HEADERS:  # watched in API-key mode only
                 # Two different keys: whose tenant to charge is not ours to guess.
                 raise Unauthorized(f"header {repeated!r} is sent more than once with different "
@@ -517,11 +523,6 @@ class _Exchange:
                 # Proxies disagree on which copy counts (Envoy logs the first, a dict keeps the
                 # last): a request naming two tenants or lanes is refused, not guessed at.
                 raise BadRequest(f"header {repeated!r} is sent more than once")
-            # Who, which lane and which API are known from the headers: refuse before the body.
-            self.kind = classify(self.headers.get(":method", ""), self.headers.get(":path", ""),
-                                 self.config.routing.pass_through_set)
-            if self.kind is not None:
-                self.forward_path = forward_path(self.headers.get(":path", ""))
             self.tenant = self.dispatcher.identity.tenant(self.headers)
             self.lane = self.dispatcher.choose_lane(self.tenant, self._lane_asked())
             if self.kind is not None and message.request_headers.end_of_stream:
