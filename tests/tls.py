@@ -7,14 +7,29 @@ server presents (fetched first, off the event loop: the picker under test may sh
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
+import yaml
 
-from picker.tls import unverified_channel_credentials
+from picker.stack.envoy import GATEWAY_NAME, with_client_cert
+from picker.tls import certificate_authority, issue, unverified_channel_credentials
 
 
 async def tls_credentials(port: int, host: str = "127.0.0.1") -> grpc.ChannelCredentials:
     return await asyncio.to_thread(unverified_channel_credentials, host, port)
+
+
+def sample_with_client_cert(sample: Path, workdir: Path) -> Path:
+    """An Envoy bootstrap of manifests/gateway/ written into ``workdir`` with the client
+    certificate it mounts (``GATEWAY_CERT``, absent here) replaced by one made here: Envoy loads
+    the files at start, and ``--mode validate`` too."""
+    cert, key = issue(certificate_authority(), [GATEWAY_NAME]).write(
+        workdir, "gateway.crt", "gateway.key")
+    config = with_client_cert(yaml.safe_load(sample.read_text()), cert, key)
+    out = workdir / sample.name
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
 
 
 async def tls_channel(port: int, host: str = "127.0.0.1") -> grpc.aio.Channel:

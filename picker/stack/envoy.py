@@ -6,7 +6,9 @@ fallbacks) over a cluster that lists the pool's endpoints, retrying a request th
 an engine on the picker's next choice (``RETRY_POLICY``); see ``pool_cluster`` for the forms of
 that cluster and for the ``ORIGINAL_DST`` form kept where the endpoints are not known. It dials
 the picker over TLS without verifying it (``picker_tls``, on by default), as Envoy AI Gateway and
-kgateway do, and normalises every path before any filter sees it (``PATH_NORMALISATION``), so
+kgateway do, presenting the gateway's client certificate when given one (``picker_client_cert``:
+a picker run with ``--client-ca`` takes ext_proc only from it), and normalises every path
+before any filter sees it (``PATH_NORMALISATION``), so
 the picker and the model server read the same path. Without a picker (``picker_port=None``) the
 same listener routes on that header as the client sent it: the baseline for measuring the
 picker's overhead.
@@ -196,7 +198,22 @@ GATEWAY_NAME = "fairway-gateway"
 pins with ``--client-name``."""
 GATEWAY_CERT_DIR = "/etc/fairway/gateway-tls"
 """Where the shipped Envoy configs read the gateway's client certificate: the chart's Secret
-``<release>-gateway-tls`` (``tls.crt``, ``tls.key``) mounted into the gateway's Envoy."""
+``<release>-fairway-picker-gateway-tls`` (``tls.crt``, ``tls.key``) mounted into the gateway's
+Envoy. Envoy reads the files at start (a renewed Secret takes a restart of Envoy)."""
+GATEWAY_CERT = (f"{GATEWAY_CERT_DIR}/tls.crt", f"{GATEWAY_CERT_DIR}/tls.key")
+
+
+def with_client_cert(config: dict[str, Any], cert: str | Path, key: str | Path
+                     ) -> dict[str, Any]:
+    """``config`` (an Envoy bootstrap) with the client certificate its picker cluster presents
+    read from ``cert`` and ``key`` instead (a sample's mount path replaced by files that exist
+    here: Envoy loads them at start, ``--mode validate`` too). Changed in place and returned."""
+    for cluster in config["static_resources"]["clusters"]:
+        context = cluster.get("transport_socket", {}).get("typed_config", {})
+        for pair in context.get("common_tls_context", {}).get("tls_certificates", []):
+            pair["certificate_chain"] = {"filename": str(cert)}
+            pair["private_key"] = {"filename": str(key)}
+    return config
 
 
 def picker_transport_socket(sni: str | None = None,

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from picker.stack.envoy import with_client_cert
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, metric, metric_samples, wait_until
 
@@ -119,7 +120,8 @@ def engine_requests(stack: Stack) -> float:
 def shipped_envoy(name: str, jwks: dict[str, Any] | None = None
                   ) -> Callable[[Stack], dict[str, Any]]:
     """manifests/gateway/<name> (an Envoy bootstrap) with the stack's addresses put in, and
-    ``jwks`` as the JWT issuer's keys when given; nothing else changed.
+    ``jwks`` as the JWT issuer's keys when given, and the stack's gateway certificate as the
+    client certificate it presents to the picker; nothing else changed.
 
     The pool cluster keeps its type (``STRICT_DNS``): only its one DNS name (the headless
     Service of the pool's pods) is replaced by the stack's servers, each an address literal
@@ -142,6 +144,10 @@ def shipped_envoy(name: str, jwks: dict[str, Any] | None = None
             {"endpoint": {"address": {"socket_address": {
                 "address": host, "port_value": int(port)}}}}
             for host, port in (a.rsplit(":", 1) for a in stack.endpoint_addresses)]
+        # The client certificate the sample mounts: the stack's gateway certificate (a picker
+        # of the stack's client_auth="mtls" takes ext_proc only from it).
+        if stack.secure_serving:
+            with_client_cert(config, *stack.gateway_client_cert)
         if jwks is not None:
             manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
             (jwt_filter,) = [f for f in manager["http_filters"]

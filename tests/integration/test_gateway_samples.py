@@ -44,6 +44,7 @@ from picker.stack.gateways import (
 )
 from scripts import gen_gateway_envoy
 from tests.integration.test_chart import INFERENCE_POOL_V1
+from tests.tls import sample_with_client_cert
 
 ROOT = Path(__file__).parent.parent.parent
 SAMPLES = ROOT / "manifests" / "gateway"
@@ -302,7 +303,8 @@ def test_each_flavour_retries_as_its_gateway_does(flavour: str) -> None:
 
 
 @pytest.mark.parametrize("sample", ENVOY_SAMPLES)
-def test_plain_envoy_samples_retry_over_the_pool_s_pods_by_dns(sample: str) -> None:
+def test_plain_envoy_samples_retry_over_the_pool_s_pods_by_dns(sample: str,
+                                                              tmp_path: Path) -> None:
     config = yaml.safe_load((SAMPLES / sample).read_text())
     pool = _pool_cluster(config)
     assert pool["type"] == "STRICT_DNS"
@@ -317,7 +319,8 @@ def test_plain_envoy_samples_retry_over_the_pool_s_pods_by_dns(sample: str) -> N
     address = endpoint["endpoint"]["address"]["socket_address"]
     assert f"{address['address']}:{address['port_value']}" == gen_gateway_envoy.POOL_PODS
     assert _route_retry(config) == RETRY_POLICY
-    checked = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(SAMPLES / sample)],
+    checked = subprocess.run([envoy_binary(), "--mode", "validate", "-c",
+                              str(sample_with_client_cert(SAMPLES / sample, tmp_path))],
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
 

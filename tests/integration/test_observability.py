@@ -44,10 +44,11 @@ import yaml
 
 from picker.sim.load import run_traffic
 from picker.sim.traffic import load_traffic
-from picker.stack.envoy import envoy_binary, envoy_config
+from picker.stack.envoy import GATEWAY_CERT, envoy_binary, envoy_config
 from picker.stack.launcher import Stack, hold_port
 from scripts import gen_gateway_envoy
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric
+from tests.tls import sample_with_client_cert
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_PATH = ROOT / "dashboards" / "fairway.json"
@@ -483,15 +484,17 @@ def test_gateway_envoy_yaml_is_the_tests_config_but_for_addresses() -> None:
     endpoint["address"]["socket_address"]["address"] = "127.0.0.1"
     assert undone == envoy_config(listen_port=gen_gateway_envoy.LISTEN_PORT,
                                   admin_port=gen_gateway_envoy.ADMIN_PORT, picker_port=9002,
-                                  pool_pods=gen_gateway_envoy.POOL_PODS)
+                                  pool_pods=gen_gateway_envoy.POOL_PODS,
+                                  picker_client_cert=GATEWAY_CERT)
     # fail-closed, as the InferencePool sample says
     filters = deployed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     picker_filter = filters["typed_config"]["http_filters"][0]["typed_config"]
     assert picker_filter["failure_mode_allow"] is False
 
 
-def test_gateway_envoy_yaml_passes_envoy_validate() -> None:
-    done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML),
+def test_gateway_envoy_yaml_passes_envoy_validate(tmp_path: Path) -> None:
+    done = subprocess.run([envoy_binary(), "--mode", "validate", "-c",
+                           str(sample_with_client_cert(ENVOY_YAML, tmp_path)),
                            "--log-level", "warn"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
