@@ -49,8 +49,10 @@ class Tenancy:
 
     mode: Literal["header", "apiKey"] = "header"
     """``header``: a trusted header the gateway set after authenticating the caller. ``apiKey``:
-    ``Authorization: Bearer <key>`` looked up in ``apiKeys`` (401 when unknown); client-sent
-    tenant headers are then ignored."""
+    the key of ``Authorization: Bearer <key>``, ``x-api-key`` or ``api-key`` (in that precedence;
+    two different keys are refused) looked up in ``apiKeys`` (401 when unknown); client-sent
+    tenant headers are then ignored, and the key headers are removed before the model server. A
+    reload from ``apiKey`` to ``header`` is refused: switching takes a restart."""
     header: str = "x-llm-d-inference-fairness-id"
     """Trusted header the gateway sets to the caller's tenant id (upstream's current name)."""
     also_accept: tuple[str, ...] = field(default=("x-gateway-inference-fairness-id",),
