@@ -3,8 +3,8 @@
 Every request the picker admits becomes, once finished (served, cancelled, timed out in the
 queue, failed), one ``MeteringRecord``, written by a ``MeteringSink`` as one compact JSON object
 per line (JSON Lines) to stdout or a file, ready for a log shipper or ``jq``. Fields appear in
-the dataclass's order. A request refused before the queue (401, 404, 405, 429, ...) costs nothing and is not metered: it
-is counted in ``fairway_rejections_total``.
+the dataclass's order. A request refused before the queue (401, 404, 405, 429, ...) costs
+nothing and is not metered: it is counted in ``fairway_rejections_total``.
 
 Writing runs on the picker's event loop, so it is cheap: one ``write`` and a flush per line, no
 fsync. A sink never raises on a failed write (a closed or broken stdout, a full disk): it counts
@@ -59,6 +59,19 @@ class MeteringRecord:
     """Time to first token from arrival; None if no token was produced."""
     e2e_ms: float
     """Arrival to finish."""
+    # What a replay needs (``python -m picker.whatif``). Added after the fields above, with
+    # defaults, so records written before them still load and readers of the others see no change.
+    arrived_at: float | None = None
+    """When the request reached the picker, unix seconds (``timestamp`` less ``e2e_ms``: the
+    log is in finish order, a replay needs arrival order). None in older records."""
+    max_tokens: int | None = None
+    """The output limit the body asked for (``max_tokens`` or its API's equivalent; 0 for
+    embeddings); None when it set none (or in older records)."""
+    stream: bool | None = None
+    """The client asked for a streamed response; None in older records."""
+    lane_asked: str | None = None
+    """The lane the request asked for (``x-fairway-lane``); None: its tenant's lane, as
+    ``priority_lane`` names it unless ``demoted``."""
 
     def as_dict(self) -> dict[str, Any]:
         """The record as a plain dict, in field order (cheaper than ``dataclasses.asdict``)."""

@@ -63,6 +63,8 @@ class Ticket(Passage):
     """One request's passage through the picker: the gate's record, and what waits on it."""
 
     inference: InferenceRequest = field(kw_only=True)
+    lane_asked: str | None = None
+    """The lane the request asked for (metered: a replay asks for it again)."""
     error: RequestError | None = None
     """Set when the request was shed from the queue for a higher lane."""
     _ready: asyncio.Future[None] | None = None
@@ -276,6 +278,7 @@ class Dispatcher:
             subset=subset, request_id=request_id, prereserved=prereserved,
             output_seen=output_seen, choices=inference.choices,
             max_model_len=self.max_model_len(inference.model)))
+        ticket.lane_asked = lane
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),
                                           ticket.lane).inc()
@@ -469,8 +472,9 @@ class Dispatcher:
         if not self.metering.enabled:
             return
         end_ms = (now - ticket.arrived_at) * 1000
+        wall = self.wall_clock()
         self.metering.write(MeteringRecord(
-            request_id=ticket.request_id, timestamp=self.wall_clock(), tenant_id=ticket.tenant,
+            request_id=ticket.request_id, timestamp=wall, tenant_id=ticket.tenant,
             model=ticket.inference.model, priority_lane=ticket.lane, outcome=outcome,
             finish_reason=ticket.finish_reason or outcome,
             endpoint=ticket.endpoint.address if ticket.endpoint is not None else None,
@@ -481,7 +485,8 @@ class Dispatcher:
                       - ticket.arrived_at) * 1000,
             ttft_ms=None if ticket.first_byte_at is None else
             (ticket.first_byte_at - ticket.arrived_at) * 1000,
-            e2e_ms=end_ms))
+            e2e_ms=end_ms, arrived_at=wall - end_ms / 1000, max_tokens=ticket.body_max_tokens,
+            stream=ticket.stream, lane_asked=ticket.lane_asked))
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
         # The metrics fold unconfigured tenants into "other" themselves (TenantCapped).
