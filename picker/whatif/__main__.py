@@ -1,0 +1,249 @@
+"""``python -m picker.whatif``: replay a metering log under the current config and candidates.
+
+It answers an operator's question before a change: *if this config had served the traffic the
+log recorded, what would each tenant and lane have got?* Nothing live is touched: the log is read,
+the configs are loaded as the picker loads them, and the picker's own gate runs in the pool
+simulator (``picker.whatif.replay``). Printed per tenant and lane, baseline beside each candidate:
+share of service, tokens served, queue wait and TTFT p50/p95, 429s, demotions and when the budget
+ran out; for the pool, output tokens/s and utilisation. ``--json`` for CI, ``--plot`` a PNG.
+
+The pool is what the log shows unless given: the endpoints that served (count), the engines'
+step from the streamed requests' time per output token (median), the KV budget from the config
+(``capacity.kvBudgetTokens``). Exit status: 0; 1 when a candidate was refused (the others are
+still replayed); 2 when the log or the baseline cannot be used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.config.schema import PickerConfig, load_config
+from picker.config.strict import safe_load
+from picker.errors import ConfigError
+from picker.sim.pool import PoolSpec
+from picker.whatif.log import BadField, Skips, parse_record, parse_time, read_arrivals
+from picker.whatif.replay import Quantiles, ReplayResult, replay
+from picker.whatif.report import plot, table
+
+CONFIGMAP_KEY = "picker.yaml"
+DEFAULT_KV_BUDGET = 8192
+DEFAULT_STEP_S = 0.01
+MAX_ENDPOINTS = 4096
+"""Distinct endpoints remembered while scanning (memory stays bounded on a hostile log)."""
+
+
+def load_config_file(path: Path) -> PickerConfig:
+    """A picker config from a file: the config itself, or a ConfigMap holding it under
+    ``picker.yaml`` (as the operator renders it). ConfigError names the file and the field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("", f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        data = safe_load(text)
+        if isinstance(data, dict) and data.get("kind") == "ConfigMap":
+            inner = (data.get("data") or {}).get(CONFIGMAP_KEY)
+            if not isinstance(inner, str):
+                raise ConfigError("data", f"the ConfigMap has no {CONFIGMAP_KEY!r} key")
+            data = safe_load(inner)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path}: not valid YAML: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(exc.path, f"{exc.message} ({path})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: must be a mapping of config sections")
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(exc.path, f"{exc.message} ({path})") from exc
+
+
+@dataclass
+class LogFigures:
+    """What the log says of the pool that served it."""
+
+    endpoints: int
+    step_s: float | None
+    """Median time per output token of streamed requests (their engines' step)."""
+    step_samples: int
+
+
+def scan_figures(path: Path) -> LogFigures:
+    """One streaming pass over the log for the pool's figures (bad lines are left to the
+    replay's pass to report)."""
+    endpoints: set[str] = set()
+    per_token = Quantiles()
+    with path.open("rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            try:
+                data = json.loads(raw)
+                parse_record(number, data)
+            except (ValueError, BadField):
+                continue
+            endpoint = data.get("endpoint")
+            if isinstance(endpoint, str) and len(endpoints) < MAX_ENDPOINTS:
+                endpoints.add(endpoint)
+            ttft, e2e = data.get("ttft_ms"), data.get("e2e_ms")
+            completion = data.get("completion_tokens")
+            if data.get("outcome") == "ok" and data.get("stream") is not False \
+                    and isinstance(ttft, (int, float)) and isinstance(e2e, (int, float)) \
+                    and isinstance(completion, int) and completion >= 8 and e2e > ttft:
+                per_token.add((e2e - ttft) / 1000 / (completion - 1))
+    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count)
+
+
+def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerConfig
+              ) -> tuple[PoolSpec, list[str]]:
+    """The pool to replay on, and a note on where each figure came from."""
+    notes = []
+    if args.endpoints is not None:
+        endpoints = args.endpoints
+        notes.append(f"endpoints {endpoints} (given)")
+    elif figures.endpoints:
+        endpoints = figures.endpoints
+        notes.append(f"endpoints {endpoints} (served requests in the log)")
+    elif baseline.endpoints:
+        endpoints = len(baseline.endpoints)
+        notes.append(f"endpoints {endpoints} (the baseline config's)")
+    else:
+        endpoints = 2
+        notes.append("endpoints 2 (assumed: none in the log or config; --endpoints)")
+    configured = baseline.capacity.kv_budget_tokens
+    if args.kv_budget_tokens is not None:
+        kv = args.kv_budget_tokens
+        notes.append(f"KV budget {kv:,} tokens (given)")
+    elif isinstance(configured, int):
+        kv = configured
+        notes.append(f"KV budget {kv:,} tokens (capacity.kvBudgetTokens)")
+    else:
+        kv = DEFAULT_KV_BUDGET
+        notes.append(f"KV budget {kv:,} tokens (assumed: learned live; --kv-budget-tokens)")
+    if args.step_ms is not None:
+        step = args.step_ms / 1000
+        notes.append(f"step {args.step_ms:g} ms (given)")
+    elif figures.step_s is not None:
+        step = figures.step_s
+        notes.append(f"step {step * 1000:.2f} ms (median time per output token of "
+                     f"{figures.step_samples:,} streamed requests)")
+    else:
+        step = DEFAULT_STEP_S
+        notes.append(f"step {step * 1000:g} ms (assumed: no streamed request to infer it from; "
+                     "--step-ms)")
+    spec = PoolSpec(endpoints=endpoints, kv_budget_tokens=kv, step_s=step,
+                    engine_policy=args.engine_policy,
+                    prefill_s_per_token=args.prefill_ms_per_1k_tokens / 1e6,
+                    scrape_interval_s=max(step, baseline.capacity.scrape_interval))
+    return spec, notes
+
+
+def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namespace,
+         skips: Skips, quiet: bool) -> ReplayResult:
+    def report(message: str) -> None:
+        if not quiet:
+            print(message, file=sys.stderr)
+
+    arrivals = read_arrivals(path, skips, reorder_window_s=args.reorder_window,
+                             since=args.since, until=args.until, report=report)
+    first = next(arrivals, None)
+    if first is None:
+        raise LookupError("no usable record in the log")
+    start = args.since if args.since is not None else first.arrived
+    return replay(config, spec, itertools.chain([first], arrivals), start=start,
+                  client_timeout_s=args.client_timeout, bucket_s=args.bucket)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m picker.whatif", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log", type=Path, help="the picker's metering log (JSON Lines)")
+    parser.add_argument("--baseline", type=Path, required=True,
+                        help="the config the log was served under (a picker config file, or "
+                             "the ConfigMap holding it)")
+    parser.add_argument("--candidate", type=Path, action="append", required=True,
+                        help="a config to compare (repeat for several)")
+    parser.add_argument("--since", type=parse_time,
+                        help="replay arrivals from this time (unix seconds or ISO 8601)")
+    parser.add_argument("--until", type=parse_time, help="... and before this one")
+    parser.add_argument("--endpoints", type=int, help="engines in the pool (default: the log's)")
+    parser.add_argument("--kv-budget-tokens", type=int, help="each engine's KV cache in tokens")
+    parser.add_argument("--step-ms", type=float, help="an engine step (default: the log's)")
+    parser.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0)
+    parser.add_argument("--engine-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="the engines' --scheduling-policy")
+    parser.add_argument("--client-timeout", type=float, default=120.0,
+                        help="seconds after which a client gives up (default 120)")
+    parser.add_argument("--reorder-window", type=float, default=600.0,
+                        help="seconds a record may finish after a later arrival (default 600)")
+    parser.add_argument("--bucket", type=float, default=60.0,
+                        help="seconds per bucket of the service-over-time plot (default 60)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", type=Path, help="write a PNG of service over time here")
+    args = parser.parse_args(argv)
+    for name in ("endpoints", "kv_budget_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.log.is_file():
+        print(f"whatif: {args.log}: no such file", file=sys.stderr)
+        return 2
+    try:
+        baseline = load_config_file(args.baseline)
+    except ConfigError as exc:
+        print(f"whatif: the baseline config is refused: {exc}", file=sys.stderr)
+        return 2
+    candidates: dict[str, PickerConfig] = {}
+    refused = 0
+    for path in args.candidate:
+        try:
+            candidates[str(path)] = load_config_file(path)
+        except ConfigError as exc:
+            refused += 1
+            print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)
+    spec, notes = pool_spec(args, scan_figures(args.log), baseline)
+    skips = Skips()
+    try:
+        base = _run(args.log, baseline, spec, args, skips, quiet=False)
+    except LookupError as exc:
+        print(f"whatif: {args.log}: {exc} ({skips.summary()})", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"whatif: the baseline config is refused: {exc}", file=sys.stderr)
+        return 2
+    results: dict[str, ReplayResult] = {}
+    for name, config in candidates.items():
+        try:
+            results[name] = _run(args.log, config, spec, args, Skips(), quiet=True)
+        except ConfigError as exc:
+            refused += 1
+            print(f"whatif: candidate {name} is refused, not replayed: {exc}", file=sys.stderr)
+    if args.plot is not None and results:
+        plot(base, results, args.plot)
+    if args.json:
+        out: dict[str, Any] = {
+            "log": skips.as_dict(), "pool": {"endpoints": spec.endpoints,
+                                             "kv_budget_tokens": spec.kv_budget_tokens,
+                                             "step_s": spec.step_s, "notes": notes},
+            "baseline": {"config": str(args.baseline), **base.as_dict()},
+            "candidates": [{"config": name, **result.as_dict()}
+                           for name, result in results.items()],
+            "refused_configs": refused}
+        print(json.dumps(out, indent=2))
+    else:
+        print(skips.summary())
+        print("pool: " + "; ".join(notes))
+        for name, result in results.items():
+            print()
+            print(table(base, result, name))
+    return 1 if refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""A metering log read as arrivals: which requests came, when, and what each asked for.
+
+It answers: *what traffic does this log hold, in arrival order, and what in it cannot be used?*
+The picker writes one JSON line per finished request (``picker.metering``), in the order they
+finish; a replay needs them in the order they arrived. ``read_arrivals`` streams the file once and
+keeps only a reorder window in memory: a record is released once a record finishing
+``reorder_window_s`` later has been read (no request still to come can have arrived before it).
+
+Each line that cannot be used is skipped and reported once, naming its line and field (``Skips``):
+not JSON (a truncated or corrupt line), a field missing or of the wrong type, arrived before
+records already replayed (out of order by more than the window), or outside ``--since``/``--until``
+(counted, not reported). Records written before the replay fields (``arrived_at``, ``max_tokens``,
+``stream``, ``lane_asked``) still load: the arrival is their finish less ``e2e_ms``, the rest
+unknown (``Skips.inferred`` counts them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPORTED_PER_KIND = 5
+"""Messages printed for each kind of problem; the rest are counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the log, as a replay sends it again."""
+
+    line: int
+    """Its line in the log (1-based): messages about it name it."""
+    arrived: float
+    """Unix seconds."""
+    tenant: str
+    model: str
+    lane_asked: str | None
+    """The lane it asked for; None: its tenant's (and in older records, which lack it)."""
+    prompt_tokens: int
+    output_tokens: int | None
+    """What the engine produced for it (``completion_tokens``), which the replay's engine
+    produces again; None when it never reached an engine (the run's default is used)."""
+    max_tokens: int | None
+    """The output limit the body asked for, which admission reserves for; None: none or
+    unknown."""
+    stream: bool
+    finished: float
+    """Unix seconds when it finished (``timestamp``): the log's own order."""
+
+
+@dataclass
+class Skips:
+    """What of the log was not replayed, and why; also what had to be inferred."""
+
+    lines: int = 0
+    """Lines read (blank lines included)."""
+    used: int = 0
+    not_json: int = 0
+    bad_field: int = 0
+    out_of_order: int = 0
+    outside_window: int = 0
+    inferred: int = 0
+    """Records without the replay fields (written before them): arrival from ``timestamp`` less
+    ``e2e_ms``, ``stream`` taken as true, ``max_tokens`` unknown."""
+    messages: list[str] = field(default_factory=list)
+    """The first ``REPORTED_PER_KIND`` messages of each kind."""
+    _reported: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def skipped(self) -> int:
+        return self.not_json + self.bad_field + self.out_of_order
+
+    def note(self, kind: str, message: str) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        count = self._reported.get(kind, 0)
+        if count < REPORTED_PER_KIND:
+            self.messages.append(message)
+        elif count == REPORTED_PER_KIND:
+            self.messages.append(f"(further {kind.replace('_', ' ')} lines are counted, not "
+                                 "listed)")
+        self._reported[kind] = count + 1
+
+    def summary(self) -> str:
+        """One sentence: how much was used and how much skipped, by kind."""
+        kinds = [(self.not_json, "not JSON (truncated or corrupt)"),
+                 (self.bad_field, "with a missing or bad field"),
+                 (self.out_of_order, "out of order beyond the reorder window")]
+        parts = [f"{n:,} {what}" for n, what in kinds if n]
+        text = f"replayed {self.used:,} of {self.lines:,} lines"
+        if parts:
+            text += f"; skipped {self.skipped:,}: " + ", ".join(parts)
+        if self.outside_window:
+            text += f"; {self.outside_window:,} outside --since/--until"
+        if self.inferred:
+            text += (f"; {self.inferred:,} older records without arrival/max_tokens/stream "
+                     "(arrival inferred from timestamp - e2e_ms, stream assumed)")
+        return text
+
+    def as_dict(self) -> dict[str, int]:
+        return {"lines": self.lines, "used": self.used, "skipped": self.skipped,
+                "not_json": self.not_json, "bad_field": self.bad_field,
+                "out_of_order": self.out_of_order, "outside_window": self.outside_window,
+                "inferred": self.inferred}
+
+
+class BadField(ValueError):
+    """A record's field is missing or of the wrong type."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"field {name}: {message}")
+
+
+def _number(data: dict[str, Any], name: str, *, required: bool = True) -> float | None:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise BadField(name, "missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadField(name, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _count(data: dict[str, Any], name: str, *, required: bool = True) -> int | None:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise BadField(name, "missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadField(name, f"must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _text(data: dict[str, Any], name: str, *, required: bool = True) -> str | None:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise BadField(name, "missing")
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise BadField(name, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _flag(data: dict[str, Any], name: str) -> bool | None:
+    value = data.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise BadField(name, f"must be true or false, got {value!r}")
+
+
+def parse_record(line_number: int, data: Any) -> tuple[Arrival, bool]:
+    """The arrival a metering record describes, and whether any of it had to be inferred
+    (a record written before the replay fields). Raises ``BadField``."""
+    if not isinstance(data, dict):
+        raise BadField("(record)", f"must be a JSON object, got {type(data).__name__}")
+    tenant = _text(data, "tenant_id")
+    finished = _number(data, "timestamp")
+    arrived = _number(data, "arrived_at", required=False)
+    inferred = arrived is None
+    if arrived is None:
+        e2e_ms = _number(data, "e2e_ms")
+        assert e2e_ms is not None and finished is not None
+        if e2e_ms < 0:
+            raise BadField("e2e_ms", f"must be >= 0, got {e2e_ms!r}")
+        arrived = finished - e2e_ms / 1000
+    prompt = _count(data, "prompt_tokens")
+    completion = _count(data, "completion_tokens")
+    # The lane it ran in (``priority_lane``) is the config's decision, made anew by the replay;
+    # what it asked for is not (older records: unknown, so its tenant's lane).
+    lane_asked = _text(data, "lane_asked", required=False)
+    stream = _flag(data, "stream")
+    endpoint = data.get("endpoint")
+    assert tenant is not None and finished is not None and prompt is not None \
+        and completion is not None
+    return Arrival(
+        line=line_number, arrived=arrived, tenant=tenant,
+        model=_text(data, "model", required=False) or "", lane_asked=lane_asked,
+        prompt_tokens=prompt, output_tokens=completion if endpoint is not None else None,
+        max_tokens=_count(data, "max_tokens", required=False),
+        stream=True if stream is None else stream, finished=finished), inferred
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds from ``text``: a number, or ISO 8601 (UTC when no offset is given)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither unix seconds nor an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).isoformat(timespec="milliseconds")
+
+
+def read_arrivals(path: Path, skips: Skips, *, reorder_window_s: float = 600.0,
+                  since: float | None = None, until: float | None = None,
+                  report: Callable[[str], None] | None = None) -> Iterator[Arrival]:
+    """The usable records of the log at ``path``, in arrival order, streamed.
+
+    ``since``/``until`` (unix seconds) keep arrivals in ``[since, until)``. ``report`` gets each
+    message as it is noted (as well as ``skips.messages``).
+    """
+    pending: list[tuple[float, int, Arrival]] = []
+    latest_finish = -math.inf
+    released = -math.inf
+    """The last arrival handed out: an arrival before it can no longer be replayed."""
+
+    def note(kind: str, message: str) -> None:
+        before = len(skips.messages)
+        skips.note(kind, message)
+        if report is not None and len(skips.messages) > before:
+            report(skips.messages[-1])
+
+    with path.open("rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            skips.lines += 1
+            if not raw.strip():
+                continue
+            try:
+                data = json.loads(raw)
+            except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+                ending = "" if raw.endswith(b"\n") else " (the last line, cut short)"
+                note("not_json", f"line {number}: not a JSON record{ending}: {exc}; skipped")
+                continue
+            try:
+                arrival, inferred = parse_record(number, data)
+            except BadField as exc:
+                note("bad_field", f"line {number}: {exc}; skipped")
+                continue
+            latest_finish = max(latest_finish, arrival.finished)
+            if arrival.arrived < released:
+                note("out_of_order",
+                     f"line {number}: arrived at {_iso(arrival.arrived)}, "
+                     f"{released - arrival.arrived:.1f}s before a request already replayed "
+                     f"(the reorder window is {reorder_window_s:g}s: --reorder-window); skipped")
+                continue
+            if (since is not None and arrival.arrived < since) or \
+                    (until is not None and arrival.arrived >= until):
+                skips.outside_window += 1
+                continue
+            skips.inferred += inferred
+            heapq.heappush(pending, (arrival.arrived, number, arrival))
+            horizon = latest_finish - reorder_window_s
+            while pending and pending[0][0] <= horizon:
+                released = pending[0][0]
+                skips.used += 1
+                yield heapq.heappop(pending)[2]
+    while pending:
+        skips.used += 1
+        yield heapq.heappop(pending)[2]

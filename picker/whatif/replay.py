@@ -1,0 +1,332 @@
+"""A log's arrivals replayed through the pool simulator under one config, summed as they end.
+
+It answers: *under this config, on this pool, what would each tenant and lane have got from the
+traffic the log recorded?* The gate is the picker's own (``picker.sim.pool`` builds it from the
+config with ``picker.config.build``, as the server does); each endpoint is the simulator's vLLM
+scheduler. Each request of the log arrives again at its recorded time (relative to the first),
+asks for the lane and ``max_tokens`` it asked for, and its engine produces again the tokens the
+real engine produced for it (a request that never reached an engine produces its
+``max_tokens``, else the config's ``capacity.defaultOutputTokens``). A client gives up
+``client_timeout_s`` after it sent, as the load client does.
+
+Memory is bounded: a request's figures are added to its tenant's and lane's sums when it ends
+and the request is dropped (quantiles in log-spaced bins 1 % wide), and the engines' step log,
+which the simulator keeps for ``PoolRun.ttft_parts``, is cleared every step. Stretches where the
+pool is idle and nothing arrives are skipped in one jump, not stepped through.
+
+What it does not replay: requests the picker refused before its queue (401, 404, 429 at
+admission...) are not in the metering log (``picker.metering``), so a config that would admit
+them cannot be credited with them; and whatever the simulator does not model (``picker.sim.pool``:
+network, Envoy, the body's token estimate).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from picker.config.schema import PickerConfig
+from picker.core.admission import INSUFFICIENT_QUOTA, OVER_BUDGET, Refused
+from picker.core.gate import Turnaway
+from picker.errors import RequestError
+from picker.sim.load import PlannedRequest
+from picker.sim.pool import PoolRecord, PoolSpec, SimPassage, _Pool
+from picker.sim.traffic import TenantTraffic, Traffic
+from picker.whatif.log import Arrival
+
+LANE_NOT_ALLOWED = "lane_not_allowed"
+OVER_BUDGET_REASONS = frozenset((OVER_BUDGET, INSUFFICIENT_QUOTA))
+
+
+def _statuses() -> dict[str, int]:
+    """Each refusal's HTTP status by its reason (the errors' metric labels are the reasons)."""
+    statuses: dict[str, int] = {}
+    pending: list[type[RequestError]] = [RequestError]
+    while pending:
+        kind = pending.pop()
+        statuses.setdefault(kind.metric_label, kind.http_status)
+        pending.extend(kind.__subclasses__())
+    return statuses
+
+
+STATUS = _statuses()
+
+
+class Quantiles:
+    """p50/p95 of a stream of durations (seconds) in bounded memory: counts in log-spaced bins
+    1 % wide, so a quantile is exact to within 1 % (values under 1 µs count as 0)."""
+
+    _LOG_RATIO = math.log(1.01)
+
+    def __init__(self) -> None:
+        self.bins: dict[int, int] = {}
+        self.zeros = 0
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if value < 1e-6:
+            self.zeros += 1
+            return
+        key = math.floor(math.log(value) / self._LOG_RATIO)
+        self.bins[key] = self.bins.get(key, 0) + 1
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank), the middle of its bin; None without values."""
+        if not self.count:
+            return None
+        rank = max(1, math.ceil(q * self.count))
+        if rank <= self.zeros:
+            return 0.0
+        seen = self.zeros
+        for key in sorted(self.bins):
+            seen += self.bins[key]
+            if seen >= rank:
+                return math.exp((key + 0.5) * self._LOG_RATIO)
+        raise AssertionError("unreachable: the bins hold every value")
+
+
+@dataclass
+class LaneStats:
+    """What one tenant got in one lane (the lane it ran in, or was refused from)."""
+
+    sent: int = 0
+    ok: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of requests served (completed, or given up on after their first token)."""
+    completion_tokens: int = 0
+    """Output tokens delivered."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Requests refused or dropped, by reason (``over_budget``, ``queue_timeout``, ...)."""
+    demoted: int = 0
+    """Requests that ran in this lane because their tenant's budget demoted them."""
+    queue_wait: Quantiles = field(default_factory=Quantiles)
+    """Arrival to dispatch, of requests dispatched."""
+    ttft: Quantiles = field(default_factory=Quantiles)
+    """Arrival to first token, of requests that got one."""
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def status_count(self, status: int) -> int:
+        """Requests answered with HTTP ``status`` (429: budgets, caps and full queues)."""
+        return sum(n for reason, n in self.refused.items() if STATUS.get(reason) == status)
+
+
+@dataclass
+class ReplayRecord(PoolRecord):
+    """A pool record with the lane the request ran in and whether it was demoted there."""
+
+    lane: str = ""
+    demoted: bool = False
+
+
+@dataclass
+class ReplayResult:
+    """One config's replay, summed."""
+
+    bucket_s: float
+    """Width of the service-over-time buckets."""
+    lanes: dict[tuple[str, str], LaneStats] = field(default_factory=dict)
+    budget_out_s: dict[str, float] = field(default_factory=dict)
+    """Per tenant, when (seconds after the first arrival) its budget first ran out: its first
+    request refused over budget or demoted."""
+    series: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Per tenant, tokens served (prompt + output) in each bucket of ``bucket_s``, by end."""
+    unknown_tenants: dict[str, list[int]] = field(default_factory=dict)
+    """Tenants the config does not name: [first line, requests]. They run under
+    ``tenantDefaults``, as the picker would run them."""
+    output_tokens: int = 0
+    """Output tokens the engines produced."""
+    ticks: int = 0
+    """Steps of ``step_s`` from the first arrival to the last request's end (idle ones too)."""
+    busy_engine_ticks: int = 0
+    engines: int = 0
+    step_s: float = 0.0
+    unfinished: int = 0
+    """Requests still in when the replay stopped (``drain_s`` after the last arrival)."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.ticks * self.step_s
+
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def utilisation(self) -> float:
+        """Share of engine-steps an engine had a request running."""
+        total = self.ticks * self.engines
+        return self.busy_engine_ticks / total if total else 0.0
+
+    def total_tokens(self) -> int:
+        return sum(stats.tokens for stats in self.lanes.values())
+
+    def share(self, key: tuple[str, str]) -> float:
+        """The share of all tokens served that went to ``key`` (tenant, lane)."""
+        total = self.total_tokens()
+        return self.lanes[key].tokens / total if total else 0.0
+
+    def add(self, record: ReplayRecord) -> None:
+        """A request ended: add its figures."""
+        stats = self.lanes.get((record.tenant, record.lane))
+        if stats is None:
+            stats = self.lanes[(record.tenant, record.lane)] = LaneStats()
+        stats.sent += 1
+        outcome = record.outcome
+        if outcome == "ok":
+            stats.ok += 1
+        else:
+            stats.refused[outcome] = stats.refused.get(outcome, 0) + 1
+        if record.demoted:
+            stats.demoted += 1
+        if record.demoted or outcome in OVER_BUDGET_REASONS:
+            self.budget_out_s.setdefault(record.tenant, record.arrival_s)
+        if record.dispatched_s is not None:
+            stats.queue_wait.add(record.dispatched_s - record.arrival_s)
+        served = record.completion_tokens
+        if record.ttft_s is not None:
+            stats.ttft.add(record.ttft_s)
+            served += record.prompt_tokens
+        elif outcome == "ok":
+            served += record.prompt_tokens  # an embedding: its prompt is its service
+        if served:
+            stats.prompt_tokens += served - record.completion_tokens
+            stats.completion_tokens += record.completion_tokens
+            bucket = int((record.end_s or record.arrival_s) // self.bucket_s)
+            tenant = self.series.setdefault(record.tenant, {})
+            tenant[bucket] = tenant.get(bucket, 0) + served
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tenants": [{
+                "tenant": tenant, "lane": lane, "share": self.share((tenant, lane)),
+                "sent": s.sent, "ok": s.ok, "prompt_tokens": s.prompt_tokens,
+                "completion_tokens": s.completion_tokens,
+                "queue_wait_s": {"p50": s.queue_wait.quantile(0.5),
+                                 "p95": s.queue_wait.quantile(0.95)},
+                "ttft_s": {"p50": s.ttft.quantile(0.5), "p95": s.ttft.quantile(0.95)},
+                "refused_429": s.status_count(429), "demoted": s.demoted,
+                "refused": dict(sorted(s.refused.items())),
+                "budget_out_s": self.budget_out_s.get(tenant),
+            } for (tenant, lane), s in sorted(self.lanes.items())],
+            "pool": {"tokens_per_s": self.tokens_per_s(), "utilisation": self.utilisation(),
+                     "output_tokens": self.output_tokens, "duration_s": self.duration_s,
+                     "unfinished": self.unfinished},
+            "unknown_tenants": {t: {"first_line": v[0], "requests": v[1]}
+                                for t, v in sorted(self.unknown_tenants.items())},
+        }
+
+
+class ReplayPool(_Pool):
+    """The pool simulator fed from a log instead of a traffic file: ``send`` one arrival at a
+    time; each request, when it ends, goes to ``result`` and is dropped."""
+
+    def __init__(self, config: PickerConfig, spec: PoolSpec, result: ReplayResult, *,
+                 client_timeout_s: float) -> None:
+        # The simulator draws traffic from a Traffic; the replay's comes from the log, so this
+        # one only carries the client timeout (its tenant sends nothing: a backlog never started).
+        traffic = Traffic(duration_s=1.0, tenants=(TenantTraffic("~replay", backlog=1),),
+                          timeout_s=client_timeout_s)
+        super().__init__(config, traffic, spec, 0.0)
+        self.result = result
+        self.default_output = config.capacity.default_output_tokens
+        self.known = frozenset(t.id for t in config.tenants)
+
+    def send(self, arrival: Arrival) -> None:
+        """``arrival`` reaches the picker now."""
+        tenant, gate = arrival.tenant, self.gate
+        if tenant not in self.known:
+            seen = self.result.unknown_tenants.setdefault(tenant, [arrival.line, 0])
+            seen[1] += 1
+        output = arrival.output_tokens
+        if output is None:
+            output = arrival.max_tokens if arrival.max_tokens is not None else self.default_output
+        planned = PlannedRequest(tenant, arrival.line, "poisson", self.now,
+                                 arrival.prompt_tokens, output, arrival.stream)
+        record = ReplayRecord(tenant, "replay", self.now, arrival.prompt_tokens, output,
+                              arrival.stream)
+        lane = gate.choose_lane(tenant, arrival.lane_asked)
+        if lane is None:  # the picker answers 403 to a lane the tenant may not ask for
+            record.lane = arrival.lane_asked or ""
+            self._end(record, LANE_NOT_ALLOWED, self.now)
+            return
+        passage = gate.admit(
+            functools.partial(SimPassage, planned=planned, record=record), tenant, lane,
+            model=arrival.model, prompt_tokens=arrival.prompt_tokens,
+            max_tokens=arrival.max_tokens, stream=arrival.stream, now=self.now,
+            output_seen=not self.spec.output_seen_at_end)
+        if isinstance(passage, (Refused, Turnaway)):
+            record.lane = lane
+            self._end(record, passage.reason, self.now)
+            return
+        record.lane, record.demoted = passage.lane, passage.demoted
+        if record.dispatched_s is None:
+            self.queued.append(passage)
+
+    def _end(self, record: PoolRecord, outcome: str, now: float) -> None:
+        record.outcome, record.end_s = outcome, now
+        assert isinstance(record, ReplayRecord)
+        self.result.add(record)
+
+    def idle(self) -> bool:
+        """Nothing held, running or due: time may jump to the next arrival."""
+        return not self.gate.passages and not self.in_flight and not self.refused and all(
+            engine.num_running == 0 and engine.num_waiting == 0
+            for engine in self.engines.values())
+
+
+def replay(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *, start: float,
+           client_timeout_s: float = 120.0, drain_s: float | None = None,
+           bucket_s: float = 60.0) -> ReplayResult:
+    """Replay ``arrivals`` (in arrival order; ``start``: the unix time of the replay's 0) under
+    ``config`` on ``spec``'s pool. After the last arrival the replay runs until every request has
+    ended, or ``drain_s`` more (default: the client timeout plus the queue's ``maxWait``)."""
+    result = ReplayResult(bucket_s=bucket_s, engines=spec.endpoints, step_s=spec.step_s)
+    pool = ReplayPool(config, spec, result, client_timeout_s=client_timeout_s)
+    drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
+    step_s = spec.step_s
+    scrape_every = max(1, round(spec.scrape_interval_s / step_s))
+    source: Iterator[Arrival] = iter(arrivals)
+    upcoming = next(source, None)
+    last_arrival = 0.0
+    step = 0
+    while True:
+        if pool.idle():
+            if upcoming is None:
+                break
+            due = max(step, math.floor((upcoming.arrived - start) / step_s + 1e-9))
+            if due > step:  # nothing to step through: jump, and read the (idle) engines there
+                step = due
+                pool.now = step * step_s
+                pool.scrape()
+        pool.now = now = step * step_s
+        if upcoming is None and now > last_arrival + drain:
+            break
+        while upcoming is not None and upcoming.arrived - start <= now + 1e-9:
+            pool.send(upcoming)
+            last_arrival = upcoming.arrived - start
+            upcoming = next(source, None)
+        pool.timeouts()
+        if step % scrape_every == 0:
+            pool.scrape()
+        pool.gate.pump(now)
+        pool.engine_refusals()
+        produced, _ = pool.step_engines(True)
+        result.output_tokens += produced
+        result.busy_engine_ticks += sum(
+            1 for address, engine in pool.engines.items()
+            if engine.num_running or address in pool.in_flight)
+        for steps in pool.step_log.values():
+            steps.clear()
+        step += 1
+    for passage in list(pool.gate.passages.values()):
+        record = cast(SimPassage, passage).record
+        if not record.outcome:
+            result.unfinished += 1
+            pool._end(record, "unfinished", pool.now)
+    result.ticks = step
+    return result
