@@ -86,16 +86,17 @@ class PartCosts:
         reference."""
         if not data:
             return self.file_tokens
-        comma = data.find(",", 0, 256) if data.startswith("data:") else -1
-        return math.ceil(_decoded_length(len(data) - comma - 1) / 4)
+        return math.ceil(_decoded_length(data, max(0, _payload_start(data))) / 4)
 
 
 DEFAULT_COSTS = PartCosts()
 """The costs of a model without a ``models[]`` entry."""
 
 
-def _decoded_length(chars: int) -> int:
-    return chars * 3 // 4
+def _decoded_length(text: str, start: int) -> int:
+    """Bytes the base64 in ``text`` from ``start`` decodes to (its padding taken off)."""
+    padding = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
+    return max(0, (len(text) - start) * 3 // 4 - padding)
 
 
 def _payload_start(url: str) -> int:
@@ -178,7 +179,7 @@ def audio_seconds(data: str) -> float:
     """Seconds of base64 audio ``data`` (bare or a ``data:`` URL): a WAV header's byte rate, or
     ``UNKNOWN_AUDIO_BYTES_PER_SECOND`` for other formats."""
     start = max(0, _payload_start(data))
-    length = _decoded_length(len(data) - start)
+    length = _decoded_length(data, start)
     head = _decode(data, start, _HEAD_CHARS)
     if head[:4] == b"RIFF" and head[8:12] == b"WAVE" and head[12:16] == b"fmt ":
         byte_rate = int.from_bytes(head[28:32], "little")
