@@ -18,6 +18,13 @@ Each API kind has its own shapes (``picker.openai.paths.ApiKind``):
 
 Finish reasons are reported in OpenAI's words (``stop``, ``length``, ``tool_calls``) whatever the
 API, so metering records compare across kinds.
+
+Without ``usage`` a stream's output is counted from what its events carry: each event with new
+content counts the tokens of its text as prompts are estimated (``picker.openai.tokens``, by
+script), rounded down, and at least one (one decode step, as vLLM streams: an event of one
+word up to seven letters stays one token), so an engine that packs many tokens into one event
+(``include_usage: false``, speculative decoding, or a stream cut before its usage) is not counted
+one token an event whatever it carries.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 
 from picker.core.request import Usage
 from picker.openai.paths import ApiKind
+from picker.openai.tokens import text_quarters
 
 MAX_BUFFERED_BYTES = 16 * 1024 * 1024
 """A non-streaming body larger than this is passed through unparsed (no usage read from it)."""
@@ -119,27 +127,59 @@ _ANTHROPIC_EVENTS = frozenset({b"message_start", b"content_block_delta", b"messa
                                b"message_stop"})
 
 
+def _quarters_of(value: Any) -> int:
+    """Quarter tokens of a text field (0 for anything else)."""
+    return text_quarters(value) if isinstance(value, str) else 0
+
+
+def _tool_calls_quarters(calls: Any) -> int:
+    """Quarter tokens of the names and arguments a ``tool_calls`` delta carries."""
+    total = 0
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                total += _quarters_of(function.get("name")) \
+                    + _quarters_of(function.get("arguments"))
+    return total
+
+
 def _content_tokens(event: dict[str, Any]) -> int:
-    """Output tokens an SSE event carries: one per choice with new content (one decode step)."""
+    """Output tokens an OpenAI SSE event carries: per choice with new content, the estimate of
+    its text (``_step_tokens``)."""
     tokens = 0
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-                tokens += 1
-        elif choice.get("text"):
-            tokens += 1
+            content, reasoning = delta.get("content"), delta.get("reasoning_content")
+            calls = delta.get("tool_calls")
+            if content or reasoning or calls:
+                quarters = _quarters_of(content) + _quarters_of(reasoning)
+                if calls:
+                    quarters += _tool_calls_quarters(calls)
+                tokens += _step_tokens(quarters)
+        else:
+            text = choice.get("text")
+            if text:
+                tokens += _step_tokens(_quarters_of(text))
     return tokens
+
+
+def _step_tokens(quarters: int) -> int:
+    """Tokens of one event's new content of ``quarters`` quarter tokens: rounded down, and one
+    at least (a decode step)."""
+    return max(1, quarters >> 2)
 
 
 class ResponseMeter:
     """Counts what a response delivers. Feed it the body chunks in order.
 
-    Streaming (``text/event-stream``): each event with new content counts one output token, the
-    way vLLM streams one decode step per event; a ``usage`` object, when the engine sends one, is
-    kept and wins at the end. Otherwise the body is buffered and its ``usage`` read at the end.
+    Streaming (``text/event-stream``): each event with new content counts its text's estimated
+    tokens, one at least (vLLM streams one decode step per event); a ``usage`` object, when the
+    engine sends one, is kept and wins at the end. Otherwise the body is buffered and its
+    ``usage`` read at the end.
     ``kind`` says which API's shapes to read (the module docstring lists them).
     """
 
@@ -147,6 +187,7 @@ class ResponseMeter:
         self.streaming = streaming
         self.kind = kind
         self.counted_tokens = 0
+        """Output tokens delivered so far, by the events' content (``_step_tokens``)."""
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
         """The last finish reason the response gave, in OpenAI's words (``stop``, ``length``)."""
@@ -260,8 +301,9 @@ class ResponseMeter:
         if not isinstance(kind, str):
             return
         if kind.endswith(".delta"):
-            if kind != _RESPONSES_UNCOUNTED_DELTA and data.get("delta"):
-                self.counted_tokens += 1
+            delta = data.get("delta")
+            if kind != _RESPONSES_UNCOUNTED_DELTA and delta:
+                self.counted_tokens += _step_tokens(_quarters_of(delta))
         elif kind in _RESPONSES_TERMINAL:
             self.done = True
             response = data.get("response")
@@ -275,9 +317,12 @@ class ResponseMeter:
         kind = data.get("type")
         if kind == "content_block_delta":
             delta = data.get("delta")
-            if isinstance(delta, dict) and (delta.get("text") or delta.get("thinking")
-                                            or delta.get("partial_json")):
-                self.counted_tokens += 1
+            if isinstance(delta, dict):
+                text, thinking = delta.get("text"), delta.get("thinking")
+                partial = delta.get("partial_json")
+                if text or thinking or partial:
+                    self.counted_tokens += _step_tokens(_quarters_of(text) + _quarters_of(thinking)
+                                                        + _quarters_of(partial))
         elif kind == "message_delta":
             usage = data.get("usage")
             if isinstance(usage, dict):

@@ -88,14 +88,18 @@ def text_tokens(text: str) -> int:
     65521: exact for chunks of up to ``_CHUNK`` bytes. Both run in C (about 6 µs for 4,000
     ASCII characters, 30 µs for 4,000 CJK ones), where a Python loop over the bytes took 70.
     """
+    return (text_quarters(text) + 3) // 4
+
+
+def text_quarters(text: str) -> int:
+    """``text_tokens`` in quarter tokens, unrounded: what a streamed response's pieces add up
+    to (rounding each piece up would count a stream of one-word events high)."""
     if not text:
         return 0
     # Lone surrogates can come from JSON escapes ("\ud800"): count them, do not fail.
     weights = text.encode("utf-8", "surrogatepass").translate(_WEIGHTS)
     if len(weights) <= _CHUNK:
-        quarters = (zlib.adler32(weights) & 0xFFFF) - 1
-    else:
-        view = memoryview(weights)
-        quarters = sum((zlib.adler32(view[start:start + _CHUNK]) & 0xFFFF) - 1
-                       for start in range(0, len(weights), _CHUNK))
-    return (quarters + 3) // 4
+        return (zlib.adler32(weights) & 0xFFFF) - 1
+    view = memoryview(weights)
+    return sum((zlib.adler32(view[start:start + _CHUNK]) & 0xFFFF) - 1
+               for start in range(0, len(weights), _CHUNK))

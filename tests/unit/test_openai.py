@@ -13,8 +13,10 @@ from picker.core.request import Usage
 from picker.errors import BadRequest
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.media import DEFAULT_COSTS
+from picker.openai.paths import ApiKind
 from picker.openai.request import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS, estimate_prompt_tokens
 from picker.openai.response import MAX_BUFFERED_BYTES
+from picker.openai.tokens import text_quarters, text_tokens
 
 
 def _body(**fields: Any) -> bytes:
@@ -270,7 +272,8 @@ def test_any_chunking_of_a_stream_gives_the_same_count_and_usage(data: st.DataOb
     assert b"".join(chunks) == body
     meter = ResponseMeter(streaming=True)
     delivered = sum(meter.feed(chunk) for chunk in chunks)
-    expected = sum(1 for w in words if w)
+    # Each event its text's estimate rounded down, one at least (a decode step).
+    expected = sum(max(1, text_quarters(w) // 4) for w in words if w)
     assert delivered == meter.counted_tokens == expected
     assert meter.finish() == Usage(7, len(words), 2)
     assert meter.done
@@ -339,3 +342,46 @@ def test_bad_n_or_best_of_is_a_bad_request(fields: dict[str, Any], fragment: str
     with pytest.raises(BadRequest) as error:
         parse_request(body)
     assert fragment in str(error.value)
+
+
+# -- a stream without usage is counted by what its events carry (issue 26) --
+
+
+def test_events_carrying_many_tokens_are_not_counted_one_each() -> None:
+    """``include_usage: false`` and an engine packing text into few events: each event was
+    counted one token whatever it carried (40 characters, 8 tokens by the estimate, counted 1)."""
+    text = "the quick brown fox jumps over a lazy do"  # 32 letters a quarter each, 8 spaces
+    assert text_tokens(text) == 8
+    meter = ResponseMeter(streaming=True)
+    assert meter.feed(_sse(_chat_chunk(text), _chat_chunk(text))) == 16
+    assert meter.feed(_sse(_chat_chunk("a"), "[DONE]")) == 1  # a step is one token at least
+    assert meter.counted_tokens == 17 and meter.finish() is None
+
+
+def test_one_word_events_count_one_each_not_rounded_up_each() -> None:
+    meter = ResponseMeter(streaming=True)
+    assert meter.feed(_sse(*[_chat_chunk(" jumps")] * 4)) == 4  # 5 quarters each
+    cjk = ResponseMeter(streaming=True)
+    assert cjk.feed(_sse(_chat_chunk("猫が座った"))) == text_tokens("猫が座った") == 10
+
+
+@pytest.mark.parametrize(("kind", "event"), [
+    (ApiKind.MESSAGES, b'event: content_block_delta\ndata: {"type": "content_block_delta", '
+                       b'"index": 0, "delta": {"type": "text_delta", "text": "%s"}}\n\n'),
+    (ApiKind.RESPONSES, b'event: response.output_text.delta\ndata: {"type": '
+                        b'"response.output_text.delta", "delta": "%s"}\n\n'),
+    (ApiKind.COMPLETIONS, b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n'),
+])
+def test_every_api_counts_the_text_its_events_carry(kind: ApiKind, event: bytes) -> None:
+    meter = ResponseMeter(streaming=True, kind=kind)
+    assert meter.feed(event % (b"x" * 40)) == 10
+    assert meter.feed(event % b"y") == 1
+
+
+def test_tool_call_arguments_count_as_text() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]}}]}
+    meter = ResponseMeter(streaming=True)
+    expected = (text_quarters("get_weather") + text_quarters('{"city": "Paris", "unit": "c"}')
+                ) // 4
+    assert expected > 1 and meter.feed(_sse(chunk)) == expected
