@@ -2,7 +2,9 @@
 
 It answers an operator's question before a change: *if this config had served the traffic the
 log recorded, what would each tenant and lane have got?* Nothing live is touched: the log is read,
-the configs are loaded as the picker loads them, and the picker's own gate runs in the pool
+the configs are loaded as the picker loads them (a config file, the ConfigMap the operator
+renders, or for a candidate TenantPolicy YAML as ``kubectl apply`` takes it, applied to the
+baseline as the operator would), and the picker's own gate runs in the pool
 simulator (``picker.whatif.replay``). Printed per tenant and lane, baseline beside each candidate:
 share of service, tokens served, queue wait and TTFT p50/p95, 429s, demotions and when the budget
 ran out; for the pool, output tokens/s and utilisation. ``--json`` for CI, ``--plot`` a PNG.
@@ -40,30 +42,102 @@ MAX_ENDPOINTS = 4096
 """Distinct endpoints remembered while scanning (memory stays bounded on a hostile log)."""
 
 
-def load_config_file(path: Path) -> PickerConfig:
-    """A picker config from a file: the config itself, or a ConfigMap holding it under
-    ``picker.yaml`` (as the operator renders it). ConfigError names the file and the field."""
+TENANT_POLICY_KEYS = ("weight", "lane", "allowedLanes", "budgets", "overBudget", "limits")
+"""What a TenantPolicy's spec sets on each of its tenants, as the operator renders it
+(``fairway_operator.render.TENANT_KEYS``; a unit test keeps the two equal)."""
+
+
+def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("", f"{path}: cannot read: {exc.strerror}") from exc
     try:
-        data = safe_load(text)
-        if isinstance(data, dict) and data.get("kind") == "ConfigMap":
-            inner = (data.get("data") or {}).get(CONFIGMAP_KEY)
-            if not isinstance(inner, str):
-                raise ConfigError("data", f"the ConfigMap has no {CONFIGMAP_KEY!r} key")
-            data = safe_load(inner)
+        return safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path}: not valid YAML: {exc}") from exc
     except ConfigError as exc:
         raise ConfigError(exc.path, f"{exc.message} ({path})") from exc
+
+
+def _config_data(data: Any, path: Path) -> dict[str, Any]:
+    """The config's sections: ``data`` itself, or the config a ConfigMap holds under
+    ``picker.yaml`` (as the operator renders it)."""
+    if isinstance(data, dict) and data.get("kind") == "ConfigMap":
+        inner = (data.get("data") or {}).get(CONFIGMAP_KEY)
+        if not isinstance(inner, str):
+            raise ConfigError("data", f"the ConfigMap has no {CONFIGMAP_KEY!r} key ({path})")
+        try:
+            data = safe_load(inner)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"data.{CONFIGMAP_KEY}", f"not valid YAML: {exc} ({path})") from exc
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: must be a mapping of config sections")
+    return data
+
+
+def _load(data: dict[str, Any], path: Path) -> PickerConfig:
     try:
         return load_config(data)
     except ConfigError as exc:
         raise ConfigError(exc.path, f"{exc.message} ({path})") from exc
+
+
+def load_config_file(path: Path) -> PickerConfig:
+    """A picker config from a file: the config itself, or a ConfigMap holding it under
+    ``picker.yaml``. ConfigError names the field and the file."""
+    return _load(_config_data(_read_yaml(path), path), path)
+
+
+def tenant_policies(data: Any) -> list[dict[str, Any]] | None:
+    """The TenantPolicies ``data`` holds (one, or a ``kind: List`` of them); None when it is
+    not TenantPolicies."""
+    if isinstance(data, dict) and data.get("kind") == "TenantPolicy":
+        return [data]
+    if isinstance(data, dict) and data.get("kind") == "List" and isinstance(
+            data.get("items"), list) and data["items"] and all(
+            isinstance(item, dict) and item.get("kind") == "TenantPolicy"
+            for item in data["items"]):
+        return list(data["items"])
+    return None
+
+
+def apply_policies(base: dict[str, Any], policies: list[dict[str, Any]]) -> dict[str, Any]:
+    """``base`` with each policy applied as ``kubectl apply`` and the operator would: each of
+    its tenants' entries becomes ``{id, **the spec's rules}`` (replacing the base's entry for
+    that id, or added after the others)."""
+    tenants = [dict(t) for t in base.get("tenants") or [] if isinstance(t, dict)]
+    for i, policy in enumerate(policies):
+        where = f"items[{i}].spec" if len(policies) > 1 else "spec"
+        spec = policy.get("spec")
+        if not isinstance(spec, dict):
+            raise ConfigError(where, "must be a mapping")
+        ids = spec.get("tenants")
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, str) and t for t in ids):
+            raise ConfigError(f"{where}.tenants", "must list at least one tenant id")
+        rules = {key: spec[key] for key in TENANT_POLICY_KEYS if spec.get(key) is not None}
+        for tenant in ids:
+            entry = {"id": tenant, **rules}
+            index = next((k for k, t in enumerate(tenants) if t.get("id") == tenant), None)
+            if index is None:
+                tenants.append(entry)
+            else:
+                tenants[index] = entry
+    return {**base, "tenants": tenants}
+
+
+def load_candidate(path: Path, base: dict[str, Any]) -> PickerConfig:
+    """A candidate: a config (or ConfigMap) file, or TenantPolicy YAML applied to ``base``."""
+    data = _read_yaml(path)
+    policies = tenant_policies(data)
+    if policies is None:
+        return _load(_config_data(data, path), path)
+    try:
+        merged = apply_policies(base, policies)
+    except ConfigError as exc:
+        raise ConfigError(exc.path, f"{exc.message} ({path})") from exc
+    return _load(merged, path)
 
 
 @dataclass
@@ -168,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the config the log was served under (a picker config file, or "
                              "the ConfigMap holding it)")
     parser.add_argument("--candidate", type=Path, action="append", required=True,
-                        help="a config to compare (repeat for several)")
+                        help="a config to compare (a config file, its ConfigMap, or "
+                             "TenantPolicy YAML applied to the baseline); repeat for several")
     parser.add_argument("--since", type=parse_time,
                         help="replay arrivals from this time (unix seconds or ISO 8601)")
     parser.add_argument("--until", type=parse_time, help="... and before this one")
@@ -195,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"whatif: {args.log}: no such file", file=sys.stderr)
         return 2
     try:
-        baseline = load_config_file(args.baseline)
+        base_data = _config_data(_read_yaml(args.baseline), args.baseline)
+        baseline = _load(base_data, args.baseline)
     except ConfigError as exc:
         print(f"whatif: the baseline config is refused: {exc}", file=sys.stderr)
         return 2
@@ -203,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = 0
     for path in args.candidate:
         try:
-            candidates[str(path)] = load_config_file(path)
+            candidates[str(path)] = load_candidate(path, base_data)
         except ConfigError as exc:
             refused += 1
             print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)

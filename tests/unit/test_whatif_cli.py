@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from picker.whatif.__main__ import load_config_file, main
+from picker.errors import ConfigError
+from picker.whatif.__main__ import TENANT_POLICY_KEYS, apply_policies, load_config_file, main
 from tests.unit.test_whatif_log import record, write
 
 BASE = """\
@@ -142,3 +143,60 @@ def test_a_configmap_as_the_operator_renders_it_is_a_config(tmp_path: Path) -> N
     empty.write_text("kind: ConfigMap\ndata: {other: x}\n", encoding="utf-8")
     with pytest.raises(Exception, match=r"data: the ConfigMap has no 'picker.yaml' key \(.*\)"):
         load_config_file(empty)
+
+
+POLICY = """\
+apiVersion: fairway.dev/v1alpha1
+kind: TenantPolicy
+metadata: {name: team-a, namespace: inference}
+spec:
+  poolRef: {name: llm-pool}
+  tenants: [a]
+  budgets: {burst: {tokens: 1500, per: 1h}}
+"""
+
+
+def test_a_tenant_policy_as_kubectl_applies_it_is_a_candidate(
+        files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "team-a.yaml"
+    policy.write_text(POLICY, encoding="utf-8")
+    code = main([str(files["log"]), "--baseline", str(files["base"]), "--candidate",
+                 str(policy), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    cand = {row["tenant"]: row for row in out["candidates"][0]["tenants"]}
+    # The same as the config with a's budget: a refused past it, b untouched.
+    assert cand["a"]["ok"] == 10 and cand["a"]["refused_429"] == 10
+    assert cand["b"]["refused_429"] == 0 and cand["b"]["ok"] == 20
+
+
+def test_a_policy_replaces_its_tenants_entries_and_adds_new_ones() -> None:
+    base = {"capacity": {"kvBudgetTokens": 4096},
+            "tenants": [{"id": "a", "weight": 5, "lane": "x"}, {"id": "b", "weight": 2}]}
+    policy = {"kind": "TenantPolicy", "spec": {"tenants": ["a", "c"], "weight": 3,
+                                               "poolRef": {"name": "p"}}}
+    merged = apply_policies(base, [policy])
+    # As the operator renders it: the entry is the policy's rules only (a's lane is gone).
+    assert merged["tenants"] == [{"id": "a", "weight": 3}, {"id": "b", "weight": 2},
+                                 {"id": "c", "weight": 3}]
+    assert base["tenants"][0] == {"id": "a", "weight": 5, "lane": "x"}  # base unchanged
+    with pytest.raises(ConfigError, match=r"spec\.tenants: must list at least one tenant id"):
+        apply_policies(base, [{"kind": "TenantPolicy", "spec": {"weight": 2}}])
+
+
+def test_a_bad_policy_candidate_is_refused_naming_the_file(
+        files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "bad-policy.yaml"
+    policy.write_text(POLICY.replace("tokens: 1500", "tokens: -5"), encoding="utf-8")
+    code = main([str(files["log"]), "--baseline", str(files["base"]), "--candidate",
+                 str(policy)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"candidate {policy} is refused, not replayed: tenants[0].budgets.burst.tokens: " \
+        in err and f"({policy})" in err
+
+
+def test_the_policy_keys_are_the_operators() -> None:
+    from fairway_operator.render import TENANT_KEYS
+
+    assert TENANT_POLICY_KEYS == TENANT_KEYS
