@@ -2,34 +2,41 @@
 
 It answers three questions for ``picker.sim.server``, with no I/O:
 
-* **How many prompt tokens is this request?** The counting rule, which the picker's own estimator
-  is compared with: a text is split by the regular expression ``\\w+|[^\\w\\s]`` (each run of
-  letters/digits/underscores is one token, each other non-space character is one token, spaces
-  count nothing), so ``"Hello, world!"`` is 4 tokens.
+* **Which prompt tokens is this request?** Token ids from ``picker.sim.tokenizer`` (a
+  deterministic byte-level-BPE-like tokenizer: English about 4 characters a token, CJK one a
+  character, emoji and other non-ASCII symbols one a UTF-8 byte, whitespace counted; its
+  docstring states the rule), so ``"Hello, world!"`` is 4 tokens and the same text is the same
+  ids: the engine's prefix cache hashes them. The count is the ids' length.
 
-  - ``/v1/completions``: ``prompt`` is a string (its token count, at least 1), a list of token ids
-    (its length), or a one-element list of either. Several prompts in one request (a batch) are
-    refused with 400: the simulator serves one prompt per request.
-  - ``/v1/chat/completions``: the sum over ``messages`` of the content's tokens plus
-    ``CHAT_TOKENS_PER_MESSAGE`` (4) per message for the template (role and separators), plus
-    ``CHAT_REPLY_TOKENS`` (3) for the assistant reply header. A content may be a string, null, or a
-    list of parts of which only ``{"type": "text", "text": ...}`` parts count.
-
+  - ``/v1/completions``: ``prompt`` is a string (its tokens, at least 1), a list of token ids, or
+    a list of strings or of token-id lists: several prompts, each its own engine request and
+    choice (as vLLM serves a batch), each checked against the context alone, usage over all.
+  - ``/v1/chat/completions``: ``tools`` (their JSON text, first, as a template renders them), then
+    per message ``CHAT_TOKENS_PER_MESSAGE`` (4) template tokens (3 before the content: start,
+    role, separator; 1 after) around the content's tokens, then ``CHAT_REPLY_TOKENS`` (3) for the
+    assistant reply header. A content may be a string, null, or a list of parts: ``text`` parts
+    count their text, image parts (``image_url``, ``image``, ``input_image``) the server's
+    ``--image-tokens`` each (576 by default, LLaVA-1.5's), ids distinct per image; other parts 0.
   - ``/v1/responses`` (OpenAI Responses API): ``input`` is a string (one user message) or a list
-    of items (messages whose ``content`` is a string or parts with ``text``); ``instructions``
-    counts as one more message; then as chat.
-  - ``/v1/messages`` (Anthropic Messages): ``messages`` (content a string or blocks, of which
-    ``text`` blocks count) and ``system`` (a string or text blocks, one more message); then as
-    chat.
+    of items (messages whose ``content`` is a string or parts with ``text`` or an image);
+    ``instructions`` is one more message, ``tools`` as chat; then as chat.
+  - ``/v1/messages`` (Anthropic Messages): ``tools``, ``system`` (a string or text blocks, one more
+    message) and ``messages`` (content a string or blocks: ``text`` and ``image`` blocks count);
+    then as chat.
   - ``/v1/embeddings``: ``input`` is a string, a list of strings, a list of token ids or a list of
     lists of ids; the tokens of all of them (a batch is one engine request).
+
+* **How many choices?** ``n`` (chat and completions; default 1) samples of each prompt, each its
+  own engine request (added in order, so the later ones hit the first's prompt blocks): choice
+  ``i`` answers prompt ``i // n``; usage counts each prompt once and every choice's output.
 
 * **How many tokens will it generate?** ``max_tokens`` (chat: ``max_completion_tokens`` first,
   then ``max_tokens``; default ``DEFAULT_MAX_TOKENS`` = 16) caps the output. With vLLM's extension
   ``ignore_eos: true`` the output is exactly ``max_tokens`` long; otherwise its length is
   ``1 + H % max_tokens`` where ``H`` is a SHA-256 hash of the request's ``seed`` (default 0) and
-  its prompt (the ``prompt`` or ``messages`` JSON), raised to vLLM's ``min_tokens`` if that is
-  larger. ``finish_reason`` is ``length`` when the output reached ``max_tokens``, else ``stop``.
+  its prompt (the ``prompt`` or ``messages`` JSON; sample ``j > 0`` of ``n`` hashes ``j`` in too),
+  raised to vLLM's ``min_tokens`` if that is larger. ``finish_reason`` is ``length`` when the
+  output reached ``max_tokens``, else ``stop``.
   The text is filler words from ``FILLER``, one word (one token by the rule above) per step.
   The Responses API caps with ``max_output_tokens`` (default 16); Anthropic Messages with
   ``max_tokens``, which it requires (400 without it). Embeddings generate nothing: the engine
@@ -48,15 +55,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from picker.openai.request import ANTHROPIC_ERROR_TYPES
+from picker.sim import tokenizer
 
-TOKEN_PATTERN = re.compile(r"\w+|[^\w\s]")
 CHAT_TOKENS_PER_MESSAGE = 4
 CHAT_REPLY_TOKENS = 3
 DEFAULT_MAX_TOKENS = 16
@@ -103,54 +109,101 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def count_text_tokens(text: str) -> int:
-    """Tokens in ``text`` by the module's rule (0 for an empty or blank text)."""
-    return len(TOKEN_PATTERN.findall(text))
+    """Tokens in ``text`` by the simulated tokenizer (0 for an empty text)."""
+    return tokenizer.count(text)
+
+
+_START, _END, _SEP = (tokenizer.special_id(n) for n in ("start_header", "eot", "end_header"))
+_ASSISTANT = tokenizer.special_id("role:assistant")
+_EMPTY_PROMPT = (tokenizer.special_id("bos"),)
+IMAGE_PARTS = ("image_url", "image", "input_image")
+"""Content part types that are an image (chat, Anthropic, Responses)."""
+
+
+def image_ids(part: dict[str, Any], image_tokens: int) -> list[int]:
+    """An image part's ``image_tokens`` placeholder ids, distinct per image (as vLLM's block
+    hashes carry the image's hash): the same image gives the same ids."""
+    digest = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).digest()
+    base = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+    return [(base + i) & 0x7FFFFFFF for i in range(image_tokens)]
+
+
+def tools_ids(tools: object) -> list[int]:
+    """A request's ``tools`` (or ``functions``) as the template renders them: their JSON text."""
+    if tools is None or tools == []:
+        return []
+    return tokenizer.encode(json.dumps(tools))
+
+
+def _message_ids(role: str, content_ids: list[int]) -> list[int]:
+    # The template around one message: 3 tokens before its content, 1 after (4 a message).
+    return [_START, tokenizer.special_id("role:" + role), _SEP, *content_ids, _END]
+
+
+def completion_prompts(prompt: object) -> list[tuple[int, ...]]:
+    """The prompts of a ``/v1/completions`` ``prompt`` field: a string, a list of token ids, or a
+    non-empty list of strings or of token-id lists (several prompts); raises ApiError."""
+    if isinstance(prompt, list):
+        if prompt and all(_is_int(t) for t in prompt):
+            return [tuple(prompt)]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return [_text_prompt(p) for p in prompt]
+        if prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                          for p in prompt):
+            return [tuple(p) for p in prompt]
+    elif isinstance(prompt, str):
+        return [_text_prompt(prompt)]
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or "
+                   "of token-id lists", "prompt")
+
+
+def _text_prompt(text: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text)) or _EMPTY_PROMPT
 
 
 def completion_prompt_tokens(prompt: object) -> int:
-    """Prompt tokens of a ``/v1/completions`` ``prompt`` field (one prompt; raises ApiError)."""
-    if isinstance(prompt, list):
-        if prompt and all(_is_int(t) for t in prompt):
-            return len(prompt)
-        if len(prompt) != 1:
-            raise ApiError(400, "the simulated server takes exactly one prompt per request",
-                           "prompt")
-        prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            return len(prompt)
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of "
-                       "those", "prompt")
-    return max(1, count_text_tokens(prompt))
+    """Prompt tokens of a ``/v1/completions`` ``prompt`` field, all its prompts (raises
+    ApiError)."""
+    return sum(len(p) for p in completion_prompts(prompt))
 
 
-def chat_prompt_tokens(messages: object) -> int:
-    """Prompt tokens of a ``/v1/chat/completions`` ``messages`` field (raises ApiError)."""
+def chat_prompt_ids(messages: object, tools: object = None,
+                    image_tokens: int = 576) -> list[int]:
+    """The prompt's ids of a ``/v1/chat/completions`` ``messages`` and ``tools`` (raises
+    ApiError)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    total = CHAT_REPLY_TOKENS
+    ids = tools_ids(tools)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role",
                            "messages")
-        total += CHAT_TOKENS_PER_MESSAGE + _content_tokens(message.get("content"), i)
-    return total
+        ids += _message_ids(message["role"], _content_ids(message.get("content"), i,
+                                                          image_tokens))
+    return [*ids, _START, _ASSISTANT, _SEP]
 
 
-def _content_tokens(content: object, index: int) -> int:
+def chat_prompt_tokens(messages: object, tools: object = None, image_tokens: int = 576) -> int:
+    """Prompt tokens of a ``/v1/chat/completions`` ``messages`` field (raises ApiError)."""
+    return len(chat_prompt_ids(messages, tools, image_tokens))
+
+
+def _content_ids(content: object, index: int, image_tokens: int) -> list[int]:
     if content is None:
-        return 0
+        return []
     if isinstance(content, str):
-        return count_text_tokens(content)
+        return tokenizer.encode(content)
     if isinstance(content, list):
-        tokens = 0
+        ids: list[int] = []
         for part in content:
             if not isinstance(part, dict):
                 raise ApiError(400, f"messages[{index}].content parts must be objects",
                                "messages")
             if part.get("type") == "text" and isinstance(part.get("text"), str):
-                tokens += count_text_tokens(part["text"])
-        return tokens
+                ids += tokenizer.encode(part["text"])
+            elif part.get("type") in IMAGE_PARTS:
+                ids += image_ids(part, image_tokens)
+        return ids
     raise ApiError(400, f"messages[{index}].content must be a string, a list or null",
                    "messages")
 
@@ -175,6 +228,17 @@ def generated_text(kind: str, tokens: int) -> str:
     return "".join(token_text(kind, i) for i in range(tokens))
 
 
+_FILLER_IDS = {(first, i): tokenizer.encode(word if first else " " + word)[0]
+               for i, word in enumerate(FILLER) for first in (True, False)}
+
+
+def generated_ids(kind: str, tokens: int) -> list[int]:
+    """The token ids of the first ``tokens`` generated tokens: each filler word is one token of
+    the simulated tokenizer, so a conversation resending this reply gives the same ids."""
+    size = len(FILLER)
+    return [_FILLER_IDS[(kind == CHAT and i == 0, i % size)] for i in range(tokens)]
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """What the server needs from one completion request body."""
@@ -188,10 +252,35 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool
     priority: int
+    prompts: tuple[tuple[int, ...], ...] = ()
+    """Each prompt's token ids (several on ``/v1/completions`` with a list of prompts)."""
+    outputs: tuple[int, ...] = ()
+    """Tokens each choice generates, ``n`` per prompt in prompt order (choice ``i`` answers
+    prompt ``i // n``); ``output_tokens`` is the first's."""
+    n: int = 1
 
     @property
     def finish_reason(self) -> str:
         return "length" if self.output_tokens >= self.max_tokens else "stop"
+
+    def finish_reason_of(self, choice: int) -> str:
+        return "length" if self.output_of(choice) >= self.max_tokens else "stop"
+
+    def output_of(self, choice: int) -> int:
+        return self.outputs[choice] if self.outputs else self.output_tokens
+
+    @property
+    def choices(self) -> int:
+        return len(self.outputs) or 1
+
+    @property
+    def completion_tokens(self) -> int:
+        """The output of every choice together (usage's ``completion_tokens``)."""
+        return sum(self.outputs) if self.outputs else self.output_tokens
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(map(len, self.prompts)) if self.prompts else self.prompt_tokens
 
 
 def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int) -> ApiError:
@@ -203,12 +292,14 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
                     f"- {prompt_tokens}).")
 
 
-def parse_request(kind: str, body: object, max_model_len: int | None = None) -> ParsedRequest:
+def parse_request(kind: str, body: object, max_model_len: int | None = None,
+                  image_tokens: int = 576) -> ParsedRequest:
     """Validate a decoded JSON body of ``kind`` (``chat`` or ``completion``); raises ApiError.
 
     ``max_model_len``: the context (prompt + generated tokens) a request must fit, as vLLM's
     ``--max-model-len``: an explicit ``max_tokens`` beyond it is refused
-    (``context_length_error``), a defaulted one is cut to what is left."""
+    (``context_length_error``), a defaulted one is cut to what is left (each prompt of several
+    checked alone). ``image_tokens``: the prompt tokens of one image part."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -216,28 +307,33 @@ def parse_request(kind: str, body: object, max_model_len: int | None = None) -> 
         raise ApiError(400, "model must be a string", "model")
     if kind == EMBEDDINGS:
         return _parse_embeddings(model, body)
+    tools = body.get("tools")
     if kind == RESPONSES:
-        prompt_tokens = responses_prompt_tokens(body.get("input"), body.get("instructions"))
-        key = json.dumps([body.get("instructions"), body.get("input")], sort_keys=True)
+        prompts = [tuple(responses_prompt_ids(body.get("input"), body.get("instructions"),
+                                              tools, image_tokens))]
+        keys = [json.dumps([body.get("instructions"), body.get("input")], sort_keys=True)]
         max_tokens = _optional_int(body, "max_output_tokens", 1)
     elif kind == MESSAGES:
-        prompt_tokens = messages_prompt_tokens(body.get("messages"), body.get("system"))
-        key = json.dumps([body.get("system"), body.get("messages")], sort_keys=True)
+        prompts = [tuple(messages_prompt_ids(body.get("messages"), body.get("system"), tools,
+                                             image_tokens))]
+        keys = [json.dumps([body.get("system"), body.get("messages")], sort_keys=True)]
         max_tokens = _optional_int(body, "max_tokens", 1)
         if max_tokens is None:
             raise ApiError(400, "max_tokens: Field required", "max_tokens")
     elif kind == CHAT:
-        prompt_tokens = chat_prompt_tokens(body.get("messages"))
-        key = json.dumps(body.get("messages"), sort_keys=True)
+        prompts = [tuple(chat_prompt_ids(body.get("messages"), tools, image_tokens))]
+        keys = [json.dumps(body.get("messages"), sort_keys=True)]
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", 1)
     else:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
-        prompt_tokens = completion_prompt_tokens(body["prompt"])
-        key = json.dumps(body["prompt"], sort_keys=True)
+        prompts = completion_prompts(body["prompt"])
+        keys = [json.dumps(body["prompt"], sort_keys=True)] if len(prompts) == 1 \
+            else [json.dumps(p) for p in body["prompt"]]
         max_tokens = _optional_int(body, "max_tokens", 1)
+    prompt_tokens = max(map(len, prompts))  # the context check is per prompt
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
         if max_model_len is not None and prompt_tokens < max_model_len:
@@ -246,9 +342,8 @@ def parse_request(kind: str, body: object, max_model_len: int | None = None) -> 
             and max_tokens > max_model_len - prompt_tokens:
         # (A prompt that alone reaches the context gets the server's own prompt error.)
         raise context_length_error(max_model_len, prompt_tokens, max_tokens)
-    n = _optional_int(body, "n", 1)
-    if n not in (None, 1):
-        raise ApiError(400, "the simulated server supports n = 1 only", "n")
+    # n parallel samples of each prompt (chat and completions; the other APIs have no n).
+    n = (_optional_int(body, "n", 1) or 1) if kind in (CHAT, COMPLETION) else 1
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options") if kind in (CHAT, COMPLETION) else None
     include_usage = continuous = False
@@ -269,24 +364,29 @@ def parse_request(kind: str, body: object, max_model_len: int | None = None) -> 
     seed = _optional_int(body, "seed", None) or 0
     # vLLM's Anthropic request has no ``priority`` field: a body's own is dropped unread.
     priority = 0 if kind == MESSAGES else _optional_int(body, "priority", None) or 0
-    output = output_length(key, max_tokens, ignore_eos=_optional_bool(body, "ignore_eos"),
-                           min_tokens=min_tokens, seed=seed)
-    return ParsedRequest(kind=kind, model=model, prompt_tokens=prompt_tokens,
-                         max_tokens=max_tokens, output_tokens=output, stream=stream,
+    ignore_eos = _optional_bool(body, "ignore_eos")
+    # The first sample of a prompt keeps the prompt's own length; sample j > 0 hashes j in too.
+    outputs = tuple(output_length(key if j == 0 else f"{key}|{j}", max_tokens,
+                                  ignore_eos=ignore_eos, min_tokens=min_tokens, seed=seed)
+                    for key in keys for j in range(n))
+    return ParsedRequest(kind=kind, model=model, prompt_tokens=sum(map(len, prompts)),
+                         max_tokens=max_tokens, output_tokens=outputs[0], stream=stream,
                          include_usage=include_usage, continuous_usage=continuous,
-                         priority=priority)
+                         priority=priority, prompts=tuple(prompts), outputs=outputs, n=n)
 
 
 def _parse_embeddings(model: str | None, body: dict[str, Any]) -> ParsedRequest:
-    prompt_tokens = embeddings_prompt_tokens(body.get("input"))
-    return ParsedRequest(kind=EMBEDDINGS, model=model, prompt_tokens=prompt_tokens,
+    ids = tuple(embeddings_prompt_ids(body.get("input")))
+    return ParsedRequest(kind=EMBEDDINGS, model=model, prompt_tokens=len(ids),
                          max_tokens=0, output_tokens=0, stream=False, include_usage=False,
                          continuous_usage=False,
-                         priority=_optional_int(body, "priority", None) or 0)
+                         priority=_optional_int(body, "priority", None) or 0, prompts=(ids,),
+                         outputs=(0,))
 
 
-def responses_prompt_tokens(items: object, instructions: object) -> int:
-    """Prompt tokens of a ``/v1/responses`` ``input`` and ``instructions`` (raises ApiError)."""
+def responses_prompt_ids(items: object, instructions: object, tools: object = None,
+                        image_tokens: int = 576) -> list[int]:
+    """The prompt's ids of a ``/v1/responses`` ``input``, ``instructions`` and ``tools``."""
     if isinstance(items, str):
         messages: list[object] = [{"role": "user", "content": items}]
     elif isinstance(items, list) and items:
@@ -294,64 +394,86 @@ def responses_prompt_tokens(items: object, instructions: object) -> int:
                     for item in items]
     else:
         raise ApiError(400, "input must be a string or a non-empty list of items", "input")
-    total = CHAT_REPLY_TOKENS
+    ids = tools_ids(tools)
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ApiError(400, "instructions must be a string", "instructions")
-        total += CHAT_TOKENS_PER_MESSAGE + count_text_tokens(instructions)
+        ids += _message_ids("system", tokenizer.encode(instructions))
     for i, item in enumerate(messages):
         if not isinstance(item, dict):
             raise ApiError(400, f"input[{i}] must be a string or an object", "input")
-        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(item.get("content"), "input", i)
-    return total
+        role = item.get("role") if isinstance(item.get("role"), str) else "user"
+        ids += _message_ids(str(role), _parts_ids(item.get("content"), "input", i,
+                                                  image_tokens))
+    return [*ids, _START, _ASSISTANT, _SEP]
+
+
+def responses_prompt_tokens(items: object, instructions: object) -> int:
+    """Prompt tokens of a ``/v1/responses`` ``input`` and ``instructions`` (raises ApiError)."""
+    return len(responses_prompt_ids(items, instructions))
+
+
+def messages_prompt_ids(messages: object, system: object, tools: object = None,
+                        image_tokens: int = 576) -> list[int]:
+    """The prompt's ids of a ``/v1/messages`` ``messages``, ``system`` and ``tools``."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: must be a non-empty list", "messages")
+    ids = tools_ids(tools)
+    if system is not None:
+        if not isinstance(system, str | list):
+            raise ApiError(400, "system: must be a string or a list of text blocks", "system")
+        ids += _message_ids("system", _parts_ids(system, "system", 0, image_tokens))
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"messages.{i}: role must be user or assistant", "messages")
+        ids += _message_ids(message["role"], _parts_ids(message.get("content"), "messages", i,
+                                                        image_tokens))
+    return [*ids, _START, _ASSISTANT, _SEP]
 
 
 def messages_prompt_tokens(messages: object, system: object) -> int:
     """Prompt tokens of a ``/v1/messages`` ``messages`` and ``system`` (raises ApiError)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: must be a non-empty list", "messages")
-    total = CHAT_REPLY_TOKENS
-    if system is not None:
-        if not isinstance(system, str | list):
-            raise ApiError(400, "system: must be a string or a list of text blocks", "system")
-        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(system, "system", 0)
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"messages.{i}: role must be user or assistant", "messages")
-        total += CHAT_TOKENS_PER_MESSAGE + _parts_tokens(message.get("content"), "messages", i)
-    return total
+    return len(messages_prompt_ids(messages, system))
 
 
-def _parts_tokens(content: object, field: str, index: int) -> int:
-    """A content that is a string, null, or a list of parts/blocks whose ``text`` counts."""
+def _parts_ids(content: object, field: str, index: int, image_tokens: int) -> list[int]:
+    """A content that is a string, null, or a list of parts/blocks whose ``text`` counts (and
+    images at ``image_tokens`` each)."""
     if content is None:
-        return 0
+        return []
     if isinstance(content, str):
-        return count_text_tokens(content)
+        return tokenizer.encode(content)
     if isinstance(content, list):
-        tokens = 0
+        ids: list[int] = []
         for part in content:
             if not isinstance(part, dict):
                 raise ApiError(400, f"{field}[{index}] content parts must be objects", field)
             if isinstance(part.get("text"), str):
-                tokens += count_text_tokens(part["text"])
-        return tokens
+                ids += tokenizer.encode(part["text"])
+            elif part.get("type") in IMAGE_PARTS:
+                ids += image_ids(part, image_tokens)
+        return ids
     raise ApiError(400, f"{field}[{index}] content must be a string or a list", field)
+
+
+def embeddings_prompt_ids(value: object) -> list[int]:
+    """The ids of a ``/v1/embeddings`` ``input``, all its inputs in order (raises ApiError)."""
+    if isinstance(value, str) and value:
+        return list(_text_prompt(value))
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
+            return list(value)
+        if all(isinstance(v, str) and v for v in value):
+            return [t for v in value for t in _text_prompt(v)]
+        if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+            return [t for v in value for t in v]
+    raise ApiError(400, "input must be a non-empty string, a list of strings, a list of token "
+                   "ids or a list of lists of token ids", "input")
 
 
 def embeddings_prompt_tokens(value: object) -> int:
     """Prompt tokens of a ``/v1/embeddings`` ``input`` (raises ApiError)."""
-    if isinstance(value, str) and value:
-        return max(1, count_text_tokens(value))
-    if isinstance(value, list) and value:
-        if all(_is_int(t) for t in value):
-            return len(value)
-        if all(isinstance(v, str) and v for v in value):
-            return sum(max(1, count_text_tokens(v)) for v in value)
-        if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
-            return sum(len(v) for v in value)
-    raise ApiError(400, "input must be a non-empty string, a list of strings, a list of token "
-                   "ids or a list of lists of token ids", "input")
+    return len(embeddings_prompt_ids(value))
 
 
 def embeddings_count(value: object) -> int:
@@ -396,42 +518,49 @@ def new_id(kind: str) -> str:
     return _ID_PREFIX[kind] + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> dict[str, Any]:
-    """An OpenAI ``usage`` object; ``details`` adds ``prompt_tokens_details.cached_tokens = 0``."""
+def usage(prompt_tokens: int, completion_tokens: int, details: bool = True,
+          cached_tokens: int = 0) -> dict[str, Any]:
+    """An OpenAI ``usage`` object; ``details`` adds ``prompt_tokens_details.cached_tokens``
+    (the prompt tokens the engine found in its prefix cache)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
                            "total_tokens": prompt_tokens + completion_tokens,
                            "completion_tokens": completion_tokens}
     if details:
-        out["prompt_tokens_details"] = {"cached_tokens": 0}
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
 
 
-def full_response(req: ParsedRequest, response_id: str, created: int, model: str) -> dict:
-    """The non-streaming response body (not for embeddings: ``embeddings_response``)."""
+def full_response(req: ParsedRequest, response_id: str, created: int, model: str,
+                  cached_tokens: int = 0) -> dict:
+    """The non-streaming response body (not for embeddings: ``embeddings_response``): one choice
+    per prompt and sample, usage over them all."""
     if req.kind == RESPONSES:
-        return responses_object(req, response_id, created, model, "completed")
+        return responses_object(req, response_id, created, model, "completed", cached_tokens)
     if req.kind == MESSAGES:
         return {"id": response_id, "type": "message", "role": "assistant", "model": model,
                 "content": [{"type": "text", "text": generated_text(CHAT, req.output_tokens)}],
                 "stop_reason": anthropic_stop_reason(req), "stop_sequence": None,
                 "usage": {"input_tokens": req.prompt_tokens,
                           "output_tokens": req.output_tokens}}
-    text = generated_text(req.kind, req.output_tokens)
-    if req.kind == CHAT:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None,
-                        "tool_calls": [], "reasoning_content": None},
-            "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None,
-                  "finish_reason": req.finish_reason, "stop_reason": None,
-                  "prompt_logprobs": None}
-        obj = "text_completion"
+    choices: list[dict[str, Any]] = []
+    for index in range(req.choices):
+        text = generated_text(req.kind, req.output_of(index))
+        if req.kind == CHAT:
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant", "content": text, "refusal": None,
+                            "tool_calls": [], "reasoning_content": None},
+                "logprobs": None, "finish_reason": req.finish_reason_of(index),
+                "stop_reason": None})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": req.finish_reason_of(index), "stop_reason": None,
+                            "prompt_logprobs": None})
+    obj = "chat.completion" if req.kind == CHAT else "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model,
-            "choices": [choice], "system_fingerprint": None,
-            "usage": usage(req.prompt_tokens, req.output_tokens)}
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(req.prompt_tokens, req.completion_tokens,
+                           cached_tokens=cached_tokens)}
 
 
 class StreamFormatter:
@@ -452,31 +581,35 @@ class StreamFormatter:
             chunk["usage"] = usage(self.req.prompt_tokens, completion_tokens, details=False)
         return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
-    def first(self) -> bytes:
+    def first(self, choice_index: int = 0) -> bytes:
         """Chat only: the chunk announcing the assistant role (sent with the first token)."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
+        choice = {"index": choice_index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
         return self._event([choice], 0 if self.req.continuous_usage else None)
 
-    def token(self, index: int) -> bytes:
-        """The chunk of the ``index``-th token (1-based); the last one has the finish reason."""
-        last = index >= self.req.output_tokens
-        text = token_text(self.req.kind, index - 1)
-        finish = self.req.finish_reason if last else None
-        if self.req.kind == CHAT:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                                      "finish_reason": finish}
+    def token(self, index: int, choice_index: int = 0) -> bytes:
+        """The chunk of the ``index``-th token (1-based) of a choice; the last one has the
+        finish reason."""
+        req = self.req
+        last = index >= req.output_of(choice_index)
+        text = token_text(req.kind, index - 1)
+        finish = req.finish_reason_of(choice_index) if last else None
+        if req.kind == CHAT:
+            choice: dict[str, Any] = {"index": choice_index, "delta": {"content": text},
+                                      "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": choice_index, "text": text, "logprobs": None,
+                      "finish_reason": finish}
         if last:
             choice["stop_reason"] = None
-        return self._event([choice], index if self.req.continuous_usage else None)
+        return self._event([choice], index if req.continuous_usage else None)
 
-    def usage_chunk(self) -> bytes:
+    def usage_chunk(self, cached_tokens: int = 0) -> bytes:
         """The final ``choices: []`` chunk carrying the whole usage (``include_usage``)."""
         chunk = {"id": self.id, "object": self.object, "created": self.created,
                  "model": self.model, "choices": [],
-                 "usage": usage(self.req.prompt_tokens, self.req.output_tokens)}
+                 "usage": usage(self.req.prompt_tokens, self.req.completion_tokens,
+                                cached_tokens=cached_tokens)}
         return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
     @staticmethod
@@ -488,9 +621,11 @@ def anthropic_stop_reason(req: ParsedRequest) -> str:
     return "max_tokens" if req.finish_reason == "length" else "end_turn"
 
 
-def responses_usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+def responses_usage(prompt_tokens: int, output_tokens: int,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     """The Responses API ``usage`` object."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -502,7 +637,7 @@ def _responses_message(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def responses_object(req: ParsedRequest, response_id: str, created: int, model: str,
-                     phase: str) -> dict[str, Any]:
+                     phase: str, cached_tokens: int = 0) -> dict[str, Any]:
     """The Responses API ``response`` object: ``phase`` ``in_progress`` (no output yet) or
     ``completed`` (its status then ``completed``, or ``incomplete`` when the output reached
     ``max_output_tokens``)."""
@@ -517,7 +652,8 @@ def responses_object(req: ParsedRequest, response_id: str, created: int, model: 
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "output": output, "max_output_tokens": req.max_tokens, "parallel_tool_calls": True,
             "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0,
-            "usage": responses_usage(req.prompt_tokens, req.output_tokens) if done else None}
+            "usage": responses_usage(req.prompt_tokens, req.output_tokens, cached_tokens)
+            if done else None}
 
 
 def embeddings_response(req: ParsedRequest, body: dict[str, Any], response_id: str,
@@ -577,10 +713,11 @@ class ResponsesStreamFormatter:
             "item_id": self.item_id, "output_index": 0, "content_index": 0,
             "delta": token_text(CHAT, index - 1), "logprobs": []})
 
-    def last(self) -> bytes:
+    def last(self, cached_tokens: int = 0) -> bytes:
         """Text and part and item done, then ``response.completed`` (or ``.incomplete``)."""
         text = generated_text(CHAT, self.req.output_tokens)
-        response = responses_object(self.req, self.id, self.created, self.model, "completed")
+        response = responses_object(self.req, self.id, self.created, self.model, "completed",
+                                    cached_tokens)
         terminal = "response.incomplete" if response["status"] == "incomplete" \
             else "response.completed"
         return b"".join((
@@ -621,8 +758,9 @@ class MessagesStreamFormatter:
             "type": "content_block_delta", "index": 0,
             "delta": {"type": "text_delta", "text": token_text(CHAT, index - 1)}})
 
-    def last(self) -> bytes:
-        """The block's stop, ``message_delta`` (stop reason, usage), ``message_stop``."""
+    def last(self, cached_tokens: int = 0) -> bytes:
+        """The block's stop, ``message_delta`` (stop reason, usage), ``message_stop``.
+        ``cached_tokens`` is not shown: this usage has input and output tokens only."""
         return b"".join((
             _named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
             _named_event("message_delta", {

@@ -19,9 +19,20 @@ disconnects during a step is removed from the engine at once; that step's token 
 dropped. With the default, a lone request's first token comes one ``--step-ms`` after it
 arrives, as before.
 
-Prompt-token counting, output lengths and the response shapes are defined in
-``picker.sim.openai_fmt`` (its docstring states the token-counting rule: one token per word and per
-punctuation character; chat adds 4 tokens per message and 3 for the reply).
+Prompt tokens, output lengths and the response shapes are defined in ``picker.sim.openai_fmt``
+(its docstring states the rules): prompts are token ids of ``picker.sim.tokenizer`` (English about
+4 characters a token, CJK one a character, emoji by UTF-8 bytes; the same text the same ids), chat
+adds 4 template tokens per message and 3 for the reply, an image part ``--image-tokens`` (576) and
+``tools`` their JSON text. ``n`` samples and a list of completions prompts are one engine request
+per choice, answered together (one choice per prompt and sample, usage summed).
+
+Prefix caching (``--enable-prefix-caching``, on by default as in vLLM V1;
+``--no-enable-prefix-caching``): the engine is ``picker.sim.vllm``'s model of vLLM V1's automatic
+prefix caching (its docstring states every rule: chained block hashes, a hit of the leading cached
+blocks computed by no step, blocks shared by reference, LRU eviction from the free queue). A
+request's hit is reported as ``usage.prompt_tokens_details.cached_tokens`` (Responses:
+``input_tokens_details``), and a step's time counts only the tokens it computed, so a hit costs
+no prefill time.
 
 Engine details, vLLM-like:
 
@@ -49,8 +60,12 @@ Engine details, vLLM-like:
 * An embeddings request is a request with no output tokens: it finishes, and frees its blocks,
   in the step that completes its prefill.
 * Metrics: ``vllm:num_requests_waiting`` / ``running``, ``vllm:kv_cache_usage_perc`` (used
-  blocks over total blocks), ``vllm:num_preemptions`` (counter), prompt and generation tokens
-  (a prompt counted once, when its first token comes), successes by finish reason, TTFT.
+  blocks over total blocks; cached blocks no request holds are free), ``vllm:num_preemptions``
+  (counter), prompt and generation tokens (a prompt counted once per engine request, when its
+  first token comes), successes by finish reason (per engine request), TTFT (per HTTP request),
+  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens looked up and found at
+  admission, preempted requests' re-admissions not counted, as vLLM's), and
+  ``vllm:cache_config_info`` with ``enable_prefix_caching``.
 
 Programmatic use: ``SimServer(SimServerConfig(...))`` with ``await start()`` / ``await stop()``
 (or ``async with``), then ``server.port`` / ``server.url``.
@@ -87,6 +102,7 @@ from picker.sim.openai_fmt import (
     embeddings_response,
     error_body,
     full_response,
+    generated_ids,
     new_id,
     parse_request,
 )
@@ -126,6 +142,10 @@ class SimServerConfig:
     """Tokens one engine step computes at most (vLLM's flag and its OpenAI-server default)."""
     prefill_ms_per_1k_tokens: float = 0.0
     """A step's extra time per 1,000 prompt tokens it computes (recompute included); 0: fixed."""
+    enable_prefix_caching: bool = True
+    """vLLM V1's automatic prefix caching (on by default, as in vLLM V1)."""
+    image_tokens: int = 576
+    """Prompt tokens of one image part (576: LLaVA-1.5's 24 x 24 patches)."""
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 1:
@@ -144,6 +164,8 @@ class SimServerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not self.prefill_ms_per_1k_tokens >= 0:
             raise ValueError("prefill_ms_per_1k_tokens must be >= 0")
+        if self.image_tokens < 0:
+            raise ValueError("image_tokens must be >= 0")
         if self.kv_budget_tokens < self.block_size:
             raise ValueError("kv_budget_tokens must hold at least one block of block_size tokens")
 
@@ -160,7 +182,8 @@ class SimServerConfig:
 class EngineMetrics:
     """vLLM's metric names on a registry of this server's own."""
 
-    def __init__(self, model: str, block_size: int, num_gpu_blocks: int) -> None:
+    def __init__(self, model: str, block_size: int, num_gpu_blocks: int,
+                 prefix_caching: bool = True) -> None:
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be "
@@ -172,7 +195,14 @@ class EngineMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               ["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
                "enable_prefix_caching"], registry=reg,
-              ).labels(model, str(block_size), str(num_gpu_blocks), "auto", "False").set(1)
+              ).labels(model, str(block_size), str(num_gpu_blocks), "auto",
+                       str(prefix_caching)).set(1)
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+            "tokens.", labels, registry=reg).labels(model)
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=reg).labels(model)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption "
                                    "from the engine.", labels, registry=reg).labels(model)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
@@ -189,14 +219,26 @@ class EngineMetrics:
 
 @dataclass(eq=False)
 class Job:
-    """One HTTP request's life in the engine; ``events`` receives each generated token's index."""
+    """One HTTP request's life in the engine: one engine request per choice (``n`` samples of
+    each prompt); ``events`` receives ``(choice, index)`` of each generated token."""
 
-    request: SeqRequest
+    requests: list[SeqRequest]
     parsed: ParsedRequest
     arrival: float
-    events: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[tuple[int, int]] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     done: bool = False
+    unfinished: int = 0
+
+    @property
+    def request(self) -> SeqRequest:
+        return self.requests[0]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache: each prompt's first sample's hit."""
+        n = self.parsed.n
+        return sum(r.cached_tokens or 0 for r in self.requests[::n])
 
 
 class SimEngine:
@@ -209,14 +251,17 @@ class SimEngine:
             total_blocks=config.total_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy))
+            policy=config.scheduling_policy,
+            enable_prefix_caching=config.enable_prefix_caching))
         self.steps = 0
         """Engine steps taken so far (it does not step while idle)."""
         self.step_time_s = 0.0
         """The modelled time of the steps taken so far (``step_seconds`` of each)."""
         self.prefill_tokens = 0
         """Prompt tokens the steps computed so far, recompute included."""
-        self._jobs: dict[SeqRequest, Job] = {}
+        self._jobs: dict[SeqRequest, tuple[Job, int]] = {}
+        """Each engine request's job and choice."""
+        self._queries_seen = self._hits_seen = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.closed = False
@@ -247,11 +292,21 @@ class SimEngine:
     def submit(self, parsed: ParsedRequest, request_id: str) -> Job:
         """Queue a request; its tokens arrive on ``job.events``."""
         loop = asyncio.get_running_loop()
-        request = SeqRequest(id=request_id, prompt_tokens=parsed.prompt_tokens,
-                             output_tokens=parsed.output_tokens)
-        job = Job(request=request, parsed=parsed, arrival=loop.time())
-        self.scheduler.add(request, parsed.priority, job.arrival)
-        self._jobs[request] = job
+        requests = []
+        for choice in range(parsed.choices):
+            prompt = parsed.prompts[choice // parsed.n] if parsed.prompts else None
+            output = parsed.output_of(choice)
+            requests.append(SeqRequest(
+                id=f"{request_id}-{choice}", prompt_tokens=len(prompt) if prompt is not None
+                else parsed.prompt_tokens, output_tokens=output, token_ids=prompt,
+                output_ids=generated_ids(parsed.kind, output) if prompt is not None else None))
+        job = Job(requests=requests, parsed=parsed, arrival=loop.time(),
+                  unfinished=len(requests))
+        for choice, request in enumerate(requests):
+            # Added in choice order, as vLLM adds a parent's samples: the first computes the
+            # prompt, the others hit its blocks in the same step.
+            self.scheduler.add(request, parsed.priority, job.arrival)
+            self._jobs[request] = (job, choice)
         self._wake.set()
         return job
 
@@ -260,9 +315,10 @@ class SimEngine:
         if job.done:
             return
         job.done = True
-        self._jobs.pop(job.request, None)
-        self.scheduler.abort(job.request)
-        self.metrics.success["abort"].inc()
+        for request in job.requests:
+            if self._jobs.pop(request, None) is not None:
+                self.scheduler.abort(request)
+                self.metrics.success["abort"].inc()
 
     # -- the loop --
 
@@ -277,9 +333,9 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for job in list(self._jobs.values()):
+        for job in {job for job, _ in self._jobs.values()}:
             self.cancel(job)
-            job.events.put_nowait(_ABORTED)
+            job.events.put_nowait((0, _ABORTED))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -310,29 +366,39 @@ class SimEngine:
 
     def release(self, out: StepOutput, now: float) -> None:
         """The step has ended: hand each emitted token to its job, finish what finished."""
-        self.metrics.preemptions.inc(len(out.preempted))
+        metrics, scheduler = self.metrics, self.scheduler
+        metrics.preemptions.inc(len(out.preempted))
+        metrics.prefix_cache_queries.inc(scheduler.prefix_cache_queries - self._queries_seen)
+        metrics.prefix_cache_hits.inc(scheduler.prefix_cache_hits - self._hits_seen)
+        self._queries_seen = scheduler.prefix_cache_queries
+        self._hits_seen = scheduler.prefix_cache_hits
         for request, index in out.tokens.items():
-            job = self._jobs.get(request)
-            if job is None:
+            entry = self._jobs.get(request)
+            if entry is None:
                 continue  # cancelled during the step: its client is gone, the token unsent
-            self.metrics.generation_tokens.inc()
+            job, choice = entry
+            metrics.generation_tokens.inc()
+            if index == 1:
+                # Counted once per engine request, as vLLM counts a prompt when its first
+                # token comes.
+                metrics.prompt_tokens.inc(request.prompt_tokens)
             if job.first_token_at is None:
                 job.first_token_at = now
-                # Counted once per request, as vLLM counts a prompt when its first token comes.
-                self.metrics.prompt_tokens.inc(request.prompt_tokens)
-                self.metrics.ttft.observe(now - job.arrival)
-            job.events.put_nowait(index)
+                metrics.ttft.observe(now - job.arrival)
+            job.events.put_nowait((choice, index))
         for request in out.finished:
-            job = self._jobs.pop(request, None)
-            if job is None:
+            entry = self._jobs.pop(request, None)
+            if entry is None:
                 continue  # cancelled during the step, and counted as aborted then
-            job.done = True
+            job, choice = entry
+            job.unfinished -= 1
+            job.done = job.unfinished == 0
             if request.output_tokens == 0:  # an embedding: its prompt was its whole work
-                self.metrics.prompt_tokens.inc(request.prompt_tokens)
-                self.metrics.success["stop"].inc()
-                job.events.put_nowait(_PREFILLED)
+                metrics.prompt_tokens.inc(request.prompt_tokens)
+                metrics.success["stop"].inc()
+                job.events.put_nowait((choice, _PREFILLED))
             else:
-                self.metrics.success[job.parsed.finish_reason].inc()
+                metrics.success[job.parsed.finish_reason_of(choice)].inc()
 
 
 class SimServer:
@@ -341,7 +407,8 @@ class SimServer:
     def __init__(self, config: SimServerConfig | None = None) -> None:
         self.config = config or SimServerConfig()
         self.metrics = EngineMetrics(self.config.model, self.config.block_size,
-                                     self.config.total_blocks)
+                                     self.config.total_blocks,
+                                     self.config.enable_prefix_caching)
         self.engine: SimEngine | None = None
         self.runner: web.AppRunner | None = None
         self.port: int = self.config.port
@@ -455,18 +522,20 @@ class SimServer:
 
     def _parse(self, kind: str, body: object) -> ParsedRequest:
         context = self.config.max_model_len
-        parsed = parse_request(kind, body, max_model_len=context)
+        parsed = parse_request(kind, body, max_model_len=context,
+                               image_tokens=self.config.image_tokens)
         if parsed.model is not None and parsed.model != self.config.model:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", "model")
-        if parsed.prompt_tokens > context:
+        longest = parsed.longest_prompt  # each prompt of several is checked alone
+        if longest > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. "
-                           f"However, your request has {parsed.prompt_tokens} input tokens. "
+                           f"However, your request has {longest} input tokens. "
                            "Please reduce the length of the input messages.",
                            _PROMPT_FIELD.get(kind, "messages"))
         budget = self.config.total_blocks * self.config.block_size
-        if parsed.prompt_tokens > budget:
+        if longest > budget:
             raise ApiError(400, f"This model's maximum context length is {context} tokens, but "
-                           f"your prompt of {parsed.prompt_tokens} tokens can never fit the KV "
+                           f"your prompt of {longest} tokens can never fit the KV "
                            f"cache ({budget} tokens).", _PROMPT_FIELD.get(kind, "messages"))
         if parsed.priority and self.config.scheduling_policy != "priority":
             # vLLM's input processor, after the server's length checks, raises a plain
@@ -476,19 +545,20 @@ class SimServer:
         return parsed
 
     async def _whole(self, job: Job, response_id: str, body: object) -> web.Response:
-        kind = job.parsed.kind
-        while True:
-            index = await job.events.get()
+        parsed = job.parsed
+        kind, left = parsed.kind, parsed.choices
+        while left:
+            choice, index = await job.events.get()
             if index == _ABORTED:
                 return _kind_error(kind, 503, "the server is shutting down")
-            if index == _PREFILLED or index >= job.parsed.output_tokens:
-                break
+            if index == _PREFILLED or index >= parsed.output_of(choice):
+                left -= 1
         if kind == EMBEDDINGS:
             assert isinstance(body, dict)  # parse_request checked it
-            return web.json_response(embeddings_response(job.parsed, body, response_id,
+            return web.json_response(embeddings_response(parsed, body, response_id,
                                                          int(time.time()), self.config.model))
-        return web.json_response(full_response(job.parsed, response_id, int(time.time()),
-                                               self.config.model))
+        return web.json_response(full_response(parsed, response_id, int(time.time()),
+                                               self.config.model, job.cached_tokens))
 
     async def _stream(self, request: web.Request, job: Job,
                       response_id: str) -> web.StreamResponse:
@@ -499,20 +569,21 @@ class SimServer:
         kind = job.parsed.kind
         if kind in (RESPONSES, MESSAGES):
             return await self._stream_events(response, job, response_id)
-        fmt = StreamFormatter(job.parsed, response_id, self.config.model)
-        last = job.parsed.output_tokens
+        parsed = job.parsed
+        fmt = StreamFormatter(parsed, response_id, self.config.model)
+        left = parsed.choices
         try:
-            while True:
-                index = await job.events.get()
+            while left:
+                choice, index = await job.events.get()
                 if index == _ABORTED:
                     return response  # the server is stopping: end without [DONE]
                 if index == 1 and kind == CHAT:
-                    await response.write(fmt.first())
-                await response.write(fmt.token(index))
-                if index >= last:
-                    break
-            if job.parsed.include_usage:
-                await response.write(fmt.usage_chunk())
+                    await response.write(fmt.first(choice))
+                await response.write(fmt.token(index, choice))
+                if index >= parsed.output_of(choice):
+                    left -= 1
+            if parsed.include_usage:
+                await response.write(fmt.usage_chunk(job.cached_tokens))
             await response.write(fmt.done())
             await response.write_eof()
         except ConnectionError:
@@ -530,7 +601,7 @@ class SimServer:
         last = job.parsed.output_tokens
         try:
             while True:
-                index = await job.events.get()
+                _, index = await job.events.get()
                 if index == _ABORTED:
                     return response  # the server is stopping: end without the last events
                 # The opening events go with the first token, as vLLM sends them once the
@@ -539,7 +610,7 @@ class SimServer:
                                      else fmt.token(index))
                 if index >= last:
                     break
-            await response.write(fmt.last())
+            await response.write(fmt.last(job.cached_tokens))
             await response.write_eof()
         except ConnectionError:
             pass
@@ -596,6 +667,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra step time per 1,000 prompt tokens the step computes, prefill "
                         "chunks and recompute alike (default %(default)s: every step takes "
                         "--step-ms)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="vLLM V1's automatic prefix caching (on by default, as in vLLM V1; "
+                        "--no-enable-prefix-caching turns it off)")
+    p.add_argument("--image-tokens", type=int, default=d.image_tokens,
+                   help="prompt tokens of one image part (default %(default)s, LLaVA-1.5's)")
     return p
 
 
@@ -606,7 +683,9 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
                            scheduling_policy=args.scheduling_policy, block_size=args.block_size,
                            max_model_len=args.max_model_len,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens)
+                           prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           image_tokens=args.image_tokens)
 
 
 async def serve(config: SimServerConfig) -> None:
