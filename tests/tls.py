@@ -13,11 +13,17 @@ import grpc
 import yaml
 
 from picker.stack.envoy import GATEWAY_NAME, with_client_cert
-from picker.tls import certificate_authority, issue, unverified_channel_credentials
+from picker.tls import KeyPair, certificate_authority, issue, unverified_channel_credentials
 
 
-async def tls_credentials(port: int, host: str = "127.0.0.1") -> grpc.ChannelCredentials:
-    return await asyncio.to_thread(unverified_channel_credentials, host, port)
+async def tls_credentials(port: int, host: str = "127.0.0.1",
+                          client: KeyPair | None = None) -> grpc.ChannelCredentials:
+    return await asyncio.to_thread(unverified_channel_credentials, host, port, 5.0, client)
+
+
+def gateway_pair(cert: Path, key: Path) -> KeyPair:
+    """The gateway's client certificate (``Stack.gateway_client_cert``) as a ``KeyPair``."""
+    return KeyPair(cert.read_bytes(), key.read_bytes(), None)  # type: ignore[arg-type]
 
 
 def sample_with_client_cert(sample: Path, workdir: Path) -> Path:
@@ -32,6 +38,8 @@ def sample_with_client_cert(sample: Path, workdir: Path) -> Path:
     return out
 
 
-async def tls_channel(port: int, host: str = "127.0.0.1") -> grpc.aio.Channel:
-    """An aio channel to ``host:port`` over TLS (``async with await tls_channel(port)``)."""
-    return grpc.aio.secure_channel(f"{host}:{port}", await tls_credentials(port, host))
+async def tls_channel(port: int, host: str = "127.0.0.1",
+                      client: KeyPair | None = None) -> grpc.aio.Channel:
+    """An aio channel to ``host:port`` over TLS (``async with await tls_channel(port)``);
+    ``client``: the certificate to present (a picker run with ``--client-ca`` needs one)."""
+    return grpc.aio.secure_channel(f"{host}:{port}", await tls_credentials(port, host, client))

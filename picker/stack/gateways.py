@@ -121,6 +121,10 @@ class Wiring:
     """Dial the picker over TLS without verification, as the gateways do; False only for a picker
     started with plaintext ext_proc."""
     access_log: Path | None = None
+    client_cert: tuple[Path, Path] | None = None
+    """The certificate and key files the gateway presents to the picker (mTLS, the picker's
+    ``--client-ca``), as each gateway does once configured for it (docs/gateways.md, "Only the
+    gateway speaks ext_proc"); None: none, each gateway's default."""
     trusted_client_identity: bool = False
     """TEST ONLY: keep the client's tenant, lane and objective headers, as if an authenticating
     gateway had written them (the flavour tests send the tenant themselves). Never deploy it."""
@@ -168,7 +172,12 @@ def _picker_cluster(name: str, wiring: Wiring, lb_policy: str) -> dict[str, Any]
              "health_status": "HEALTHY"}]}]},
     }
     if wiring.picker_tls:
-        cluster["transport_socket"] = _UNVERIFIED_TLS
+        cluster["transport_socket"] = copy.deepcopy(_UNVERIFIED_TLS)
+        if wiring.client_cert is not None:
+            cert, key = wiring.client_cert
+            cluster["transport_socket"]["typed_config"]["common_tls_context"][
+                "tls_certificates"] = [{"certificate_chain": {"filename": str(cert)},
+                                        "private_key": {"filename": str(key)}}]
     return cluster
 
 

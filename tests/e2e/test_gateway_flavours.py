@@ -53,6 +53,9 @@ def _bootstrap(flavour: str) -> Callable[[Stack], dict[str, Any]]:
             listen_port=stack.gateway_port, admin_port=stack.admin_port,
             picker_port=stack.grpc_port, endpoints=list(stack.endpoint_addresses),
             picker_tls=stack.secure_serving, access_log=stack.access_log,
+            # Each gateway presenting the client certificate the picker requires, as it does
+            # once configured for it (docs/gateways.md).
+            client_cert=stack.gateway_client_cert,
             # The test sends the tenant header itself, standing in for the authenticating
             # gateway (tests/faults/test_forged_identity.py checks the flavours strip it).
             trusted_client_identity=True))
@@ -69,7 +72,8 @@ def gateway(request: pytest.FixtureRequest,
               "queue": {"maxWait": "4s"}}
     with Stack(tmp_path_factory.mktemp(request.param), policy="vtc", endpoints=2,
                server_args=["--kv-budget-tokens", "1024", "--step-ms", "5"],
-               picker_config=config, envoy_bootstrap=_bootstrap(request.param)) as stack:
+               picker_config=config, envoy_bootstrap=_bootstrap(request.param),
+               client_auth="mtls") as stack:
         yield flavour, stack
 
 

@@ -32,7 +32,7 @@ from picker.server import ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
 from picker.stack.launcher import Stack, hold_port
 from tests.e2e.conftest import wait_until
-from tests.tls import tls_channel
+from tests.tls import gateway_pair, tls_channel
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,9 @@ async def test_endpoints_and_health_are_served_on_the_admin_port(stack: Stack) -
 
 
 async def test_the_gateways_port_does_not_serve_the_admin_api(stack: Stack) -> None:
-    async with await tls_channel(stack.grpc_port) as channel:  # TLS, as a gateway dials it
+    # TLS with the gateway's certificate, as the gateway dials it.
+    async with await tls_channel(stack.grpc_port,
+                                 client=gateway_pair(*stack.gateway_client_cert)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await admin_pb2_grpc.AdminStub(channel).ListTenants(admin_pb2.ListTenantsRequest(),
                                                                 timeout=TIMEOUT)

@@ -900,7 +900,7 @@ def test_the_picker_requires_the_gateways_client_certificate(case_id: str) -> No
     assert names.get_values_for_type(x509.DNSName) == ["fairway-gateway"]
     usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert x509.ExtendedKeyUsageOID.CLIENT_AUTH in usage
-    assert gateway["ca.crt"] == _secret(case_id, f"{fullname}-client-ca")["ca.crt"]
+    assert set(gateway) == {"tls.crt", "tls.key"}  # no ca.crt: Istio would verify with it
 
 
 def test_a_picker_with_the_rendered_ca_serves_only_the_rendered_gateway(tmp_path: Path) -> None:
@@ -1057,7 +1057,10 @@ def test_notes_say_what_to_do_next(case_id: str) -> None:
     notes = next(text for path, text in _rendered(case_id)[0].items()
                  if path.endswith("NOTES.txt"))
     assert "port-forward service/" in notes and "9004:9004" in notes
-    assert "python -m picker.ctl top --admin 127.0.0.1:9004" in notes
+    assert "python -m picker.ctl top --admin 127.0.0.1:9004 --token-file admin-token" in notes
+    assert "-admin-token -o jsonpath='{.data.token}'" in notes
+    assert ("mount Secret" in notes) == (_values(case_id)["picker"]["tls"]["clientAuth"]["mode"]
+                                         == "mtls" and _values(case_id)["picker"]["tls"]["enabled"])
     assert ("kind: TenantPolicy" in notes) == _values(case_id)["operator"]["enabled"]
     assert ("Grafana" in notes) == _values(case_id)["dashboard"]["enabled"]
     assert "9002" in notes

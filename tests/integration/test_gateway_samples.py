@@ -199,13 +199,20 @@ def test_each_sample_routes_to_the_pool_through_its_own_gateway(sample: str) -> 
         assert gateway["spec"]["gatewayClassName"] == expected_class
 
 
-def test_istio_dials_the_chart_s_picker_over_tls_without_verification(
+def test_istio_dials_the_chart_s_picker_over_tls_with_the_chart_s_client_certificate(
         rendered: dict[str, list[dict]]) -> None:
     (rule,) = [o for o in _load("istio.yaml") if o["kind"] == "DestinationRule"]
     (service,) = [o for o in rendered["default"] if o["kind"] == "Service"
                   and o["metadata"]["labels"]["app.kubernetes.io/component"] == "picker"]
     assert rule["spec"]["host"] == f"{service['metadata']['name']}.{NS}.svc.cluster.local"
-    assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
+    # The picker not verified (self-signed), the gateway presenting the chart's certificate.
+    secrets = {o["metadata"]["name"]: o for o in rendered["default"] if o["kind"] == "Secret"}
+    assert rule["spec"]["trafficPolicy"]["tls"] == {
+        "mode": "MUTUAL", "credentialName": f"{service['metadata']['name']}-gateway-tls",
+        "insecureSkipVerify": True}
+    gateway_secret = secrets[rule["spec"]["trafficPolicy"]["tls"]["credentialName"]]
+    assert gateway_secret["metadata"]["namespace"] == NS  # the gateway's (Istio reads it there)
+    assert set(gateway_secret["data"]) == {"tls.crt", "tls.key"}
 
 
 @pytest.mark.parametrize("sample", [*GATEWAY_SAMPLES, POOL_SAMPLE, POD_DNS_SAMPLE])
