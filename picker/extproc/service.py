@@ -78,6 +78,7 @@ from picker.identity import KEY_HEADERS, OBJECTIVE_HEADER
 from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.paths import ApiKind, classify, forward_path
 from picker.openai.request import CHARS_PER_TOKEN, InferenceRequest, anthropic_error_body
+from picker.openai.response import streamed_output
 from picker.tls import UNAUTHENTICATED_HEADER_MODE, ClientAuth
 
 log = logging.getLogger(__name__)
@@ -805,6 +806,13 @@ class _Exchange:
             dispatcher.on_output_tokens(ticket, logged.completion_tokens)
             dispatcher.complete(ticket, None, outcome)
         elif logged.client_gone and not logged.body_bytes:
+            dispatcher.complete(ticket, None, "cancelled")
+        elif logged.client_gone and ticket.stream and self.kind is not None \
+                and (delivered := streamed_output(self.kind, logged.body_bytes)) is not None:
+            # A /v1/messages or Responses stream left before its count came: what its bytes can
+            # have carried (capped), not the whole max_tokens.
+            cap = ticket.output_cap
+            dispatcher.on_output_tokens(ticket, delivered if cap is None else min(cap, delivered))
             dispatcher.complete(ticket, None, "cancelled")
         else:
             # Output went out uncounted (an engine that reports no usage, or a stream cut

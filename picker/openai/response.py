@@ -173,6 +173,21 @@ def _step_tokens(quarters: int) -> int:
     return max(1, quarters >> 2)
 
 
+STREAM_EVENT_BYTES: dict[ApiKind, int] = {ApiKind.MESSAGES: 110, ApiKind.RESPONSES: 150}
+"""The fewest bytes of an event delivering one token, for the APIs whose streams report their
+output count only at their end (Anthropic's ``content_block_delta``, the Responses API's
+``response.output_text.delta``, as vLLM writes them: compact JSON, a one-character token)."""
+
+
+def streamed_output(kind: ApiKind, body_bytes: int) -> int | None:
+    """Output tokens a stream of ``kind`` delivered in ``body_bytes`` bytes, when all that is
+    known is its size (the access log of a stream its client left before the usage came): one
+    token an event of ``STREAM_EVENT_BYTES``, so it errs high by the stream's opening events. None
+    for an API not in the table."""
+    size = STREAM_EVENT_BYTES.get(kind)
+    return None if size is None else -(-body_bytes // size)
+
+
 class ResponseMeter:
     """Counts what a response delivers. Feed it the body chunks in order.
 

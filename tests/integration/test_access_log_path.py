@@ -183,6 +183,28 @@ async def test_output_without_a_count_is_charged_the_estimate_never_nothing(
     assert (await charged(picker, "b"))[1] == 0
 
 
+async def test_a_messages_stream_left_early_is_charged_what_its_bytes_carried(
+        picker: Picker) -> None:
+    """A /v1/messages stream reports its output count only at its end (message_delta): one the
+    client left early was charged its whole max_tokens (issue 26)."""
+    body = json.dumps({"model": "m", "max_tokens": 2000, "stream": True,
+                       "messages": [{"role": "user", "content": "tell me a long story"}]}).encode()
+    stream = picker.open(LOGGED)
+    await send_request(stream, body, path="/v1/messages", headers={TENANT_HEADER: "a"})
+    first = await stream.reply()
+    name = first.dynamic_metadata.fields["fairway"].struct_value.fields["request"].string_value
+    await stream.reply()
+    await stream.call.done_writing()
+    assert await stream.ended()
+    # message_start (~300 bytes) and 30 one-token deltas of ~120 bytes, then the client left.
+    await send_log(picker, log_entry(name, usage={"prompt": 9}, client_gone=True,
+                                     body_bytes=300 + 30 * 120))
+    await picker.eventually("fairway_requests_total", 1, tenant="a")
+    _, output = await charged(picker, "a")
+    assert 30 <= output <= 40, output  # the output estimate before (256 here), up to 2000
+    assert await picker.metric("fairway_requests_total", tenant="a", outcome="cancelled") == 1
+
+
 async def test_failed_requests_are_not_charged_output(picker: Picker) -> None:
     endpoint, name, _ = await route_logged(picker, chat_body(max_tokens=5), "a")
     await send_log(picker, log_entry(name, status=400, usage={"prompt": 7}))
