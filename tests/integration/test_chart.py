@@ -1089,6 +1089,19 @@ def test_notes_say_the_tenancy_mode_and_what_the_gateway_must_do(case_id: str) -
     assert ("for API keys set\n   config.tenancy.mode: apiKey." in notes) == operator
 
 
+def test_notes_name_the_headers_the_config_trusts_not_a_fixed_four() -> None:
+    """Issue 26: a picker told to read other headers needs those removed; the NOTES list the
+    configured ones (tenancy.header, alsoAccept, laneHeader) and the objective header."""
+    tenancy = {"header": "x-tenant-id", "alsoAccept": ["x-org"], "laneHeader": "x-my-lane"}
+    notes = _chart().render({"config": {"tenancy": tenancy}}, name="fairway", namespace=NS,
+                            is_install=True)
+    text = next(t for path, t in notes.items() if path.endswith("NOTES.txt"))
+    assert "client-sent x-tenant-id, x-org, x-my-lane and\n   x-gateway-inference-objective" \
+        in text
+    assert "x-gateway-inference-fairness-id" not in text
+    assert "--gateway FILE" in text
+
+
 def test_notes_in_api_key_mode_say_authorization_reaches_the_picker() -> None:
     assert _values("no-operator")["config"]["tenancy"]["mode"] == "apiKey"
     notes = next(text for path, text in _rendered("no-operator")[0].items()
