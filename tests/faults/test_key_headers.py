@@ -2,7 +2,8 @@
 the SDKs' key headers it uses (``Authorization: Bearer``, Anthropic's ``x-api-key``, Azure's
 ``api-key``), and no client's key reaches the model server, whatever Envoy is in front: the
 stack's own (``strip``), the committed manifests/gateway/envoy.yaml, and one that removes nothing
-(``trusted-client``: only the picker's own header mutation is left to hold). The model server
+(``trusted-client``: only the picker's own header mutation is left to hold), and Envoy AI
+Gateway's buffered form (the removal rides on the picker's answer to the body). The model server
 here records every request's headers.
 
 And the strip list follows the picker's config: a picker told to read ``x-tenant-id`` behind an
@@ -26,6 +27,7 @@ from picker.config.schema import load_config
 from picker.config.trusted import check_stripped, early_removed
 from picker.errors import ConfigError
 from picker.identity import KEY_HEADERS, hash_api_key
+from picker.stack.gateways import Wiring, gateway_config
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import metric, settled_metric, wait_until
 from tests.e2e.test_policy import RecordingUpstream
@@ -65,10 +67,20 @@ def upstream() -> Iterator[RecordingUpstream]:
         recording.stop()
 
 
+def _buffered_flavour(stack: Stack) -> dict[str, Any]:
+    """Envoy AI Gateway with buffered bodies: the picker answers on the body, and its removal
+    of the key headers rides on that answer."""
+    return gateway_config("envoy-ai-gateway-buffered", Wiring(
+        listen_port=stack.gateway_port, admin_port=stack.admin_port,
+        picker_port=stack.grpc_port, endpoints=list(stack.endpoint_addresses),
+        picker_tls=stack.secure_serving))
+
+
 GATEWAYS: dict[str, dict[str, Any]] = {
     "stack-strip": {"identity": "strip"},
     "shipped-envoy-yaml": {"envoy_bootstrap": shipped_envoy("envoy.yaml")},
     "removes-nothing": {"identity": "trusted-client"},
+    "envoy-ai-gateway-buffered": {"envoy_bootstrap": _buffered_flavour},
 }
 
 
