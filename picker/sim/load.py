@@ -87,6 +87,9 @@ class PlannedRequest:
     max_tokens: int
     """Output length asked for (with ``ignore_eos``)."""
     stream: bool
+    token_ids: tuple[int, ...] | None = None
+    """The prompt's token ids (``picker.sim.tokenizer``) for the pool simulator's prefix cache,
+    when a workload gives them; None (every workload so far): counts only, never cached."""
 
 
 @dataclass

@@ -72,6 +72,10 @@ class PoolSpec:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     engine_policy: str = "fcfs"
     """The engines' ``--scheduling-policy``: ``fcfs`` or ``priority``."""
+    enable_prefix_caching: bool = True
+    """The engines' automatic prefix caching (``picker.sim.vllm``; on by default, as in vLLM
+    V1). It acts only on requests that carry token ids: the load-generator traffic gives counts,
+    so its runs are the same either way."""
     step_s: float = 0.01
     """Seconds per engine step (the simulated server's ``--step-ms``)."""
     scrape_interval_s: float = 0.05
@@ -221,6 +225,10 @@ class PoolRun:
     step_log: dict[str, list[StepRecord]] = field(default_factory=dict, repr=False,
                                                   compare=False)
     """Per endpoint, every step its engine took, in order (``ttft_parts``)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens the engines looked up in their prefix caches (vLLM's counter, summed)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found cached: the engines' hit rate is hits / queries."""
 
     def tokens_per_s(self) -> float:
         return self.output_tokens_in_window / self.window_s if self.window_s > 0 else 0.0
@@ -278,7 +286,8 @@ class _Pool:
         engine = VllmConfig(total_blocks=spec.kv_budget_tokens // spec.block_size,
                             block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                             max_num_batched_tokens=spec.max_num_batched_tokens,
-                            policy=spec.engine_policy)
+                            policy=spec.engine_policy,
+                            enable_prefix_caching=spec.enable_prefix_caching)
         self.engines = {a: VllmScheduler(engine) for a in addresses}
         self.in_flight: dict[str, tuple[StepOutput, int]] = {}
         """Each busy engine's step: its output, and the ticks left until it ends."""
@@ -376,7 +385,7 @@ class _Pool:
             return
         planned = passage.planned
         seq = SeqRequest(id=passage, prompt_tokens=planned.prompt_tokens,
-                         output_tokens=planned.max_tokens)
+                         output_tokens=planned.max_tokens, token_ids=planned.token_ids)
         passage.seq = seq
         self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
         heapq.heappush(self.deadlines, (passage.arrived_at + self.traffic.timeout_s,
@@ -579,4 +588,6 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                    recomputed_tokens=sum(e.recomputed_tokens_total for e in engines),
                    computed_tokens=computed, steps=step, gate=pool.gate,
                    sharing=pool.stats if sharing is not None else None, scrapes=pool.scrapes,
-                   step_log=pool.step_log)
+                   step_log=pool.step_log,
+                   prefix_cache_queries=sum(e.prefix_cache_queries for e in engines),
+                   prefix_cache_hits=sum(e.prefix_cache_hits for e in engines))

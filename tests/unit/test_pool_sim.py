@@ -7,13 +7,15 @@ engines as the server's would, and does an fcfs engine refuse a priority as vLLM
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+import picker.sim.pool as pool_module
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
-from picker.sim.load import percentile
+from picker.sim.load import PlannedRequest, percentile
 from picker.sim.pool import PoolRecord, PoolRun, PoolSpec, simulate
 from picker.sim.traffic import Traffic, load_traffic
 
@@ -218,3 +220,23 @@ def test_requests_past_the_queue_timeout_are_dropped_uncharged() -> None:
         ok = [r for r in _mine(run, tenant) if r.outcome == "ok"]
         assert _charged(run, tenant) == sum(_service(r) for r in ok)
     assert run.gate.passages == {}
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_pool_runs_the_prefix_caching_engine(monkeypatch: pytest.MonkeyPatch,
+                                                 caching: bool) -> None:
+    """Requests that carry token ids share a 64-token prefix: the second and later are hits
+    on the endpoint that served the first (prefix caching on, as the engines default to)."""
+    prefix = tuple(range(1000, 1064))
+    planned = [PlannedRequest("t", i, "poisson", i * 0.5, 80, 4, True,
+                              token_ids=prefix + tuple(range(i * 16, i * 16 + 16)))
+               for i in range(4)]
+    monkeypatch.setattr(pool_module, "plan_open_loop", lambda traffic, duration: planned)
+    traffic = load_traffic({"duration_s": 3, "seed": 1, "timeout_s": 30, "tenants": [
+        {"name": "t", "rate": 0.001, "prompt_tokens": [80, 80], "output_tokens": [4, 4]}]})
+    spec = replace(PoolSpec(endpoints=1, kv_budget_tokens=4096, step_s=0.01),
+                   enable_prefix_caching=caching)
+    run = _run(_config({"t": 1}), traffic, spec)
+    assert [r.outcome for r in run.records] == ["ok"] * 4
+    assert run.prefix_cache_queries == (4 * 80 if caching else 0)
+    assert run.prefix_cache_hits == (3 * 64 if caching else 0)
