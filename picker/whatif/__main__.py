@@ -150,13 +150,17 @@ class LogFigures:
     step_samples: int
 
 
-def scan_figures(path: Path) -> LogFigures:
-    """One streaming pass over the log for the pool's figures (bad lines are left to the
-    replay's pass to report)."""
+def scan_figures(path: Path, size: int | None = None) -> LogFigures:
+    """One streaming pass over the log (its first ``size`` bytes) for the pool's figures (bad
+    lines are left to the replay's pass to report)."""
     endpoints: set[str] = set()
     per_token = Quantiles()
+    read = 0
     with path.open("rb") as stream:
         for number, raw in enumerate(stream, start=1):
+            read += len(raw)
+            if size is not None and read > size:
+                break
             try:
                 data = json.loads(raw)
                 parse_record(number, data)
@@ -225,7 +229,7 @@ def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namesp
             print(message, file=sys.stderr)
 
     arrivals = read_arrivals(path, skips, reorder_window_s=args.reorder_window,
-                             since=args.since, until=args.until, report=report)
+                             since=args.since, until=args.until, size=args.size, report=report)
     first = next(arrivals, None)
     if first is None:
         raise LookupError("no usable record in the log")
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             refused += 1
             print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)
-    spec, notes = pool_spec(args, scan_figures(args.log), baseline)
+    args.size = args.log.stat().st_size  # a live log grows: replay each config on these bytes
+    spec, notes = pool_spec(args, scan_figures(args.log, args.size), baseline)
     skips = Skips()
     try:
         base = _run(args.log, baseline, spec, args, skips, quiet=False)

@@ -208,11 +208,13 @@ def _iso(unix: float) -> str:
 
 def read_arrivals(path: Path, skips: Skips, *, reorder_window_s: float = 600.0,
                   since: float | None = None, until: float | None = None,
+                  size: int | None = None,
                   report: Callable[[str], None] | None = None) -> Iterator[Arrival]:
     """The usable records of the log at ``path``, in arrival order, streamed.
 
-    ``since``/``until`` (unix seconds) keep arrivals in ``[since, until)``. ``report`` gets each
-    message as it is noted (as well as ``skips.messages``).
+    ``since``/``until`` (unix seconds) keep arrivals in ``[since, until)``. ``size``: read only
+    the first ``size`` bytes (a live log grows: every config is replayed on the same lines).
+    ``report`` gets each message as it is noted (as well as ``skips.messages``).
     """
     pending: list[tuple[float, int, Arrival]] = []
     latest_finish = -math.inf
@@ -226,7 +228,11 @@ def read_arrivals(path: Path, skips: Skips, *, reorder_window_s: float = 600.0,
             report(skips.messages[-1])
 
     with path.open("rb") as stream:
+        read = 0
         for number, raw in enumerate(stream, start=1):
+            read += len(raw)
+            if size is not None and read > size:
+                break
             skips.lines += 1
             if not raw.strip():
                 continue

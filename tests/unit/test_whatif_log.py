@@ -148,3 +148,12 @@ def test_times_are_unix_seconds_or_iso_8601() -> None:
     assert parse_time("2025-11-24T17:00:00+01:00") == 1764000000.0
     with pytest.raises(ValueError, match="neither unix seconds nor an ISO 8601 time"):
         parse_time("last tuesday")
+
+
+def test_a_growing_log_is_read_to_the_size_given(tmp_path: Path) -> None:
+    path = write(tmp_path, [record(0.0), record(1.0)])
+    size = path.stat().st_size
+    with path.open("a") as more:  # the picker appends while the replay runs
+        more.write(record(2.0) + "\n")
+    times, skips = arrivals(path, size=size)
+    assert times == [0.0, 1.0] and skips.lines == 2
