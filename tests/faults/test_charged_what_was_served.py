@@ -28,7 +28,14 @@ import pytest
 from picker.dispatch.log_budget import LINES_PER_INTERVAL
 from picker.identity import hash_api_key
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import chat_body, metric, metric_samples, settled_metric, wait_until
+from tests.e2e.conftest import (
+    TENANT_HEADER,
+    chat_body,
+    metric,
+    metric_samples,
+    settled_metric,
+    wait_until,
+)
 from tests.faults.helpers import usage_records
 
 CONTEXT = 64
@@ -162,3 +169,36 @@ def test_a_tiny_weight_written_while_serving_is_refused_and_counters_stay_finite
     assert counters and all(math.isfinite(v) for v in counters.values()), counters
     assert metric(stack.metrics_url, "fairway_counter_faults_total") == 0
     assert metric(stack.metrics_url, "fairway_tenant_weight", tenant="heavy") == 1.0
+
+
+def test_a_messages_stream_left_early_on_the_access_log_path_is_charged_what_it_delivered(
+        tmp_path: Path) -> None:
+    """A /v1/messages stream reports its output count only at its end: left early, on the
+    access-log path, it was charged the output estimate or its whole max_tokens."""
+    config = {"tenants": [{"id": "reader"}], "metering": {"output": str(tmp_path / USAGE)}}
+    body = json.dumps({"model": "sim-model", "max_tokens": 2000, "stream": True,
+                       "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "tell me a long story"}]})
+
+    async def read_and_leave(stack: Stack) -> tuple[int, int]:
+        """Read until 20 text deltas came, then drop the connection: (deltas, bytes read)."""
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(
+                stack.gateway_url + "/v1/messages", data=body,
+                headers={TENANT_HEADER: "reader", "content-type": "application/json"})
+            assert response.status == 200
+            data = b""
+            while data.count(b"event: content_block_delta") < 20:
+                data += await response.content.readany()
+            response.close()  # the client leaves mid-stream
+            return data.count(b"event: content_block_delta"), len(data)
+
+    with Stack(tmp_path / "stack", endpoints=1, picker_config=config, response_path="access-log",
+               server_args=["--step-ms", "20"]) as stack:
+        deltas, read = asyncio.run(read_and_leave(stack))
+        assert wait_until(lambda: usage_records(tmp_path / USAGE, "reader"), 20)
+        (record,) = usage_records(tmp_path / USAGE, "reader")
+        assert record["outcome"] == "cancelled", record
+        # What the bytes sent can have carried: at least what was read, far from 2000 (or the
+        # output estimate), whatever else was in flight when the client left.
+        assert deltas <= record["completion_tokens"] <= 4 * deltas + 20, (record, read)
