@@ -9,14 +9,18 @@ takes at once), so how they are learned is decided on purpose:
   requests carry another's prompt past its cap, or push another's honest prompts over it. Each
   tenant's estimate is learned only from its own requests, so the most a tenant can move is its
   own.
-- **Bounded.** The prompt calibration (engine ``prompt_tokens`` ÷ the body's chars/4 estimate) is
-  clamped to ``[SCALE_MIN, SCALE_MAX]``, and each sample too, so one absurd report moves the
-  average by a bounded step. The band is wide enough for real tokenizers (English prose is about
-  1, code and CJK text up to about 3-4 tokens per 4 characters).
-- **Caps judged on a floor that cannot be gamed.** A tenant could teach its own calibration that
-  its prompts are tiny (very compressible text), then send a long normal one. So caps are judged
-  on ``max(body estimate, calibrated estimate)``: calibration may only *tighten* a tenant's cap,
-  never loosen it below the body's own size (``prompt_floor``).
+- **Bounded.** The prompt calibration (engine ``prompt_tokens`` ÷ the body's estimate, which
+  ``picker.openai`` makes by script and counts images, audio, files and tools in) is clamped to
+  ``[SCALE_MIN, SCALE_MAX]``, and each sample too, so one absurd report moves the average by a
+  bounded step. A byte-level tokenizer comes within 0.7-1.4 of the body's estimate
+  (bench/results/estimates.md); the band leaves room below for tokenizers with larger
+  vocabularies (CJK at about half the estimate) and above for what the estimate misses.
+- **Caps and budgets judged on a floor that cannot be gamed.** A tenant could teach its own
+  calibration that its prompts are tiny (very compressible text, digits an engine counts three
+  a token), then send a long normal one, or images. So caps and budget reservations are judged
+  on ``max(body estimate, calibrated estimate)``: calibration may only *raise* what a request is
+  held to, never lower it below the body's own size (``prompt_floor``); only the queue's order
+  and an endpoint's room use the calibrated estimate as learned.
 - **Stream output learned from streams, rising fast and falling slowly.** A stream's estimate
   decides how many streams an endpoint takes at once, so it is learned from the output the
   tenant's streams actually produced, not from its non-streaming answers. A stream that was cut
@@ -43,9 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCALE_MIN = 0.5
-"""The lowest prompt calibration believed: engine tokens ÷ chars/4 estimate."""
+"""The lowest prompt calibration believed: engine tokens ÷ the body's estimate."""
 SCALE_MAX = 4.0
-"""The highest: about one token per character (CJK, dense code)."""
+"""The highest: what the body's estimate may miss by (a model whose images cost more than its
+``models[]`` entry says, a chat template longer than ``MESSAGE_OVERHEAD_TOKENS``)."""
 PROMPT_ALPHA = 0.1
 """How fast a tenant's prompt calibration follows its samples."""
 OUTPUT_ALPHA = 0.2

@@ -452,7 +452,8 @@ class Gate:
         prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
         expected = self.expected_output(tenant, max_tokens, stream, now)
         return self.admission.budget_needs(
-            tenant, prompt, max_tokens, expected, choices=choices,
+            tenant, self.estimates.prompt_floor(prompt_tokens, prompt), max_tokens, expected,
+            choices=choices,
             output_limit=output_limit(max_model_len, prompt, prompt_tokens))
 
     def _admit(self, build: Callable[..., P], tenant: str, lane: str | None, *, model: str,
@@ -466,13 +467,15 @@ class Gate:
                    for e in self.endpoints.values()):
             return Turnaway(NO_ENDPOINT)
         # The tenant's own calibration only: no other tenant's reports move this estimate, and
-        # the cap is judged on at least the body's own size (``TenantEstimates.prompt_floor``).
+        # the cap and the budgets are judged on at least the body's own size
+        # (``TenantEstimates.prompt_floor``): a calibration taught down by prompts the engine
+        # counts cheaply (digits) would otherwise carry dear ones (images) past the budget.
         prompt = self.estimates.prompt_tokens(tenant, model, prompt_tokens, now)
+        floor = self.estimates.prompt_floor(prompt_tokens, prompt)
         expected = self.expected_output(tenant, max_tokens, stream, now)
         self._note_arrival(tenant, prompt + expected * choices, now)
         decision = self.admission.admit(
-            tenant, lane, prompt, max_tokens, expected, now,
-            cap_prompt_tokens=self.estimates.prompt_floor(prompt_tokens, prompt),
+            tenant, lane, floor, max_tokens, expected, now, cap_prompt_tokens=floor,
             prereserved=prereserved, choices=choices,
             output_limit=output_limit(max_model_len, prompt, prompt_tokens))
         if isinstance(decision, Refused):

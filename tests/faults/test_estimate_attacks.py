@@ -44,7 +44,7 @@ MAX_TOKENS = 16
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("estimates")
     budget = {"burst": {"tokens": BUDGET, "per": f"{PER_S:g}s"}}
-    config = {"tenants": [{"id": "images", "budgets": budget}, {"id": "cjk", "budgets": budget}],
+    config = {"tenants": [{"id": t, "budgets": budget} for t in ("images", "cjk", "teacher")],
               "metering": {"output": str(workdir / USAGE)}}
     with Stack(workdir, endpoints=1, picker_config=config,
                server_args=["--step-ms", "1", "--kv-budget-tokens", "262144",
@@ -78,26 +78,27 @@ async def _at_once(stack: Stack, tenant: str, body: bytes, count: int
                                       for _ in range(count)))
 
 
-def _attack(stack: Stack, tenant: str, body: bytes) -> tuple[int, int]:
-    """Ten of ``body`` at once from ``tenant``: returns (requests served, tokens served), after
-    checking the bound and that the level left owes all of it."""
+def _attack(stack: Stack, tenant: str, body: bytes, budget: float = BUDGET) -> tuple[int, int]:
+    """Ten of ``body`` at once from ``tenant`` (whose level is ``budget``): returns (requests
+    served, tokens served), after checking the bound and that the level left owes all of it."""
+    path = stack.workdir / USAGE
+    before = len(usage_records(path, tenant))
     started = time.monotonic()
     answers = asyncio.run(_at_once(stack, tenant, body, 10))
     ok = [answer for status, answer in answers if status == 200]
     assert {status for status, _ in answers} <= {200, 429}, [s for s, _ in answers]
-    path = stack.workdir / USAGE
-    assert wait_until(lambda: len(usage_records(path, tenant)) >= len(ok), 15.0)
-    records = usage_records(path, tenant)
+    assert wait_until(lambda: len(usage_records(path, tenant)) >= before + len(ok), 15.0)
+    records = usage_records(path, tenant)[before:]
     # The records are the engine's own counts, as the answers reported them.
     assert sorted(r["prompt_tokens"] for r in records) == \
         sorted(a["usage"]["prompt_tokens"] for a in ok)
     served = sum(r["prompt_tokens"] + r["completion_tokens"] for r in records)
     refill = BUDGET / PER_S * (time.monotonic() - started)
     worst_case = parse_request(body).prompt_tokens + MAX_TOKENS  # one request's, as reserved
-    assert served <= BUDGET + refill + worst_case, (served, len(ok), worst_case)
+    assert served <= budget + refill + worst_case, (served, len(ok), worst_case)
     left = metric(stack.metrics_url, "fairway_budget_remaining_tokens", tenant=tenant,
                   window="burst")
-    assert BUDGET - served - 1 <= left <= BUDGET - served + refill + 1, (left, served)
+    assert budget - served - 1 <= left <= budget - served + refill + 1, (left, served)
     return len(ok), served
 
 
@@ -121,3 +122,22 @@ def test_ten_cjk_prompts_of_4000_characters_get_no_more_than_the_budget(stack: S
     # The engine counts 4,000 and more: one request at a time (before: 20,045 tokens served).
     assert served_requests == 1
     assert 4000 <= served < BUDGET
+
+
+def test_a_calibration_taught_down_does_not_carry_images_past_the_budget(stack: Stack) -> None:
+    """The engine counts 3 digits a token where the estimate counts one each: a tenant's one
+    digit prompt teaches its calibration the floor (0.5), then ten one-image requests would
+    each reserve half their cost. Budgets are judged on at least the body's own estimate, so
+    calibration can raise what a request reserves, never lower it."""
+    teach = _body("1234567890" * 300)
+    (status, answer), = asyncio.run(_at_once(stack, "teacher", teach, 1))
+    assert status == 200 and answer["usage"]["prompt_tokens"] * 2 < parse_request(teach) \
+        .prompt_tokens  # the engine counted under half the estimate
+    image = _png(1120, 1120)
+    body = _body([{"type": "text", "text": "Describe it."},
+                  {"type": "image_url", "image_url": {"url": image}}])
+    started_level = metric(stack.metrics_url, "fairway_budget_remaining_tokens",
+                           tenant="teacher", window="burst")
+    served_requests, served = _attack(stack, "teacher", body, budget=started_level)
+    # 1,640 reserved each of ~8,900: 5 (taught down: 820 each, all 10, 15,000 tokens served).
+    assert served_requests <= 5, (served_requests, served)

@@ -195,3 +195,22 @@ async def test_a_tenant_cannot_talk_its_stream_estimate_down(dispatcher: Dispatc
     assert d.scheduler.queued() == 30 - dispatched
     d.close()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_calibration_taught_down_does_not_lower_what_a_request_reserves(
+        dispatcher: Dispatcher) -> None:
+    """Prompts the engine counts cheaply (digits: 3 a token where the estimate counts one each)
+    teach the calibration its floor; a request the engine counts dearly (images) must still
+    reserve at least its body's own estimate from the tenant's budgets (issue 26 point 2)."""
+    short = _body(40)
+    for _ in range(40):
+        await _run(dispatcher, "gamer", short, Usage(max(1, short.prompt_tokens // 10), 1))
+    long = _body(50, max_tokens=10)
+    calibrated = dispatcher.estimates.prompt_tokens("gamer", "m", long.prompt_tokens, 0.0)
+    assert calibrated <= long.prompt_tokens * SCALE_MIN + 1  # the calibration was taught down
+    needs = dispatcher.gate.budget_needs("gamer", model="m", prompt_tokens=long.prompt_tokens,
+                                         max_tokens=10, stream=False, now=0.0)
+    assert needs >= long.prompt_tokens + 10  # reserved at the body's own size, not the taught
+    ticket = await asyncio.wait_for(dispatcher.admit("gamer", long), 1.0)
+    assert ticket.request.prompt_tokens == calibrated  # ordering and room keep the calibration
+    dispatcher.complete(ticket, None, "cancelled")
