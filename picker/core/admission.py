@@ -25,7 +25,10 @@ invariant ``level − outstanding`` (what the level would be if every request in
 worst case) then only falls at an admission, which needs it at or above zero, and by that
 request's worst case; a settlement or refill only raises it. So the level never ends below
 minus one request's worst case: the overshoot is at most one request's worst case, and it is
-owed.
+owed. The bucket refills up to its capacity plus the outstanding worst case (``level −
+outstanding`` up to the capacity, as a worst-case level), so the refill that comes while
+requests run is not lost, and the rule admits whenever worst-case reservation would; levels
+are shown capped at the capacity.
 
 **Debt is owed in full.** A bucket has no floor: what a request used beyond its reservation
 (a prompt estimated low, a demoted request) stays charged, and the tenant waits ``(debt +
@@ -179,9 +182,9 @@ class TenantRules:
 
 
 class _Bucket:
-    __slots__ = ("level", "rule", "synced", "untaken", "updated")
+    __slots__ = ("above", "level", "rule", "synced", "untaken", "updated")
 
-    def __init__(self, rule: BucketRule, now: float) -> None:
+    def __init__(self, rule: BucketRule, now: float, above: float = 0.0) -> None:
         self.rule = rule
         self.level = float(rule.capacity_tokens)
         self.updated = now
@@ -189,20 +192,24 @@ class _Bucket:
         """Changes made by ``add`` since ``Admission.take_budget_changes`` (not refills)."""
         self.synced: float | None = None
         """The level the shared store last reported (``Admission.set_level``)."""
+        self.above = above
+        """How far above its capacity the level may go: the tenant's outstanding worst case
+        (``reserve: expected``). The level less it is then held within the capacity, as a
+        worst-case reservation's level is, so refill during a request is not lost."""
 
     def refill(self, now: float) -> None:
         # A clock that steps back (it should not: time is monotonic) gives nothing and takes
         # nothing.
         if now > self.updated:
-            capacity = float(self.rule.capacity_tokens)
-            if self.level < capacity:
-                self.level = min(capacity, self.level + self.rule.rate * (now - self.updated))
+            top = self.rule.capacity_tokens + self.above
+            if self.level < top:
+                self.level = min(top, self.level + self.rule.rate * (now - self.updated))
             self.updated = now
 
     def add(self, tokens: float) -> float:
         """Change the level by ``tokens``, up to the capacity (no floor but ``MAX_DEBT``);
         returns the change made."""
-        capacity = float(self.rule.capacity_tokens)
+        capacity = self.rule.capacity_tokens + self.above
         before = self.level
         self.level = max(-MAX_DEBT, min(capacity, self.level + tokens))
         self.untaken += self.level - before
@@ -224,6 +231,13 @@ class _TenantState:
         self.running = 0
         self.outstanding = 0
         """Over its queued and running requests: worst case less what was reserved."""
+
+    def owe(self, change: int) -> None:
+        """The outstanding worst case changes by ``change``; the buckets may hold that much
+        above their capacity."""
+        self.outstanding += change
+        for bucket in self.buckets.values():
+            bucket.above = float(self.outstanding)
 
     def refilled(self, now: float) -> Iterator[tuple[str, _Bucket]]:
         for window, bucket in self.buckets.items():
@@ -404,7 +418,7 @@ class Admission:
             for bucket in state.buckets.values():
                 bucket.untaken += prereserved  # the store has it: send only the difference
         state.queued += 1
-        state.outstanding += worst - estimate
+        state.owe(worst - estimate)
         reservation = Reservation(tenant, estimate, "queued", state, charged,
                                   worst_case_tokens=worst)
         return Admitted(reservation, lane, max_output_tokens, expected, demoted)
@@ -462,13 +476,8 @@ class Admission:
             short = bucket.level + _EPSILON < needed
             sliced = not short and not outstanding_only and self._over_slice(bucket, needed)
             if short or sliced:
-                if not short:
-                    wait = self.slice_wait
-                elif needed > capacity:
-                    # Only requests ending bring the outstanding worst case within reach.
-                    wait = max(self.queue_full_retry_after, bucket.seconds_until(capacity))
-                else:
-                    wait = bucket.seconds_until(needed)
+                # (The outstanding worst case may be above the capacity: so may the level.)
+                wait = bucket.seconds_until(needed) if short else self.slice_wait
                 if worst_found is None or wait > worst_found[0]:
                     worst_found = (wait, window, bucket, oversized, sliced)
         if worst_found is None:
@@ -483,7 +492,7 @@ class Admission:
                        f"budget of {capacity}: it can only be admitted on a full budget, in "
                        f"{format_duration(wait)}")
         else:
-            left = max(0, math.floor(bucket.level))
+            left = max(0, math.floor(min(bucket.level, capacity)))
             need = (f"an estimated {estimate}" if estimate == worst
                     else f"{estimate} (at most {worst})")
             if outstanding > 0:
@@ -567,13 +576,15 @@ class Admission:
         holder = self._holder(reservation)
         taken = dict(reservation._charged)
         used = min(actual_tokens, MAX_DEBT)  # a huge int would not fit a float
-        for _, bucket in holder.refilled(now):
+        for bucket in holder.buckets.values():
+            bucket.refill(now)  # up to the top it had while the request was outstanding
+        holder.owe(reservation.reserved_tokens - reservation.worst_case_tokens)
+        for bucket in holder.buckets.values():
             bucket.add(taken.get(bucket, 0.0) - used)
         if reservation.state == "queued":
             holder.queued -= 1
         else:
             holder.running -= 1
-        holder.outstanding -= reservation.worst_case_tokens - reservation.reserved_tokens
         reservation.state = "done"
         self._forget_if_idle(reservation.tenant, holder, now)
 
@@ -595,7 +606,7 @@ class Admission:
             for window, rule in self.rules_for(tenant).budgets:
                 bucket = state.buckets.get(window)
                 if bucket is None:
-                    bucket = _Bucket(rule, now)
+                    bucket = _Bucket(rule, now, float(state.outstanding))
                 else:
                     # Time up to now refills at the old rate, after it at the new one.
                     bucket.refill(now)
@@ -684,7 +695,10 @@ class Admission:
         if state is None:
             # Untracked means full: nothing to create just to read.
             return [(w, float(r.capacity_tokens), r) for w, r in self.rules_for(tenant).budgets]
-        return [(w, b.level, b.rule) for w, b in state.refilled(now)]
+        # Above the capacity only by an outstanding worst case (``reserve: expected``): shown
+        # as full.
+        return [(w, min(b.level, b.rule.capacity_tokens), b.rule)
+                for w, b in state.refilled(now)]
 
     def headers(self, tenant: str, now: float) -> dict[str, str]:
         """Rate-limit response headers for ``tenant``.
@@ -720,7 +734,7 @@ class Admission:
         out: dict[str, dict[str, tuple[float, int]]] = {}
         for tenant, state in self._tenants.items():
             if state.buckets:
-                out[tenant] = {w: (b.level, b.rule.capacity_tokens)
+                out[tenant] = {w: (min(b.level, b.rule.capacity_tokens), b.rule.capacity_tokens)
                                for w, b in state.refilled(now)}
         return out
 

@@ -690,22 +690,25 @@ def test_served_tokens_never_exceed_the_budget_plus_one_worst_case(
     served = 0
     largest = 0  # the largest worst case admitted
     model_len = 4096
-    # The bucket refills only while below capacity; track the exact level as the bound.
+    # The level, tracked exactly: it refills up to the capacity plus the outstanding worst
+    # case (0 with worst-case reservation), and a refund never fills it beyond that.
     expected_level = float(capacity)
+    outstanding = 0
 
     def settle(index: int) -> None:
-        nonlocal served, expected_level
+        nonlocal served, expected_level, outstanding
         reservation, actual = live.pop(index)
         a.finish(reservation, actual, now)
         served += actual
-        # A refund never fills a bucket beyond its capacity; nothing else moves the level.
-        expected_level = min(float(capacity), expected_level + reservation.reserved_tokens
-                             - actual)
+        outstanding -= reservation.worst_case_tokens - reservation.reserved_tokens
+        expected_level = min(float(capacity + outstanding),
+                             expected_level + reservation.reserved_tokens - actual)
 
     for is_admit, dt_ms, prompt, cap, choices, expected_pm, used_pm, pick in steps:
         if dt_ms:
             now += dt_ms / 1000
-            expected_level = min(float(capacity), expected_level + rule.rate * dt_ms / 1000)
+            expected_level = min(float(capacity + outstanding),
+                                 expected_level + rule.rate * dt_ms / 1000)
         if is_admit and len(live) < 40:
             limit = max(1, model_len - prompt)
             outcome = a.admit("t", LANE, prompt, cap, expected_pm, now, choices=choices,
@@ -722,6 +725,7 @@ def test_served_tokens_never_exceed_the_budget_plus_one_worst_case(
                 actual = prompt + worst_output * used_pm // 1000
                 live.append((r, actual))
                 expected_level -= r.reserved_tokens
+                outstanding += r.worst_case_tokens - r.reserved_tokens
         elif live:
             settle(pick % len(live))
     while live:
@@ -730,4 +734,26 @@ def test_served_tokens_never_exceed_the_budget_plus_one_worst_case(
     bound = capacity + rule.rate * now + (largest if expected_mode else 0)
     oversized = max(0, largest - capacity)  # a prompt alone larger than the budget
     assert served <= bound + oversized + 1e-6 * (1 + len(steps))
-    assert level(a, now) == pytest.approx(expected_level, abs=1e-6 * (1 + capacity))
+    assert level(a, now) == pytest.approx(min(capacity, expected_level),
+                                          abs=1e-6 * (1 + capacity))
+
+
+def test_reserve_expected_keeps_the_refill_that_comes_while_requests_run() -> None:
+    """The bucket refills up to its capacity plus the outstanding worst case, so ``reserve:
+    expected`` admits whenever worst-case reservation would, and one request more (the level
+    shown stays capped at the capacity)."""
+    rule = BucketRule(1000, 10.0)  # 100 tokens a second
+    worst = admission(TenantRules(burst=rule))
+    expected = admission(TenantRules(burst=rule, reserve="expected"))
+    for a, at_once in ((worst, 2), (expected, 3)):
+        for _ in range(at_once):
+            assert isinstance(a.admit("t", LANE, 0, 500, 10, 0.0), Admitted)
+        assert isinstance(a.admit("t", LANE, 0, 500, 10, 0.0), Refused)
+    # 5 s later refill has brought 500 while they run: each admits one more.
+    assert isinstance(worst.admit("t", LANE, 0, 500, 10, 5.0), Admitted)
+    assert isinstance(expected.admit("t", LANE, 0, 500, 10, 5.0), Admitted)
+    # Its level is 1000 - 40 + 500 = 1460, above the capacity while 1,960 is outstanding:
+    # shown full, and the next must wait until the level covers the outstanding worst case.
+    assert level(expected, 5.0) == 1000
+    refusal = expected.admit("t", LANE, 0, 500, 10, 5.0)
+    assert isinstance(refusal, Refused) and refusal.retry_after == pytest.approx(5.0)
