@@ -467,8 +467,11 @@ class VllmScheduler:
         hit_tokens = len(hits) * self.config.block_size
         needed = self.blocks_for(request.computed + hit_tokens + tokens) - request.blocks \
             - len(hits)
-        held_elsewhere = sum(1 for block in hits if block.ref_cnt == 0)
-        if needed + held_elsewhere > len(pool.free) and not alone:
+        if hits:
+            held_elsewhere = sum(1 for block in hits if block.ref_cnt == 0)
+            if needed + held_elsewhere > len(pool.free) and not alone:
+                return False
+        elif needed > len(pool.free) and not alone:
             return False
         if hits:
             pool.touch(hits)

@@ -5,6 +5,9 @@ free block back, the metrics, caching off, and requests given as counts untouche
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from picker.sim.vllm import SeqRequest, VllmConfig, VllmScheduler
 
 
@@ -160,3 +163,60 @@ def test_requests_given_as_counts_neither_hit_nor_cache() -> None:
     assert run(sched, first, second) == [24]
     assert not sched.pool.cached and sched.prefix_cache_queries == 0
     assert second.cached_tokens == 0
+
+
+@st.composite
+def shared_workloads(draw: st.DrawFn) -> tuple[VllmConfig, list[tuple[int, list[int], int]]]:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    config = VllmConfig(total_blocks=draw(st.integers(4, 24)), block_size=block_size,
+                        max_num_seqs=draw(st.integers(1, 8)),
+                        max_num_batched_tokens=draw(st.integers(1, 48)),
+                        policy=draw(st.sampled_from(["fcfs", "priority"])))
+    capacity = config.total_blocks * block_size
+    prefixes = [list(range(100 * p, 100 * p + draw(st.integers(0, 24)))) for p in range(1, 3)]
+    requests = []
+    for _ in range(draw(st.integers(1, 10))):
+        ids = draw(st.sampled_from(prefixes)) + draw(st.lists(st.integers(0, 3), max_size=12))
+        ids = ids[:min(capacity, 40)] or [7]
+        output = draw(st.integers(0, min(capacity - len(ids) + 1, 20)))
+        requests.append((draw(st.integers(0, 8)), ids, output))
+    return config, requests
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_workloads())
+def test_shared_blocks_are_counted_once_and_all_come_back(
+        workload: tuple[VllmConfig, list[tuple[int, list[int], int]]]) -> None:
+    config, specs = workload
+    sched = VllmScheduler(config)
+    requests = [(at, SeqRequest(id=f"r{i}", prompt_tokens=len(ids), output_tokens=output,
+                                token_ids=ids, output_ids=[9] * output))
+                for i, (at, ids, output) in enumerate(specs)]
+    emitted: dict[SeqRequest, list[int]] = {r: [] for _, r in requests}
+    for now in range(5000):
+        for at, r in requests:
+            if at == now:
+                sched.add(r, arrival=now)
+        if now > 8 and not sched.has_unfinished():
+            break
+        out = sched.step(now)
+        held: dict[int, int] = {}
+        for r in sched.running:
+            for block in r._blocks:
+                if block is not None:
+                    held[block.id] = held.get(block.id, 0) + 1
+        assert sched.used_blocks == len(held) + sched.pool.lent
+        assert sched.used_blocks <= config.total_blocks or len(sched.running) == 1
+        for r in sched.running:
+            for block in r._blocks:
+                assert block is None or block.ref_cnt == held[block.id]
+        assert sum(out.scheduled.values()) <= config.max_num_batched_tokens
+        for r, index in out.tokens.items():
+            emitted[r].append(index)
+    assert not sched.has_unfinished()
+    for r, indices in emitted.items():
+        assert indices == list(range(1, r.output_tokens + 1))
+        assert r.cached_tokens is not None and r.cached_tokens < r.prompt_tokens
+    assert sched.used_blocks == 0 and len(sched.pool.free) == config.total_blocks
+    for block_hash, blocks in sched.pool.cached.items():
+        assert all(block.hash == block_hash and block.ref_cnt == 0 for block in blocks.values())
