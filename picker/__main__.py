@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--admin-token-file", type=Path, metavar="FILE",
                      help="a file (mounted Secret) with the bearer token every admin API call "
                           "must send; needed on an address beyond loopback")
+    run.add_argument("--metrics-token-file", type=Path, metavar="FILE",
+                     help="a file (mounted Secret) with the bearer token a scrape of /metrics "
+                          "must send (the page names every tenant)")
     run.add_argument("--admin-auth", choices=("token", "none"),
                      help="none: serve the admin API without a token on a non-loopback "
                           "--host (whoever reaches it lists every tenant)")
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             cert_path=args.cert_path, client_ca=args.client_ca,
             client_names=tuple(args.client_name), client_auth=args.client_auth,
             admin_token_file=args.admin_token_file, admin_auth=args.admin_auth,
+            metrics_token_file=args.metrics_token_file,
             grace=args.grace, config_map=args.config_map,
             pool=args.pool, lease=args.lease, identity=args.identity,
             kube_server=args.kube_server)

@@ -39,7 +39,6 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import start_http_server
 
 from picker.admin.auth import AdminAuth, TokenFile
 from picker.admin.service import ADMIN_SERVICE, AdminService
@@ -65,6 +64,7 @@ from picker.k8s import (
     fetch_config,
 )
 from picker.metrics import PickerMetrics
+from picker.metrics.http import serve_metrics
 from picker.scrape import Scraper
 from picker.state import RedisSync
 from picker.tls import CertificateSource, ClientAuth
@@ -185,6 +185,9 @@ class ServeSettings:
     ``none``."""
     admin_token_file: Path | None = None
     """A file (a mounted Secret) with the bearer token every admin API call must carry."""
+    metrics_token_file: Path | None = None
+    """A file (a mounted Secret) with the bearer token a scrape of ``/metrics`` must send (the
+    page names every tenant); unset: served to whoever reaches it."""
     admin_auth: str | None = None
     """``token`` (needs ``admin_token_file``) or ``none``: the admin API open to whoever reaches
     it, which only a loopback ``host`` allows without saying so (a pod's other containers)."""
@@ -444,8 +447,8 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
     admin_health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(admin_health, admin_server)
     admin_port = admin_server.add_insecure_port(f"{settings.host}:{settings.admin_port}")
-    http_server, http_thread = start_http_server(settings.metrics_port, addr=settings.host,
-                                                 registry=metrics.registry)
+    http_server, http_thread = serve_metrics(settings.metrics_port, settings.host,
+                                             metrics.registry, settings.metrics_token_file)
     metrics_port = http_server.server_port
     await server.start()
     await admin_server.start()

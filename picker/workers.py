@@ -46,13 +46,14 @@ from multiprocessing.process import BaseProcess
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from picker.config.schema import PickerConfig, load_config
 from picker.errors import ConfigError
+from picker.metrics.http import serve_metrics
 from picker.server import (
     HEALTH_SERVICES,
     LIVENESS,
@@ -380,8 +381,8 @@ async def run_workers(settings: ServeSettings, workers: int, log_level: str = "I
     await supervisor.publish(health)  # alive, not ready
     await health_server.start()
     print(f"picker health listening health={settings.host}:{health_port}", flush=True)
-    http_server, http_thread = start_http_server(settings.metrics_port, addr=settings.host,
-                                                 registry=supervisor.registry)
+    http_server, http_thread = serve_metrics(settings.metrics_port, settings.host,
+                                             supervisor.registry, settings.metrics_token_file)
     watcher: asyncio.Task[None] | None = None
     try:
         start = asyncio.create_task(supervisor.start())

@@ -7,6 +7,7 @@ Everything goes through ``kubectl`` as a user would type it, with ``--validate=s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -171,6 +172,30 @@ def chart_args(manifest: list[dict[str, Any]], deployment: str) -> list[str]:
     (found,) = [o for o in manifest if o["kind"] == "Deployment"
                 and o["metadata"]["name"] == deployment]
     return list(found["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def chart_args_with_secrets(manifest: list[dict[str, Any]], deployment: str,
+                            workdir: Path) -> list[str]:
+    """``chart_args``, with each Secret the release renders and the container mounts (the gateway
+    CA, the admin token) written under ``workdir`` as the kubelet would mount it, and the
+    arguments pointing there instead of the mount path."""
+    (found,) = [o for o in manifest if o["kind"] == "Deployment"
+                and o["metadata"]["name"] == deployment]
+    pod = found["spec"]["template"]["spec"]
+    secrets = {o["metadata"]["name"]: o["data"] for o in manifest if o["kind"] == "Secret"}
+    volumes = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+    args = list(pod["containers"][0]["args"])
+    for mount in pod["containers"][0].get("volumeMounts", []):
+        volume = volumes.get(mount["name"])
+        if volume is None or volume["secretName"] not in secrets:
+            continue
+        local = workdir / f"{deployment}-{mount['name']}"
+        local.mkdir(parents=True, exist_ok=True)
+        for item in volume["items"]:
+            data = secrets[volume["secretName"]][item["key"]]
+            (local / item["path"]).write_bytes(base64.b64decode(data))
+        args = [a.replace(f"={mount['mountPath']}/", f"={local}/") for a in args]
+    return args
 
 
 def replace_flags(args: list[str], **flags: str) -> list[str]:

@@ -21,6 +21,7 @@ from tests.cluster.kube import (
     Kube,
     Process,
     chart_args,
+    chart_args_with_secrets,
     in_cluster_settings,
     no_access_errors,
     replace_flags,
@@ -58,7 +59,8 @@ async def test_a_weight_patched_with_kubectl_moves_the_split_through_envoy(
     kube.apply(_policy("beta", 1))
     admin_port = reserved_port()
     operator = start("operator", ["-m", "fairway_operator", *replace_flags(
-        chart_args(manifest, "fairway-operator"), admin_address=f"127.0.0.1:{admin_port}",
+        chart_args_with_secrets(manifest, "fairway-operator", tmp_path),
+        admin_address=f"127.0.0.1:{admin_port}",
         liveness=f"http://127.0.0.1:{reserved_port()}/healthz")],
         kube.service_account_kubeconfig("fairway-operator"), tmp_path,
         POD_NAMESPACE=kube.namespace)

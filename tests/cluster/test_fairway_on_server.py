@@ -37,7 +37,7 @@ from tests.cluster.kube import (
     ROOT,
     Kube,
     Process,
-    chart_args,
+    chart_args_with_secrets,
     in_cluster_settings,
     no_access_errors,
     replace_flags,
@@ -60,17 +60,25 @@ class Picker:
     process: Process
     identity: str
     admin_port: int
+    token: str
+    """The chart's admin token, which the admin API asks of every call."""
 
     def admin(self) -> admin_pb2_grpc.AdminStub:
         channel = grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
         return admin_pb2_grpc.AdminStub(channel)
 
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
     def weights(self) -> dict[str, float]:
-        reply = self.admin().ListTenants(admin_pb2.ListTenantsRequest(), timeout=5)
+        reply = self.admin().ListTenants(admin_pb2.ListTenantsRequest(), timeout=5,
+                                         metadata=self._metadata)
         return {t.tenant: t.weight for t in reply.tenants}
 
     def endpoints(self) -> list[str]:
-        reply = self.admin().ListEndpoints(admin_pb2.ListEndpointsRequest(), timeout=5)
+        reply = self.admin().ListEndpoints(admin_pb2.ListEndpointsRequest(), timeout=5,
+                                           metadata=self._metadata)
         return sorted(e.address for e in reply.endpoints if not e.draining)
 
 
@@ -84,7 +92,8 @@ class Installed:
     def picker(self, identity: str, kubeconfig: Path, admin: int = 0) -> Picker:
         """A picker replica; it is listening once its config exists (the operator writes it)."""
         admin = admin or reserved_port()
-        args = replace_flags(chart_args(self.manifest, "fairway-picker"), host="127.0.0.1",
+        args = replace_flags(chart_args_with_secrets(self.manifest, "fairway-picker",
+                                                     self.kube.workdir), host="127.0.0.1",
                         grpc_port=str(reserved_port()), grpc_health_port=str(reserved_port()),
                         metrics_port=str(reserved_port()), admin_port=str(admin), grace="2")
         process = start(f"picker-{identity}", ["-m", "picker", *args], kubeconfig,
@@ -92,10 +101,13 @@ class Installed:
         self.processes.append(process)
         assert in_cluster_settings(process.popen.pid) == {}
         process.wait_for("picker listening")
-        return Picker(process, identity, admin)
+        token = next(a for a in args if a.startswith("--admin-token-file="))
+        return Picker(process, identity, admin,
+                      Path(token.split("=", 1)[1]).read_text().strip())
 
     def operator(self, kubeconfig: Path, admin_port: int) -> Process:
-        args = replace_flags(chart_args(self.manifest, "fairway-operator"),
+        args = replace_flags(chart_args_with_secrets(self.manifest, "fairway-operator",
+                                                     self.kube.workdir),
                         admin_address=f"127.0.0.1:{admin_port}",
                         liveness=f"http://127.0.0.1:{reserved_port()}/healthz")
         process = start("operator", ["-m", "fairway_operator", *args], kubeconfig,

@@ -289,6 +289,15 @@ SERVICE_MONITOR_V1 = {
                         "scrapeTimeout": {"type": "string",
                                           "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
                                                      "(([0-9]+)ms)?)$"},
+                        "authorization": {
+                            "type": "object", "additionalProperties": False,
+                            "required": ["credentials"],
+                            "properties": {"type": {"type": "string"},
+                                           "credentials": {
+                                               "type": "object", "additionalProperties": False,
+                                               "required": ["name", "key"],
+                                               "properties": {"name": {"type": "string"},
+                                                              "key": {"type": "string"}}}}},
                         "relabelings": {"type": "array", "items": {
                             "type": "object", "additionalProperties": False,
                             "required": ["targetLabel"],
@@ -605,11 +614,11 @@ def test_with_redis_the_secrets_are_mounted_where_the_config_names_them() -> Non
         _one("redis-no-operator", "ConfigMap", "picker-config")["data"]["picker.yaml"]))
     assert config.state.redis.password_file is None and config.state.redis.ca_file is None
     deployment = _one("redis-no-operator", "Deployment", "picker")
-    # (the gateway CA and the admin token are mounted whatever the state backend)
+    # (the gateway CA and the tokens are mounted whatever the state backend)
     assert [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]] == [
-        "tmp", "client-ca", "admin-token"]
+        "tmp", "client-ca", "admin-token", "metrics-token"]
     assert [m["name"] for m in _container(deployment)["volumeMounts"]] == [
-        "tmp", "client-ca", "admin-token"]
+        "tmp", "client-ca", "admin-token", "metrics-token"]
 
 
 # --- the operator and the names the components share -------------------------------------------
@@ -780,6 +789,14 @@ def test_service_monitor_scrapes_the_metrics_port() -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
         "metrics", "/metrics", "30s")
+    # The page names every tenant: the scrape sends the token the picker mounts.
+    picker = _one("monitoring-netpol", "Deployment", "picker")
+    settings = _picker_settings(_container(picker)["args"])
+    assert settings.metrics_token_file is not None
+    volume = _mounted(picker, str(settings.metrics_token_file))
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {
+        "name": volume["secret"]["secretName"], "key": "token"}}
+    assert len(_secret("monitoring-netpol", volume["secret"]["secretName"])["token"]) >= 32
     # The dashboard's pool variable reads this label.
     assert endpoint["relabelings"] == [
         {"action": "replace", "targetLabel": "pool", "replacement": "llm-pool"}]
@@ -952,7 +969,7 @@ def test_a_ca_secret_of_ones_own_replaces_the_generated_ones() -> None:
     objects = [o for path, text in manifests.items() if path.endswith(".yaml")
                for o in yaml.safe_load_all(text) if o]
     names = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
-    assert names == {"fairway-picker-admin-token"}
+    assert names == {"fairway-picker-admin-token", "fairway-picker-metrics-token"}
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"
                      and o["metadata"]["name"] == "fairway-picker"]
     settings = _picker_settings(_container(deployment)["args"])
@@ -969,7 +986,7 @@ def test_the_gateway_secret_goes_to_the_gateways_namespace() -> None:
                for o in yaml.safe_load_all(text) if o and o["kind"] == "Secret"}
     assert secrets == {"fairway-picker-client-ca": NS,
                        "fairway-picker-gateway-tls": "envoy-gateway-system",
-                       "fairway-picker-admin-token": NS}
+                       "fairway-picker-admin-token": NS, "fairway-picker-metrics-token": NS}
 
 
 @pytest.mark.parametrize("case_id", IDS)

@@ -12,7 +12,8 @@ On real picker processes:
 * ``--admin-token-file``: ``ListTenants`` without the token, or with another, is
   UNAUTHENTICATED; with it, answered; the admin port's health needs none; ``picker.ctl`` sends
   the token from ``--token-file``. A picker told to listen beyond loopback without a token does
-  not start.
+  not start. With ``--metrics-token-file`` the metrics page (tenant labels) asks for its token
+  too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -88,10 +90,12 @@ async def _open_and_send(port: int, client: KeyPair | None, tenant: str
             await call.write(request_headers(headers={TENANT_HEADER: tenant}))
             await call.write(request_body(body, True))
             reply = await asyncio.wait_for(call.read(), 15)
-        except grpc.aio.AioRpcError as error:
-            return error.code()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # A write after the picker ended the call fails on its own terms: the call's status
+            # is what the picker said.
+            return await asyncio.wait_for(call.code(), 15)
         if reply is grpc.aio.EOF:
-            return (await call.code())
+            return await call.code()
         call.cancel()
         return None
 
@@ -198,3 +202,21 @@ def test_an_admin_api_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
          "--admin-port", "0"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert started.returncode == 2
     assert "--admin-token-file" in started.stderr and "lists every tenant" in started.stderr
+
+
+async def test_the_metrics_page_needs_its_token(tmp_path: Path) -> None:
+    """The page names every tenant: without the token (or with another) 401 and no page."""
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text("metrics-" + "9" * 40)
+    async with _picker(tmp_path, "--metrics-token-file", str(token_file)) as (running, _, _):
+        url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session:
+            for headers in ({}, {"Authorization": "Bearer wrong"},
+                            {"Authorization": token_file.read_text()}):
+                async with session.get(url, headers=headers) as refused:
+                    assert refused.status == 401
+                    assert "victim" not in await refused.text()
+            async with session.get(url, headers={
+                    "Authorization": f"Bearer {token_file.read_text()}"}) as page:
+                assert page.status == 200
+                assert "fairway_" in await page.text()

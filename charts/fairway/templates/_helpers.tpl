@@ -203,6 +203,12 @@ the picker's name, so two pools sharing a Redis stay apart. */}}
 {{- printf "%s-gateway-tls" (include "fairway.picker.fullname" .) }}
 {{- end }}
 
+{{/* The Secret (key `token`) with the metrics page's bearer token. */}}
+{{- define "fairway.metricsTokenSecret" -}}
+{{- .Values.picker.metricsAuth.tokenSecretName | default (printf "%s-metrics-token" (include "fairway.picker.fullname" .)) }}
+{{- end }}
+{{- define "fairway.metricsTokenMountPath" -}}/etc/fairway/metrics{{- end }}
+
 {{/* The Secret (key `token`) with the admin API's bearer token. */}}
 {{- define "fairway.adminTokenSecret" -}}
 {{- .Values.picker.admin.tokenSecretName | default (printf "%s-admin-token" (include "fairway.picker.fullname" .)) }}
