@@ -238,6 +238,13 @@ def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namesp
                   client_timeout_s=args.client_timeout, bucket_s=args.bucket)
 
 
+def _time_option(text: str) -> float:
+    try:
+        return parse_time(text)
+    except ValueError as exc:  # argparse would print only "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m picker.whatif", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidate", type=Path, action="append", required=True,
                         help="a config to compare (a config file, its ConfigMap, or "
                              "TenantPolicy YAML applied to the baseline); repeat for several")
-    parser.add_argument("--since", type=parse_time,
+    parser.add_argument("--since", type=_time_option,
                         help="replay arrivals from this time (unix seconds or ISO 8601)")
-    parser.add_argument("--until", type=parse_time, help="... and before this one")
+    parser.add_argument("--until", type=_time_option, help="... and before this one")
     parser.add_argument("--endpoints", type=int, help="engines in the pool (default: the log's)")
     parser.add_argument("--kv-budget-tokens", type=int, help="each engine's KV cache in tokens")
     parser.add_argument("--step-ms", type=float, help="an engine step (default: the log's)")
@@ -270,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("step_ms", "client_timeout", "reorder_window", "bucket"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0")
+    if args.prefill_ms_per_1k_tokens < 0:
+        parser.error("--prefill-ms-per-1k-tokens must be at least 0")
     if not args.log.is_file():
         print(f"whatif: {args.log}: no such file", file=sys.stderr)
         return 2

@@ -200,3 +200,18 @@ def test_the_policy_keys_are_the_operators() -> None:
     from fairway_operator.render import TENANT_KEYS
 
     assert TENANT_POLICY_KEYS == TENANT_KEYS
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--step-ms", "0"], "--step-ms must be above 0"),
+    (["--endpoints", "0"], "--endpoints must be at least 1"),
+    (["--since", "last tuesday"], "neither unix seconds nor an ISO 8601 time"),
+])
+def test_bad_options_are_refused_before_any_replay(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str], option: list[str],
+        message: str) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main([str(files["log"]), "--baseline", str(files["base"]), "--candidate",
+              str(files["candidate"]), *option])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
