@@ -32,6 +32,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.openai.request import estimate_prompt_tokens
 from picker.server import EXT_PROC_SERVICE, ServeSettings, serve
 from picker.sim.server import SimServer, SimServerConfig
 from tests.tls import tls_channel
@@ -116,8 +117,8 @@ def chat_body(content: str = "the cat sat on a mat", *, max_tokens: int = 4,
 
 
 def estimated_prompt(content: str) -> int:
-    """The picker's prompt estimate for a one-message chat: 4 chars a token plus 4 per message."""
-    return -(-len(content) // 4) + 4
+    """The picker's prompt estimate for a one-message chat (by script, plus 4 per message)."""
+    return estimate_prompt_tokens({"messages": [{"role": "user", "content": content}]})
 
 
 # -- what the picker answers --
