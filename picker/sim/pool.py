@@ -264,6 +264,10 @@ class _Pool:
     def __init__(self, config: PickerConfig, traffic: Traffic, spec: PoolSpec,
                  duration_s: float, sharing: Sharing | None = None) -> None:
         self.config, self.traffic, self.spec, self.duration_s = config, traffic, spec, duration_s
+        model = config.model(traffic.model)
+        self.max_model_len = None if model is None else model.max_model_len
+        """The served model's context (``models[].maxModelLen``), as the dispatcher passes it:
+        it bounds the budget reservation of a request without ``max_tokens``."""
         addresses = spec.addresses()
         budgets = endpoint_budgets(config)
         self.gates = [self._gate(config, {a: budgets.get(a) or spec.kv_budget_tokens
@@ -426,7 +430,7 @@ class _Pool:
             build, planned.tenant, None, model=self.traffic.model,
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
             stream=planned.stream, now=self.now,
-            output_seen=not self.spec.output_seen_at_end)
+            output_seen=not self.spec.output_seen_at_end, max_model_len=self.max_model_len)
         if isinstance(passage, (Refused, Turnaway)):
             self._end(record, passage.reason, self.now)
             return

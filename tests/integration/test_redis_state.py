@@ -113,6 +113,18 @@ async def test_two_pickers_see_each_other_s_charges(redis_server: RedisServer) -
             assert side.level("a") == pytest.approx(BURST - 4000, abs=1)
 
 
+async def test_a_debt_deeper_than_the_capacity_is_kept_by_the_store(
+        redis_server: RedisServer) -> None:
+    """No floor forgives a debt (issue 26): the sync script keeps a level far below minus the
+    capacity, and another picker sees all of it."""
+    async with picker(redis_server.url) as one, picker(redis_server.url) as two:
+        one.spend("a", 3 * BURST)  # a prompt three budgets long, admitted on a full bucket
+        for side in (one, two):
+            await side.sync.exchange()
+        for side in (one, two):
+            assert side.level("a") == pytest.approx(-2 * BURST, abs=1)
+
+
 async def test_a_restarted_picker_resumes_with_the_levels_it_had(
         redis_server: RedisServer) -> None:
     async with picker(redis_server.url) as before:
