@@ -8,6 +8,8 @@ baseline as the operator would), and the picker's own gate runs in the pool
 simulator (``picker.whatif.replay``). Printed per tenant and lane, baseline beside each candidate:
 share of service, tokens served, queue wait and TTFT p50/p95, 429s, demotions and when the budget
 ran out; for the pool, output tokens/s and utilisation. ``--json`` for CI, ``--plot`` a PNG.
+First comes the log's own figures beside the baseline's replay: how far the replay is from what
+was measured (a TTFT far below the log's asks for ``--prefill-ms-per-1k-tokens``).
 
 The pool is what the log shows unless given: the endpoints that served (count), the engines'
 step from the streamed requests' time per output token (median), the KV budget from the config
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +34,8 @@ from picker.config.schema import PickerConfig, load_config
 from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.sim.pool import PoolSpec
-from picker.whatif.log import BadField, Skips, parse_record, parse_time, read_arrivals
-from picker.whatif.replay import Quantiles, ReplayResult, replay
+from picker.whatif.log import Arrival, BadField, Skips, parse_record, parse_time, read_arrivals
+from picker.whatif.replay import Quantiles, ReplayRecord, ReplayResult, replay
 from picker.whatif.report import plot, table
 
 CONFIGMAP_KEY = "picker.yaml"
@@ -148,13 +151,38 @@ class LogFigures:
     step_s: float | None
     """Median time per output token of streamed requests (their engines' step)."""
     step_samples: int
+    recorded: ReplayResult
+    """What the log measured, per tenant and lane (the lane each request ran in), summed as a
+    replay is: set beside the baseline's replay, it shows how far the replay is from the log."""
 
 
-def scan_figures(path: Path, size: int | None = None) -> LogFigures:
-    """One streaming pass over the log (its first ``size`` bytes) for the pool's figures (bad
-    lines are left to the replay's pass to report)."""
+def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], start: float) -> None:
+    """Add what the log's record measured to ``result``."""
+    at = arrival.arrived - start
+    queue_ms, ttft_ms, e2e_ms = data.get("queue_ms"), data.get("ttft_ms"), data.get("e2e_ms")
+    served = data.get("endpoint") is not None
+    record = ReplayRecord(
+        arrival.tenant, "log", at, arrival.prompt_tokens, arrival.output_tokens or 0,
+        arrival.stream, outcome=str(data.get("outcome") or "ok"),
+        dispatched_s=at + queue_ms / 1000 if served and isinstance(queue_ms, (int, float))
+        else None,
+        first_token_s=at + ttft_ms / 1000 if isinstance(ttft_ms, (int, float)) else None,
+        end_s=at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
+        completion_tokens=int(data.get("completion_tokens") or 0),
+        lane=str(data.get("priority_lane") or ""), demoted=data.get("demoted") is True)
+    result.add(record)
+    result.output_tokens += record.completion_tokens
+
+
+def scan_figures(path: Path, size: int | None = None, *, since: float | None = None,
+                 until: float | None = None, bucket_s: float = 60.0) -> LogFigures:
+    """One streaming pass over the log (its first ``size`` bytes) for the pool's figures and
+    what the log measured (arrivals in ``[since, until)``); bad lines are left to the replay's
+    pass to report."""
     endpoints: set[str] = set()
     per_token = Quantiles()
+    recorded = ReplayResult(bucket_s=bucket_s, step_s=1.0)
+    first = last = None
     read = 0
     with path.open("rb") as stream:
         for number, raw in enumerate(stream, start=1):
@@ -163,9 +191,15 @@ def scan_figures(path: Path, size: int | None = None) -> LogFigures:
                 break
             try:
                 data = json.loads(raw)
-                parse_record(number, data)
+                arrival, _ = parse_record(number, data)
             except (ValueError, BadField):
                 continue
+            if (since is None or arrival.arrived >= since) and \
+                    (until is None or arrival.arrived < until):
+                if first is None:
+                    first = since if since is not None else arrival.arrived
+                last = arrival.finished if last is None else max(last, arrival.finished)
+                _recorded(recorded, arrival, data, first)
             endpoint = data.get("endpoint")
             if isinstance(endpoint, str) and len(endpoints) < MAX_ENDPOINTS:
                 endpoints.add(endpoint)
@@ -175,7 +209,9 @@ def scan_figures(path: Path, size: int | None = None) -> LogFigures:
                     and isinstance(ttft, (int, float)) and isinstance(e2e, (int, float)) \
                     and isinstance(completion, int) and completion >= 8 and e2e > ttft:
                 per_token.add((e2e - ttft) / 1000 / (completion - 1))
-    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count)
+    if first is not None and last is not None:
+        recorded.ticks = max(1, math.ceil(last - first))  # seconds: its tokens/s are the log's
+    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count, recorded)
 
 
 def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerConfig
@@ -301,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             refused += 1
             print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)
     args.size = args.log.stat().st_size  # a live log grows: replay each config on these bytes
-    spec, notes = pool_spec(args, scan_figures(args.log, args.size), baseline)
+    figures = scan_figures(args.log, args.size, since=args.since, until=args.until,
+                           bucket_s=args.bucket)
+    spec, notes = pool_spec(args, figures, baseline)
     skips = Skips()
     try:
         base = _run(args.log, baseline, spec, args, skips, quiet=False)
@@ -325,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "log": skips.as_dict(), "pool": {"endpoints": spec.endpoints,
                                              "kv_budget_tokens": spec.kv_budget_tokens,
                                              "step_s": spec.step_s, "notes": notes},
+            "recorded": figures.recorded.as_dict(),
             "baseline": {"config": str(args.baseline), **base.as_dict()},
             "candidates": [{"config": name, **result.as_dict()}
                            for name, result in results.items()],
@@ -333,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(skips.summary())
         print("pool: " + "; ".join(notes))
+        print()
+        print(table(figures.recorded, base, "the baseline's replay", first="as recorded"))
         for name, result in results.items():
             print()
             print(table(base, result, name))

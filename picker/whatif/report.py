@@ -19,6 +19,10 @@ def _time(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:,.0f}s"
 
 
+def _utilisation(result: ReplayResult) -> str:
+    return f"{result.utilisation():.1%}" if result.engines else "-"  # a log does not say
+
+
 def _share(result: ReplayResult, key: tuple[str, str]) -> str:
     return f"{result.share(key):.1%}" if key in result.lanes else "-"
 
@@ -27,14 +31,16 @@ def _pair(base: str, cand: str, width: int) -> str:
     return f"{base:>{width}} {cand:>{width}}"
 
 
-def table(baseline: ReplayResult, candidate: ReplayResult, name: str) -> str:
-    """Baseline beside ``candidate``, per tenant and lane, then the pool."""
+def table(baseline: ReplayResult, candidate: ReplayResult, name: str, *,
+          first: str = "baseline") -> str:
+    """``baseline`` (called ``first``) beside ``candidate`` (called ``name``), per tenant and
+    lane, then the pool."""
     keys = sorted(set(baseline.lanes) | set(candidate.lanes))
     empty = LaneStats()
     head = (f"{'tenant':<14} {'lane':<10} | {'share':>13} | {'tokens served':>23} | "
             f"{'queue p50 ms':>17} | {'queue p95 ms':>17} | {'TTFT p50 ms':>17} | "
             f"{'TTFT p95 ms':>17} | {'429s':>13} | {'demoted':>13} | {'budget out':>15}")
-    lines = [f"baseline | {name}  (each column: baseline, then candidate)", head,
+    lines = [f"{first} | {name}  (each column: {first}, then {name})", head,
              "-" * len(head)]
     for key in keys:
         b, c = baseline.lanes.get(key, empty), candidate.lanes.get(key, empty)
@@ -54,9 +60,9 @@ def table(baseline: ReplayResult, candidate: ReplayResult, name: str) -> str:
         lines.append(f"{tenant[:14]:<14} {lane[:10]:<10} | " + " | ".join(cells))
     lines.append(
         f"pool: output tokens/s {baseline.tokens_per_s():,.1f} -> {candidate.tokens_per_s():,.1f}; "
-        f"utilisation {baseline.utilisation():.1%} -> {candidate.utilisation():.1%}; "
-        f"replayed {baseline.duration_s:,.0f}s -> {candidate.duration_s:,.0f}s")
-    for label, result in (("baseline", baseline), (name, candidate)):
+        f"utilisation {_utilisation(baseline)} -> {_utilisation(candidate)}; "
+        f"over {baseline.duration_s:,.0f}s -> {candidate.duration_s:,.0f}s")
+    for label, result in ((first, baseline), (name, candidate)):
         if result.unfinished:
             lines.append(f"{label}: {result.unfinished:,} requests unfinished when the replay "
                          "stopped (client timeout + queue maxWait after the last arrival)")

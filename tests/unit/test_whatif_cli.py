@@ -60,6 +60,11 @@ def test_json_puts_each_candidate_beside_the_baseline(
     for row in (base["a"], cand["b"]):
         assert row["ttft_s"]["p95"] is not None and row["queue_wait_s"]["p50"] is not None
     assert candidate["pool"]["tokens_per_s"] > 0 and 0 < candidate["pool"]["utilisation"] <= 1
+    # What the log itself measured, summed as a replay is, for setting beside the baseline's.
+    recorded = {row["tenant"]: row for row in out["recorded"]["tenants"]}
+    assert recorded["a"]["ok"] == 20 and recorded["a"]["share"] == pytest.approx(0.5)
+    assert recorded["a"]["ttft_s"]["p50"] == pytest.approx(0.020, rel=0.01)
+    assert recorded["a"]["queue_wait_s"]["p95"] == 0.0
 
 
 def test_the_table_and_the_plot(files: dict[str, Path], tmp_path: Path,
@@ -71,8 +76,10 @@ def test_the_table_and_the_plot(files: dict[str, Path], tmp_path: Path,
     assert code == 0
     assert out.startswith("replayed 40 of 40 lines\npool: endpoints 1 (served requests in "
                           "the log)")
-    assert "(each column: baseline, then candidate)" in out
-    row = next(line for line in out.splitlines() if line.startswith("a "))
+    assert "as recorded | the baseline's replay  (each column: as recorded, then the " \
+        "baseline's replay)" in out
+    assert f"baseline | {files['candidate']}  (each column: baseline, then " in out
+    row = [line for line in out.splitlines() if line.startswith("a ")][-1]
     assert "|      0     10 |" in row  # 429s: none under the baseline, 10 under the candidate
     assert "pool: output tokens/s" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
