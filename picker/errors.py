@@ -221,6 +221,18 @@ class BodyBuffersFull(RequestError):
     retry_after = 1.0
 
 
+class MeterBacklog(RequestError):
+    """The picker has fallen behind reading its meter streams (the meter-stream response path):
+    a new request is refused until it catches up, since Envoy resets a meter stream the picker
+    reads too late and that request's usage would be lost."""
+
+    http_status = 503
+    metric_label = "meter_backlog"
+    error_type = "server_error"
+    code = "picker_overloaded"
+    retry_after = 1.0
+
+
 class BodyTimeout(RequestError):
     """No request body chunk came for ``bodyIdleTimeout``: a stalled upload gives back its
     buffer."""

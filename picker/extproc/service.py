@@ -39,6 +39,7 @@ The response comes back one of two ways, and the tenant is charged as tokens str
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import json
@@ -64,6 +65,7 @@ from picker.errors import (
     BodyTimeout,
     BodyTooLarge,
     InternalError,
+    MeterBacklog,
     NoEndpoint,
     RequestError,
     Unauthorized,
@@ -418,6 +420,10 @@ class _Exchange:
         self.response_failed = False
         self.routed = False
         self.done = False
+        self.shed: Callable[[str], bool] | None = None
+        """Set while the picker is behind on its meter streams: whether a tenant's inference
+        request is refused (503, ``MeterBacklog``) rather than routed to a response whose meter
+        could be lost."""
 
     @property
     def request_id(self) -> str:
@@ -526,6 +532,9 @@ class _Exchange:
                 raise BadRequest(f"header {repeated!r} is sent more than once")
             self.tenant = self.dispatcher.identity.tenant(self.headers)
             self.lane = self.dispatcher.choose_lane(self.tenant, self._lane_asked())
+            if self.shed is not None and self.kind is not None and self.shed(self.tenant):
+                raise MeterBacklog("the endpoint picker is behind metering responses; retry "
+                                   "shortly")
             if self.kind is not None and message.request_headers.end_of_stream:
                 raise BadRequest("request body is empty")
         except RequestError as error:
@@ -817,6 +826,7 @@ class _Exchange:
         else:
             # Output went out uncounted (an engine that reports no usage, or a stream cut
             # before its usage): the output estimate, never nothing.
+            dispatcher.metrics.settlements_estimated.labels("no_usage").inc()
             dispatcher.complete(ticket, None, "unmetered")
 
     def abandon(self) -> None:
@@ -837,12 +847,47 @@ class _Exchange:
             return
         # A response the picker was never to see (no body sent; or the access log's entry, lost):
         # its output went uncounted, so it is charged the estimate.
-        unmetered = (self.response_unseen or self.logged) and self.meter is None
-        self.dispatcher.complete(ticket, None, "unmetered" if unmetered else "cancelled")
+        if (self.response_unseen or self.logged) and self.meter is None:
+            self.settle_estimated("response_unseen" if self.response_unseen else "log_unclaimed")
+            return
+        self.dispatcher.complete(ticket, None, "cancelled")
+
+    def settle_estimated(self, reason: str) -> None:
+        """The response went out but its count was lost (``reason``, a label of
+        ``fairway_settlements_estimated_total``): settled ``unmetered``, on the output counted
+        so far or the tenant's expected output, whichever is more; never as a client that left,
+        which would charge only what the picker happened to read."""
+        ticket = self.ticket
+        if ticket is None or ticket.outcome is not None:
+            return
+        usage = self._usage()
+        if usage is not None:  # read whole after all
+            self._settle(ticket, usage, "error" if self.response_failed else "ok")
+            return
+        self.dispatcher.metrics.settlements_estimated.labels(reason).inc()
+        if self.meter is not None:
+            ticket.finish_reason = self.meter.finish_reason
+        self.dispatcher.complete(ticket, None, "unmetered")
 
 
 UNCLAIMED_LOG_INTERVAL = 60.0
 """Seconds between warnings about requests whose meter stream never came."""
+
+METER_BACKLOG_SHED = 0.5
+"""Seconds a routed request may wait for its meter stream to be read before the picker refuses
+new requests (503 ``meter_backlog``, ``Retry-After``) until it has caught up. Unloaded, the
+meter stream is read a few milliseconds after the route; a picker that falls further behind
+than Envoy's ``deferred_close_timeout`` (2 s in the shipped configs) loses meters, since Envoy
+resets the stream and discards what the picker had not read. A quarter of that leaves room
+for the requests already routed."""
+
+METER_CUT_IDLE = 1.0
+"""A meter stream that ends before its response did, less than this many seconds after the
+picker read its last message, was cut while data was still coming: the picker was behind and
+Envoy reset the stream (``deferred_close_timeout`` after the HTTP stream ended), so what the
+response carried after that is unknown and it is settled on its estimate. A picker that keeps
+up reads a client's departure (the last message) a whole ``deferred_close_timeout`` before the
+reset, which must therefore exceed this (2 s in the shipped configs)."""
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -866,6 +911,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._id_prefix = os.urandom(4).hex()
         self._ids = itertools.count(1)
         self._awaiting_meter: dict[str, tuple[_Exchange, asyncio.TimerHandle]] = {}
+        self._routed: collections.deque[tuple[float, str]] = collections.deque()
+        """(when, meter id) of meter-stream requests routed, oldest first; the front is popped
+        once claimed (``meter_backlog``)."""
+        self.meter_backlog_shed = METER_BACKLOG_SHED
+        self._metering: collections.Counter[str] = collections.Counter()
+        """Meter-stream requests routed and not yet metered, by tenant (``_shed``)."""
         self.bodies = BodyBudget()
         dispatcher.metrics.buffered_body_bytes.set_function(lambda: self.bodies.used)
         self._faults_logged: set[str] = set()
@@ -883,6 +934,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         meter_id = f"{self._id_prefix}-{next(self._ids)}" if metered else None
         exchange = _Exchange(self.dispatcher, config, meter_id, self.bodies,
                              logged=path == ACCESS_LOG)
+        if path == METER_STREAM and self.meter_backlog() > self.meter_backlog_shed:
+            exchange.shed = self._shed
         handed_over = False
         messages = aiter(request_iterator)
         try:
@@ -953,8 +1006,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """The request is routed; its response will come on a meter stream named ``meter_id``,
         or in the access log when it has ended."""
         timeout = self.log_claim_timeout if exchange.logged else self.meter_claim_timeout
-        timer = asyncio.get_running_loop().call_later(timeout, self._unclaimed, meter_id)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(timeout, self._unclaimed, meter_id)
         self._awaiting_meter[meter_id] = (exchange, timer)
+        if not exchange.logged:
+            self._routed.append((loop.time(), meter_id))
+            self._metering[exchange.tenant] += 1
+
+    def _metered(self, exchange: _Exchange) -> None:
+        """A meter-stream request's meter stream is over (or never came)."""
+        metering = self._metering
+        metering[exchange.tenant] -= 1
+        if metering[exchange.tenant] <= 0:
+            del metering[exchange.tenant]
+
+    def _shed(self, tenant: str) -> bool:
+        """While behind on meter streams: refuse ``tenant``'s new request unless it has fewer
+        than an equal share of the requests being metered, so that the refusals fall on the
+        tenants that make the backlog, and a light one still gets in."""
+        metering = self._metering
+        return metering[tenant] * len(metering) >= metering.total()
+
+    def meter_backlog(self) -> float:
+        """Seconds the oldest routed request still waiting for its meter stream has waited (0:
+        none waits): how far behind the picker is reading meter streams. A meter stream opens as
+        soon as Envoy has the route, so a picker that keeps up claims it within milliseconds."""
+        routed, awaiting = self._routed, self._awaiting_meter
+        while routed and routed[0][1] not in awaiting:
+            routed.popleft()
+        return asyncio.get_running_loop().time() - routed[0][0] if routed else 0.0
 
     def _unclaimed(self, meter_id: str) -> None:
         exchange, _ = self._awaiting_meter.pop(meter_id, (None, None))
@@ -967,10 +1047,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if now - self._unclaimed_logged_at >= UNCLAIMED_LOG_INTERVAL:
                 log.warning("no meter stream or access log entry in time for %d request(s) (the "
                             "latest %s): is the gateway's metering filter or access log "
-                            "missing? settled as gone (counted in "
+                            "missing? settled on its estimate (counted in "
                             "fairway_meter_unclaimed_total)", self._unclaimed_since_log, meter_id)
                 self._unclaimed_logged_at, self._unclaimed_since_log = now, 0
-            exchange.abandon()
+            exchange.settle_estimated("log_unclaimed" if exchange.logged else "meter_unclaimed")
+        if exchange is not None and not exchange.logged:
+            self._metered(exchange)
 
     def settle_logged(self, logged: LoggedResponse) -> None:
         """The gateway's access log reports that a request routed for that path has ended."""
@@ -991,21 +1073,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         meter_id = _meter_id(first)
         exchange, timer = self._awaiting_meter.pop(meter_id, (None, None)) if meter_id \
             else (None, None)
+        if exchange is None:
+            # Nothing to meter (a request refused, a pass-through path, or one already settled):
+            # ended at once, so that a flood of refusals costs the picker no reading.
+            return
         if timer is not None:
             timer.cancel()
+        loop = asyncio.get_running_loop()
+        read_at = loop.time()
         try:
-            if exchange is not None:
-                exchange.observe_response(first)
+            exchange.observe_response(first)
+            if exchange.done:
+                return
+            async for message in messages:
+                read_at = loop.time()
+                exchange.observe_response(message)
                 if exchange.done:
                     return
-            async for message in messages:
-                if exchange is not None:
-                    exchange.observe_response(message)
-                    if exchange.done:
-                        return
         finally:
-            if exchange is not None:
-                exchange.abandon()  # the stream ended before the response did: client gone
+            if not exchange.logged:
+                self._metered(exchange)
+            if not exchange.done:
+                # The stream ended before the response did. Read up to date, the picker sees a
+                # client that left (Envoy ends the stream a deferred_close_timeout after that);
+                # ended while the picker was still reading, it is the picker's backlog that
+                # Envoy's reset discarded. (gRPC shows a reset as a plain end as often as not.)
+                if loop.time() - read_at < METER_CUT_IDLE:
+                    exchange.settle_estimated("meter_cut")
+                else:
+                    exchange.abandon()
 
 
 def add_to_server(processor: ExternalProcessor, server: grpc.aio.Server) -> None:

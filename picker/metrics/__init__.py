@@ -46,6 +46,10 @@ COMMIT_ENV = "FAIRWAY_COMMIT"
 """Environment variable carrying the source commit the image was built from (the
 ``fairway_build_info`` ``commit`` label; ``unknown`` when unset)."""
 
+ESTIMATE_REASONS = ("meter_unclaimed", "meter_cut", "log_unclaimed", "no_usage",
+                    "response_unseen")
+"""Why a request was settled on an estimate (``fairway_settlements_estimated_total``)."""
+
 _Metric = TypeVar("_Metric", Counter, Histogram)
 
 
@@ -124,6 +128,15 @@ class PickerMetrics:
             "fairway_meter_unclaimed", "Routed requests whose meter stream never came within "
             "the claim timeout (the gateway's metering filter missing, or the picker far behind): "
             "settled on their estimate, not on usage.", registry=r)
+        self.settlements_estimated = Counter(
+            "fairway_settlements_estimated", "Requests settled on an estimate of their output "
+            "instead of the usage the response carried, by reason: meter_unclaimed (no meter "
+            "stream came), meter_cut (the meter stream was reset while the picker was behind "
+            "reading it), log_unclaimed (no access log entry came), no_usage (the log entry "
+            "carried no count), response_unseen (the gateway shows the picker no response).",
+            ["reason"], registry=r)
+        for reason in ESTIMATE_REASONS:  # exported at 0 from the start, so alerts see the first
+            self.settlements_estimated.labels(reason)
         self.buffered_body_bytes = Gauge(
             "fairway_buffered_body_bytes", "Request body bytes held at once, all streams "
             "(limits.maxBufferedBytes bounds it).", registry=r)

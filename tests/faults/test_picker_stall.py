@@ -6,7 +6,9 @@ stream ended, and a reset discards whatever of the stream gRPC holds that the pi
 yet. With the 0.25 s this project once shipped, eight half-second pauses of the picker under this
 flood lost the meters of 60 of 1,500 requests, settled as gone and charged no output
 (``fairway_meter_unclaimed_total``). The picker is paused here with SIGSTOP, as a throttled
-container is; each pause is shorter than ``picker.stack.envoy.METER_DEFERRED_CLOSE`` (2 s)."""
+container is; each pause is shorter than ``picker.stack.envoy.METER_DEFERRED_CLOSE`` (5 s; 2 s
+also held). A picker behind for longer refuses new requests instead
+(``tests/faults/test_meter_overload.py``)."""
 
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ EXPECTED: dict[type[RequestError], tuple[int, str, str, str]] = {
     errors.NotLeader: (503, "server_error", "not_leader", "not_leader"),
     errors.StateUnavailable: (503, "server_error", "state_unavailable", "state_unavailable"),
     errors.BodyBuffersFull: (503, "server_error", "server_overloaded", "buffers_full"),
+    errors.MeterBacklog: (503, "server_error", "picker_overloaded", "meter_backlog"),
     errors.BodyTimeout: (408, "invalid_request_error", "request_timeout", "body_timeout"),
     errors.InternalError: (500, "server_error", "internal_error", "internal"),
 }
