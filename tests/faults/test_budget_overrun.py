@@ -13,6 +13,9 @@ The variant of the report, 25 concurrent requests with ``min_tokens: 600`` and n
 ``max_tokens`` on a 5,000-token budget (15,200 tokens served), holds too: the simulated server
 honours ``min_tokens`` (it is raised to it, as vLLM does), and a request without ``max_tokens``
 is reserved at what the budget can pay, with that cap written into the body the engine reads.
+
+``n: 8`` (the simulated server generates n choices, as vLLM does) is reserved as 8 choices, and
+without ``max_tokens`` each choice is capped so that the 8 fit a full budget.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pytest
 
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, wait_until
-from tests.faults.helpers import CHAT, usage_records
+from tests.faults.helpers import CHAT, post, usage_records
 
 USAGE = "usage.jsonl"
 PER_S = 3600.0
@@ -46,7 +49,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                   {"id": "attacker", "budgets": {"burst": {"tokens": BURST, "per": per}}},
                   {"id": "floor", "budgets": {"burst": {"tokens": FLOOR_BURST, "per": per}}},
                   {"id": "expected", "budgets": {"burst": {"tokens": BURST, "per": per},
-                                                 "reserve": "expected"}}],
+                                                 "reserve": "expected"}},
+                  {"id": "choices", "budgets": {"burst": {"tokens": BURST, "per": per}}},
+                  {"id": "uncapped", "budgets": {"burst": {"tokens": BURST, "per": per}}}],
               "metering": {"output": str(workdir / USAGE)}}
     # A big cache, so the engine could run every stream at once: only the budget stops them.
     with Stack(workdir, endpoints=1, picker_config=config,
@@ -156,3 +161,32 @@ def test_reserve_expected_overshoots_by_at_most_one_worst_case_and_owes_it(
                                   one_worst_case=1000 + 64)
     assert sum(a[0] == 200 for a in answers) == 3, [a[0] for a in answers]
     assert served > BURST and _level(stack, "expected") < 0
+
+
+def test_n_choices_are_reserved_as_n_and_capped_to_what_the_budget_can_pay(
+        stack: Stack) -> None:
+    """``n: 8`` was charged as 8 choices but admitted and reserved as one. Now it is reserved
+    as 8 (the rate-limit headers of its answer show it), and without ``max_tokens`` each choice
+    is capped so that the 8 fit the budget: the engine, which generates all 8, is sent that cap.
+    """
+    status, headers, body = post(stack, "choices", chat_body(words=8, max_tokens=100, n=8))
+    assert status == 200, body
+    assert len(body["choices"]) == 8
+    assert body["usage"]["completion_tokens"] == 800
+    remaining = int(headers["x-ratelimit-remaining-tokens"])  # as reserved, at dispatch
+    assert BURST - 800 - 64 <= remaining <= BURST - 800 - 1
+    (record,) = _served(stack, "choices", 1)
+    spent = record["prompt_tokens"] + record["completion_tokens"]
+    assert wait_until(lambda: _level(stack, "choices") <= BURST - spent + 1)
+    # Without max_tokens its 8 choices may take a whole budget: they wait for a full one.
+    body_n = json.dumps({"model": "sim-model", "n": 8, "ignore_eos": True,
+                         "messages": [{"role": "user", "content": "write"}]}).encode()
+    status, headers, refusal = post(stack, "choices", body_n)
+    assert status == 429 and int(headers["retry-after"]) >= 1, refusal
+    # On a full budget each choice is capped at (budget - prompt) // 8, and uses all of it.
+    status, _, answer = post(stack, "uncapped", body_n)
+    assert status == 200, answer
+    assert len(answer["choices"]) == 8
+    used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    assert answer["usage"]["completion_tokens"] % 8 == 0
+    assert BURST - 64 <= used <= BURST  # a full budget's worth, no more
