@@ -56,7 +56,8 @@ class Tenant:
 
     name: str
     arrivals: tuple[Phase, ...]
-    weight: float = field(default=1.0, metadata={"gt": 0})
+    weight: float = field(default=1.0, metadata={"ge": 0.001, "le": 1000})
+    """The picker's range (``picker.core.lanes.MIN_WEIGHT`` to ``MAX_WEIGHT``)."""
     lane: str | None = None
     """Lane of all the tenant's requests (default: the first lane)."""
     prompt_tokens: tuple[int, int] = field(default=(64, 512), metadata={"ge": 1})
