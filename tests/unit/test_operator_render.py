@@ -81,6 +81,20 @@ def test_good_policies_render_a_config_the_picker_accepts() -> None:
     assert render.dump(config, "llm-pool") == text  # stable: equal configs, equal text
 
 
+def test_a_policy_s_budget_reserve_rule_reaches_the_config() -> None:
+    policies = [policy("lenient", ["lena"], budgets={"burst": {"tokens": 5000, "per": "60s"},
+                                                      "reserve": "expected"}),
+                policy("plain", ["paul"], created="2025-01-02T00:00:00Z",
+                       budgets={"burst": {"tokens": 5000, "per": "60s"}})]
+    config, verdicts = render.render(BASE, policies)
+    loaded = load_config(config)
+    assert all(v.ready for v in verdicts.values())
+    assert loaded.tenant("lena").budgets.reserve == "expected"
+    assert loaded.tenant("paul").budgets.reserve == "worstCase"  # the default
+    _, refused = render.render(BASE, [policy("odd", ["olga"], budgets={"reserve": "never"})])
+    assert not refused["odd"].ready
+
+
 def test_unknown_lane_excludes_that_policy_and_keeps_the_others() -> None:
     policies = [policy("good", ["alice"], lane="online"),
                 policy("typo", ["bob"], lane="gold", created="2025-01-02T00:00:00Z"),
