@@ -95,11 +95,14 @@ def _client(stack: Stack, key: str, max_retries: int) -> Client:
 
 
 def _exact_prompt(tokens: int) -> str:
-    """A one-message prompt of ``tokens`` tokens by both the picker's estimate (⌈chars / 4⌉ + 4
-    per message) and the simulated server's count (a token a word + 4 per message + 3): w words,
-    the last of 13 characters, give ⌈(4w + 9) / 4⌉ + 4 = w + 7."""
-    words = tokens - 7
-    return "cat " * (words - 1) + "abcdefghijklm"
+    """A one-message chat prompt of ``tokens`` tokens by both the picker's estimate and the
+    simulated server's count: w four-letter words and four line breaks. The picker counts a
+    lowercase letter a quarter token, a space nothing and a line break one: w + 4, plus 4 for the
+    message; the server's tokenizer a word of up to 5 letters one token and a run of up to 4
+    whitespace characters one: w + 1, plus 4 for the message and 3 for the reply. Both: w + 8."""
+    words = tokens - 8
+    assert words >= 0
+    return " ".join(["abcd"] * words) + "\n\n\n\n"
 
 
 def _chat(client: Client, prompt_tokens: int = PROMPT, max_tokens: int = OUTPUT,

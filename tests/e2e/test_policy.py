@@ -15,8 +15,8 @@ Four stacks serve the module:
   records every body it receives, so the tests see exactly what the engine would get.
 
 Budget arithmetic needs the picker's estimate of a request. Every request to the simulated servers
-carries an ``_exact_content`` prompt, whose body estimate (⌈characters / 4⌉ + 4 per message)
-equals the simulated server's count (one token a word + 4 per message + 3 for the reply), so the
+carries an ``_exact_content`` prompt, whose body estimate (by script, + 4 per message) equals
+the simulated server's count (its tokenizer, + 4 per message + 3 for the reply), so the
 picker's calibration of prompt estimates (per model, from the engine's reported usage) stays
 exactly 1 and a request's prompt estimate is known; with ``ignore_eos`` the output is exactly
 ``max_tokens``. A tenant without history expects min(max_tokens, defaultOutputTokens = 256) output
@@ -42,6 +42,7 @@ import pytest
 from aiohttp import web
 
 from picker.identity import hash_api_key
+from picker.openai import parse_request
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import TENANT_HEADER, chat_body, metric, metric_samples, wait_until
 
@@ -113,11 +114,13 @@ async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def _exact_content(tokens: int) -> str:
     """A one-message chat prompt of ``tokens`` tokens by both the picker's estimate and the
-    simulated server's count: w words of which the last has 13 characters (⌈(4w + 9) / 4⌉ + 4 =
-    w + 7 = w words + 4 + 3)."""
-    words = tokens - 7
-    assert words >= 1
-    return "cat " * (words - 1) + "abcdefghijklm"
+    simulated server's count: w four-letter words and four line breaks. The picker counts a
+    lowercase letter a quarter token, a space nothing and a line break one: w + 4, plus 4 for the
+    message; the server's tokenizer a word of up to 5 letters one token and a run of up to 4
+    whitespace characters one: w + 1, plus 4 for the message and 3 for the reply. Both: w + 8."""
+    words = tokens - 8
+    assert words >= 0
+    return " ".join(["abcd"] * words) + "\n\n\n\n"
 
 
 def _exact_body(max_tokens: int | None, stream: bool = False,
@@ -562,13 +565,14 @@ def test_budget_is_settled_to_actual_use_when_the_estimate_exceeded_the_bucket(
     assert used == UPSTREAM_PROMPT_TOKENS + 10
     m = stack.metrics_url
     assert wait_until(lambda: metric(m, "fairway_requests_total", tenant="overdraft") == 1)
-    # The next request is estimated 5 + min(average output 10, 5) = 10 tokens (the prompt
-    # calibrated to the upstream's 5). Settled to actual use, the bucket held 40 − 15 = 25 (the
-    # refill over the test is under a token): 15 remain after its reservation.
-    status, got, body = _post(stack.gateway_url, json.dumps(_rec_body(
-        uuid.uuid4().hex, max_tokens=5)).encode(), headers)
+    # The next request reserves its body's own prompt estimate (a calibration learned down to
+    # the upstream's 5 may order the queue, not lower a reservation) + min(average output 10,
+    # 5). Settled to actual use, the bucket held 40 − 15 = 25 (the refill over the test is under
+    # a token): 25 less that reservation remain.
+    second = json.dumps(_rec_body(uuid.uuid4().hex, max_tokens=5)).encode()
+    status, got, body = _post(stack.gateway_url, second, headers)
     assert status == 200, body
-    expected = capacity - used - (UPSTREAM_PROMPT_TOKENS + 5)
+    expected = capacity - used - (parse_request(second).prompt_tokens + 5)
     assert expected <= int(got["x-ratelimit-remaining-tokens"]) <= expected + 1, got
 
 
