@@ -692,6 +692,7 @@ class _Exchange:
         self.model = inference.model
         ticket.inference = inference
         rewritten = self._rewritten(inference, ticket)
+        ticket.choices = inference.choices  # its output is learned per choice
         return [_body_replaced(bytes(self.body) if rewritten is None else rewritten)]
 
     def _with_path(self, replies: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
