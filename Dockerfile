@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # fairway: one image for the picker (`python -m picker`, the entrypoint) and the operator
-# (`python -m fairway_operator`). Build: `make image` (docker build -t fairway:dev .).
+# (`python -m fairway_operator`). Build: `make image` (docker build -t fairway:<the chart's
+# appVersion> ., the tag the chart pulls by default).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # --- build: the project and its runtime dependencies (no dev extras) into a virtualenv ---------

@@ -117,7 +117,10 @@ soak: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-# The container image of the picker and the operator (needs Docker; not part of `make test`).
+# The container image of the picker and the operator (needs Docker; not part of `make test`),
+# tagged as the chart asks for it by default (image.repository fairway, tag the chart's appVersion):
+# `make image` then `helm install` needs no --set for the image.
+IMAGE ?= fairway:$(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' charts/fairway/Chart.yaml)
 .PHONY: image
 image:
-	docker build -t fairway:dev .
+	docker build -t $(IMAGE) .
