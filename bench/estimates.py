@@ -295,7 +295,28 @@ def report(text: list[dict[str, Any]], images: list[dict[str, Any]],
         lines.append(f"| {r['text']} | {r['old_us']:.2f} | {r['new_us']:.1f} | "
                      f"{r['json_us']:.1f} |")
     lines += [
-        "", "## Not measured", "",
+        "", "## The attacks, through real Envoy", "",
+        "`tests/faults/test_estimate_attacks.py`, on a 10,000-token budget, against the "
+        "simulated server (an image part 1,500 tokens, CJK a token a character, digits 3 a "
+        "token: `picker.sim.tokenizer`); \"before\" is the same test with chars/4 and "
+        "images at 0 put back into the picker process.", "",
+        "| attack | before | now |", "|---|---|---|",
+        "| 10 concurrent chats, 4 base64 1120×1120 PNGs each | 10 served, 60,330 tokens "
+        "| 1 served (~6,000), 9 × 429 |",
+        "| 10 concurrent 4,000-character CJK prompts | 7 served, 31,269 tokens "
+        "| 1 served (~4,000), 9 × 429 |",
+        "| calibration taught to 0.5 by one 3,000-digit prompt, then 10 one-image chats "
+        "| 10 served, 15,270 tokens on a level of 8,978 (with the new estimate, before budgets "
+        "were judged on the body's own estimate) | at most 5 (the test's bound: about 1,640 "
+        "reserved each of a level near 8,900) |", "",
+        "What erring high costs: a CJK prompt the simulated engine counts at 4,000 is reserved "
+        "at 8,000 (SmolLM2 counts it at 7,556), so a 10,000 budget admits one at a time "
+        "until the first settles, where two would fit; the reservation is settled to the "
+        "engine's count when the request ends. An image whose size the picker cannot read "
+        "(a remote URL) reserves `imageMaxTokens` (16,384 by default), more than a 10,000 "
+        "budget holds: configure the model's entry (`imageTokens`, or `imageMaxTokens` to the "
+        "engine's `max_pixels` / 28²) for such clients.", "",
+        "## Not measured", "",
         "- Audio (25 tokens a second, Qwen2-Audio's rule) and files: no engine here counts them.",
         "- Chat template tokens per message are the fixed "
         f"{MESSAGE_OVERHEAD_TOKENS} of `MESSAGE_OVERHEAD_TOKENS`.",
