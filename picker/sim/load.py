@@ -43,7 +43,7 @@ import math
 import random
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,13 +51,9 @@ import aiohttp
 
 from picker.errors import ConfigError
 from picker.sim.traffic import TenantTraffic, Traffic, load_traffic
+from picker.sim.workloads import WORDS, Message, Unit, chat_messages
 
-#: Filler vocabulary for prompts: short common words, each about one token for usual tokenizers.
-WORDS: tuple[str, ...] = (
-    "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "box", "in",
-    "sun", "hot", "day", "we", "go", "up", "it", "is", "at", "by", "old", "new", "sea", "sky",
-    "map", "pen", "cup", "hat",
-)
+__all__ = ["WORDS"]  # re-exported: the filler vocabulary lives with the workloads
 
 #: Pause of a backlog worker after a failed request without a numeric ``Retry-After``.
 BACKLOG_ERROR_PAUSE_S = 0.1
@@ -66,7 +62,8 @@ BACKLOG_ERROR_PAUSE_S = 0.1
 CSV_COLUMNS: tuple[str, ...] = (
     "tenant", "seq", "kind", "api", "stream", "scheduled_s", "start_s", "ttft_s", "end_s",
     "e2e_s", "status", "prompt_tokens", "completion_tokens", "cached_tokens", "usage_source",
-    "drawn_prompt_tokens", "max_tokens", "retry_after", "error",
+    "drawn_prompt_tokens", "max_tokens", "retry_after", "error", "session", "call",
+    "calls",
 )
 
 Kind = Literal["poisson", "burst", "backlog"]
@@ -89,7 +86,17 @@ class PlannedRequest:
     stream: bool
     token_ids: tuple[int, ...] | None = None
     """The prompt's token ids (``picker.sim.tokenizer``) for the pool simulator's prefix cache,
-    when a workload gives them; None (every workload so far): counts only, never cached."""
+    when a workload gives them (``picker.sim.workloads``); None: counts only, never cached."""
+    messages: tuple[Message, ...] | None = None
+    """A workload's chat messages (``prompt_tokens`` is then their tokens); None: filler words."""
+    session: str | None = None
+    """The session or program it belongs to (sent in ``session_header``), for chat and agent."""
+    call: int = 0
+    """Its index in its unit (turn of a session, call of a program)."""
+    calls: int = 1
+    """Calls of its unit."""
+    unit: Unit | None = field(default=None, compare=False, repr=False)
+    """The unit that gives its next call once it is answered (``picker.sim.workloads``)."""
 
 
 @dataclass
@@ -117,6 +124,13 @@ class RequestRecord:
     usage_source: Literal["usage", "counted", "none"] = "none"
     retry_after: str | None = None
     error: str | None = None
+    session: str | None = None
+    call: int | None = None
+    """Its index in its unit, a session, program or workload request (None: not part of one)."""
+    calls: int | None = None
+    """Calls of its unit."""
+    reply: str | None = field(default=None, repr=False)
+    """The reply's text, kept for a unit's next call only."""
 
     @property
     def ok(self) -> bool:
@@ -152,12 +166,26 @@ def _rng(seed: int, *parts: object) -> random.Random:
 
 def draw_request(traffic: Traffic, tenant: TenantTraffic, seq: int, kind: Kind,
                  at_s: float | None) -> PlannedRequest:
-    """Request ``seq`` of ``tenant``: lengths and streaming drawn from (seed, tenant, seq)."""
+    """Request ``seq`` of ``tenant``: lengths and streaming drawn from (seed, tenant, seq). For
+    a workload tenant (``picker.sim.workloads``), the first call of its unit ``seq``."""
+    if tenant.workload != "requests":
+        return unit_request(Unit(traffic.seed, tenant, seq), kind, at_s)
     rng = _rng(traffic.seed, tenant.name, seq)
     prompt = rng.randint(*tenant.prompt_tokens)
     output = rng.randint(*tenant.output_tokens)
     stream = rng.random() < tenant.stream_fraction
     return PlannedRequest(tenant.name, seq, kind, at_s, prompt, output, stream)
+
+
+def unit_request(unit: Unit, kind: Kind, at_s: float | None) -> PlannedRequest:
+    """The call ``unit`` is at, as a planned request (``at_s``: the unit's start for its first
+    call, None for later ones, sent once the previous reply is in and its pause is over)."""
+    call = unit.call()
+    session = unit.session if unit.kind in ("chat", "agent") else None
+    return PlannedRequest(unit.tenant.name, unit.seq, kind, at_s, len(call.token_ids),
+                          call.max_tokens, call.stream, token_ids=call.token_ids,
+                          messages=call.messages, session=session, call=call.call,
+                          calls=call.calls, unit=unit)
 
 
 def plan_open_loop(traffic: Traffic, duration_s: float | None = None) -> list[PlannedRequest]:
@@ -199,12 +227,15 @@ def request_path(api: str) -> str:
 
 def request_body(traffic: Traffic, tenant: TenantTraffic, planned: PlannedRequest) -> dict:
     """The JSON body of ``planned``: model, prompt or one user message, max_tokens, ignore_eos."""
-    text = prompt_text(traffic.seed, tenant.name, planned.seq, planned.prompt_tokens)
     body: dict[str, Any] = {"model": traffic.model}
-    if tenant.api == "chat":
+    if planned.messages is not None:
+        body["messages"] = chat_messages(planned.messages)
+    elif tenant.api == "chat":
+        text = prompt_text(traffic.seed, tenant.name, planned.seq, planned.prompt_tokens)
         body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = text
+        body["prompt"] = prompt_text(traffic.seed, tenant.name, planned.seq,
+                                     planned.prompt_tokens)
     body["max_tokens"] = planned.max_tokens
     body["ignore_eos"] = True
     body["stream"] = planned.stream
@@ -213,9 +244,13 @@ def request_body(traffic: Traffic, tenant: TenantTraffic, planned: PlannedReques
     return body
 
 
-def request_headers(traffic: Traffic, tenant: TenantTraffic) -> dict[str, str]:
-    """The tenant header (unless disabled) and the tenant's extra headers."""
+def request_headers(traffic: Traffic, tenant: TenantTraffic,
+                    planned: PlannedRequest | None = None) -> dict[str, str]:
+    """The tenant header (unless disabled), the session header of a session's or program's
+    request, and the tenant's extra headers."""
     headers = {traffic.tenant_header: tenant.name} if tenant.send_tenant_header else {}
+    if planned is not None and planned.session is not None:
+        headers[traffic.session_header] = planned.session
     headers.update(tenant.headers)
     return headers
 
@@ -273,9 +308,10 @@ def _apply_usage(record: RequestRecord, usage: Any) -> bool:
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord,
-                       now: Callable[[], float]) -> None:
+                       now: Callable[[], float], keep_text: bool = False) -> None:
     counted = 0
     usage: Any = None
+    texts: list[str] = []
     async for raw in resp.content:
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data:"):
@@ -292,19 +328,24 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord,
         if "error" in chunk:
             record.error = error_message(data)
             continue
-        if chunk_text(chunk):
+        text = chunk_text(chunk)
+        if text:
             counted += 1
+            if keep_text:
+                texts.append(text)
             if record.ttft_s is None:
                 record.ttft_s = now() - record.start_s
         if chunk.get("usage"):
             usage = chunk["usage"]
+    if keep_text:
+        record.reply = "".join(texts)
     if not _apply_usage(record, usage):
         record.prompt_tokens, record.completion_tokens = record.drawn_prompt_tokens, counted
         record.usage_source = "counted"
 
 
 async def _read_json(resp: aiohttp.ClientResponse, record: RequestRecord,
-                       now: Callable[[], float]) -> None:
+                     now: Callable[[], float], keep_text: bool = False) -> None:
     text = await resp.text(errors="replace")
     record.ttft_s = now() - record.start_s
     try:
@@ -315,6 +356,8 @@ async def _read_json(resp: aiohttp.ClientResponse, record: RequestRecord,
     if not isinstance(data, dict):
         record.error = "reply is not a JSON object"
         return
+    if keep_text:
+        record.reply = chunk_text(data)
     if not _apply_usage(record, data.get("usage")):
         record.prompt_tokens = record.drawn_prompt_tokens
         record.completion_tokens = len(chunk_text(data).split())
@@ -354,7 +397,8 @@ class _Run:
         for planned in plan:
             assert planned.at_s is not None
             await self.sleep_until(planned.at_s)
-            task = asyncio.create_task(self.send(planned))
+            task = asyncio.create_task(self.send(planned) if planned.unit is None
+                                       else self.run_unit(planned, self.duration_s))
             self.pending.add(task)
             task.add_done_callback(self.pending.discard)
 
@@ -364,22 +408,47 @@ class _Run:
         while self.now() < stop:
             seq = self.next_seq[tenant.name]
             self.next_seq[tenant.name] = seq + 1
-            record = await self.send(draw_request(self.traffic, tenant, seq, "backlog", None))
+            planned = draw_request(self.traffic, tenant, seq, "backlog", None)
+            if planned.unit is None:
+                record = await self.send(planned)
+            else:
+                record = await self.run_unit(planned, self.duration_s)
             if not record.ok:
                 pause = _seconds(record.retry_after)
                 pause = BACKLOG_ERROR_PAUSE_S if pause is None else pause
                 await asyncio.sleep(max(0.0, min(pause, stop - self.now())))
+
+    async def run_unit(self, planned: PlannedRequest, stop_s: float) -> RequestRecord:
+        """A session or program, closed loop: each call is sent once the previous one's reply
+        is in and its pause (think time, tool latency) is over, with that reply in its prompt.
+        It ends after its last call, at a failed call (abandoned: nothing is retried), or when
+        its next call would go at or after ``stop_s``. Returns the last call's record."""
+        unit = planned.unit
+        assert unit is not None
+        while True:
+            record = await self.send(planned)
+            if not record.ok:
+                return record
+            delay = unit.answered(record.reply or "")
+            record.reply = None  # the unit holds it now
+            if delay is None or self.now() + delay >= stop_s:
+                return record
+            await asyncio.sleep(delay)
+            planned = unit_request(unit, planned.kind, None)
 
     async def send(self, planned: PlannedRequest) -> RequestRecord:
         tenant = self.tenants[planned.tenant]
         record = RequestRecord(
             tenant=tenant.name, seq=planned.seq, kind=planned.kind, api=tenant.api,
             stream=planned.stream, scheduled_s=planned.at_s, start_s=self.now(),
-            drawn_prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens)
+            drawn_prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
+            session=planned.session, call=None if planned.unit is None else planned.call,
+            calls=None if planned.unit is None else planned.calls)
         self.records.append(record)
         url = self.base + request_path(tenant.api)
         body = request_body(self.traffic, tenant, planned)
-        headers = request_headers(self.traffic, tenant)
+        headers = request_headers(self.traffic, tenant, planned)
+        keep = planned.call + 1 < planned.calls
         try:
             async with self.session.post(url, json=body, headers=headers) as resp:
                 record.status = resp.status
@@ -387,9 +456,9 @@ class _Run:
                 if resp.status >= 400:
                     record.error = error_message(await resp.text(errors="replace"))
                 elif "text/event-stream" in resp.headers.get("Content-Type", ""):
-                    await _read_stream(resp, record, self.now)
+                    await _read_stream(resp, record, self.now, keep)
                 else:
-                    await _read_json(resp, record, self.now)
+                    await _read_json(resp, record, self.now, keep)
         except TimeoutError:
             record.error = _after(record.status, f"timeout after {self.traffic.timeout_s:g}s")
             record.status = 0
@@ -509,7 +578,8 @@ def _stats(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
             errors[str(r.status)] = errors.get(str(r.status), 0) + 1
     prompt = sum(r.prompt_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
-    return {
+    cached = sum(r.cached_tokens or 0 for r in records)
+    stats: dict[str, Any] = {
         "sent": len(records),
         "ok": len(ok),
         "errors": dict(sorted(errors.items())),
@@ -519,7 +589,32 @@ def _stats(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
         "completion_tokens": completion,
         "service": prompt + 2 * completion,
         "output_tokens_per_s": completion / wall_s if wall_s > 0 else 0.0,
+        "cached_tokens": cached,
     }
+    units = unit_completions(records)
+    if units:
+        done = [seconds for seconds in units.values() if seconds is not None]
+        stats["units"] = {"started": len(units), "completed": len(done),
+                          "completion_s": _quantiles(done)}
+    return stats
+
+
+def unit_completions(records: Sequence[RequestRecord]) -> dict[tuple[str, int], float | None]:
+    """Per unit (tenant, seq) of a workload (``picker.sim.workloads``): seconds from its first
+    call's start to its last call's end when every call of it was answered, else None (a call
+    failed, or the run ended first)."""
+    calls: dict[tuple[str, int], list[RequestRecord]] = {}
+    for r in records:
+        if r.call is not None:
+            calls.setdefault((r.tenant, r.seq), []).append(r)
+    out: dict[tuple[str, int], float | None] = {}
+    for key, unit in calls.items():
+        first = min(unit, key=lambda r: r.call or 0)
+        last = max(unit, key=lambda r: r.call or 0)
+        whole = (first.call == 0 and last.call == (last.calls or 1) - 1
+                 and len(unit) == last.calls and all(r.ok for r in unit))
+        out[key] = last.end_s - first.start_s if whole and last.end_s is not None else None
+    return out
 
 
 def summarize(records: Sequence[RequestRecord], wall_s: float | None = None,

@@ -22,6 +22,13 @@ with its end, and the engine takes its next step at that tick. Other engines, ar
 scrapes go on every tick meanwhile (a scrape during a step reads the engine as the step leaves
 it). With ``prefill_s_per_token`` 0 (the default) every step is one tick, as before.
 
+Sessions and programs (``picker.sim.workloads``: chat turns, agent calls) are closed loop per
+unit: when a call of one ends answered, its reply (the simulated server's text for the tokens it
+generated) joins the unit's context and the next call arrives after the unit's pause (think time,
+tool latency), unless that is at or after ``duration_s``; a call that fails ends its unit. A
+backlog tenant's next unit starts when the previous unit ends. Requests drawn as counts (every
+workload without ``system_prompt_tokens``, ``chat``, ``rag`` or ``agent``) run exactly as before.
+
 What it does not model: network and Envoy latency, the body parsing and tokenizer estimate
 (the prompt estimate is the engine's count), and retries.
 """
@@ -49,7 +56,14 @@ from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
 from picker.core.selection import figures_decide
 from picker.core.shared import Replica, StoreModel, StoreReply
-from picker.sim.load import BACKLOG_ERROR_PAUSE_S, PlannedRequest, draw_request, plan_open_loop
+from picker.sim.load import (
+    BACKLOG_ERROR_PAUSE_S,
+    PlannedRequest,
+    draw_request,
+    plan_open_loop,
+    unit_request,
+)
+from picker.sim.openai_fmt import CHAT, generated_ids, generated_text
 from picker.sim.traffic import Traffic
 from picker.sim.vllm import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -128,6 +142,16 @@ class PoolRecord:
     preemptions: int = 0
     engine_started_s: float | None = None
     """When its engine first computed any of its tokens (the start of that step)."""
+    seq: int = 0
+    """Its tenant's request (or unit) number."""
+    session: str | None = None
+    """The session or program it belongs to (``PlannedRequest.session``)."""
+    call: int | None = None
+    """Its index in its unit of a workload (``picker.sim.workloads``); None: not part of one."""
+    calls: int = 1
+    """Calls of its unit."""
+    cached_tokens: int = 0
+    """Its prompt tokens its engine found in its prefix cache."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -301,6 +325,10 @@ class _Pool:
         self.next_open = 0
         self.backlog_due: list[tuple[float, str]] = []
         """(when, tenant), a heap: a closed-loop tenant's next request."""
+        self.follow_ups: list[tuple[float, int, PlannedRequest]] = []
+        """(when, order, request), a heap: a session's or program's next call, planned when its
+        previous call completed (dependent arrivals)."""
+        self.follow_order = itertools.count()
         self.next_seq = {t.name: 0 for t in traffic.tenants}
         self.queued: list[SimPassage] = []
         self.deadlines: list[tuple[float, int, SimPassage]] = []
@@ -388,25 +416,38 @@ class _Pool:
             self.refused.append(passage)
             return
         planned = passage.planned
+        # A workload's reply is the simulated server's text, its blocks hashed as the server's.
+        output_ids = None if planned.messages is None else generated_ids(CHAT, planned.max_tokens)
         seq = SeqRequest(id=passage, prompt_tokens=planned.prompt_tokens,
-                         output_tokens=planned.max_tokens, token_ids=planned.token_ids)
+                         output_tokens=planned.max_tokens, token_ids=planned.token_ids,
+                         output_ids=output_ids)
         passage.seq = seq
         self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
         heapq.heappush(self.deadlines, (passage.arrived_at + self.traffic.timeout_s,
                                         next(self.dispatches), passage))
 
     def dropped(self, passage: SimPassage, outcome: str, now: float) -> None:
-        self._end(passage.record, outcome, now)
+        self._end(passage.record, outcome, now, passage.planned)
 
     def settled(self, passage: SimPassage, usage: Usage, outcome: str, now: float,
                 estimated: bool) -> None:
         record = passage.record
         record.completion_tokens = usage.completion_tokens
         record.preemptions = passage.seq.preemptions if passage.seq is not None else 0
-        self._end(record, outcome, now)
+        if passage.seq is not None:
+            record.cached_tokens = passage.seq.cached_tokens or 0
+        self._end(record, outcome, now, passage.planned)
 
-    def _end(self, record: PoolRecord, outcome: str, now: float) -> None:
+    def _end(self, record: PoolRecord, outcome: str, now: float,
+             planned: PlannedRequest | None = None) -> None:
         record.outcome, record.end_s = outcome, now
+        unit = None if planned is None else planned.unit
+        if unit is not None and outcome == "ok":
+            delay = unit.answered(generated_text(CHAT, record.completion_tokens))
+            if delay is not None and now + delay < self.duration_s:
+                heapq.heappush(self.follow_ups, (now + delay, next(self.follow_order),
+                                                 unit_request(unit, record.kind, None)))
+                return  # the unit goes on
         if record.kind == "backlog":
             pause = 0.0 if outcome == "ok" else BACKLOG_ERROR_PAUSE_S
             self._next_backlog(record.tenant, now + pause)
@@ -421,7 +462,10 @@ class _Pool:
 
     def _send(self, planned: PlannedRequest) -> None:
         record = PoolRecord(planned.tenant, planned.kind, self.now, planned.prompt_tokens,
-                            planned.max_tokens, planned.stream)
+                            planned.max_tokens, planned.stream, seq=planned.seq,
+                            session=planned.session,
+                            call=None if planned.unit is None else planned.call,
+                            calls=planned.calls)
         self.records.append(record)
         build = functools.partial(SimPassage, planned=planned, record=record)
         picker = self._picker_for(planned.tenant)
@@ -432,7 +476,7 @@ class _Pool:
             stream=planned.stream, now=self.now,
             output_seen=not self.spec.output_seen_at_end, max_model_len=self.max_model_len)
         if isinstance(passage, (Refused, Turnaway)):
-            self._end(record, passage.reason, self.now)
+            self._end(record, passage.reason, self.now, planned)
             return
         if record.dispatched_s is None:
             self.queued.append(passage)
@@ -449,6 +493,9 @@ class _Pool:
             self.next_seq[tenant] = seq + 1
             self._send(draw_request(self.traffic, self.traffic.tenant(tenant), seq,
                                     "backlog", None))
+        follow_ups = self.follow_ups
+        while follow_ups and follow_ups[0][0] <= now:
+            self._send(heapq.heappop(follow_ups)[2])
 
     def engine_refusals(self) -> None:
         refused, self.refused = self.refused, []

@@ -10,6 +10,17 @@ path, such as ``tenants[1].rate: must be >= 0`` or
 A tenant sends open-loop traffic (Poisson ``rate`` inside its ``start_s``/``stop_s`` window, plus
 ``bursts`` of requests sent at once), or is closed-loop ``backlog``: it keeps that many requests
 outstanding for the whole window, like a client that always has more work than it is served.
+
+Workloads that share prefixes (``picker.sim.workloads``), each a chat tenant:
+``system_prompt_tokens`` starts every request of the tenant with its own system prompt; a
+``chat`` section makes each arrival a multi-turn session (each turn resends the conversation,
+think time between turns); ``rag`` puts some of a handful of shared documents before each
+question; ``agent`` makes each arrival a program of ``calls`` calls, each resending the context so
+far plus a tool result, tool latency between calls. For sessions and programs ``rate``, ``bursts``
+and ``backlog`` count sessions or programs, not requests: ``backlog: N`` keeps N running, and the
+window (``start_s``/``stop_s``) bounds when they start (their later calls go on until
+``duration_s``). Each of their requests carries ``session_header`` (default ``x-session-id``),
+naming its session or program.
 """
 
 from __future__ import annotations
@@ -22,6 +33,66 @@ from picker.config.strict import load, load_yaml_file, require_unique
 from picker.errors import ConfigError
 
 DEFAULT_TENANT_HEADER = "x-gateway-inference-fairness-id"
+DEFAULT_SESSION_HEADER = "x-session-id"
+
+
+def _check_range(value: tuple[float, float], key: str) -> None:
+    low, high = value
+    if low > high:
+        raise ConfigError(key, f"low {low:g} is above high {high:g}")
+
+
+@dataclass(frozen=True)
+class ChatSessions:
+    """Multi-turn chat: each arrival is a session of ``turns`` turns; turn t sends the whole
+    conversation so far (questions and replies) plus a new question of ``prompt_tokens``."""
+
+    turns: tuple[int, int] = field(default=(5, 20), metadata={"ge": 1})
+    """Turns per session, uniform integers, inclusive."""
+    think_s: tuple[float, float] = field(default=(2.0, 10.0), metadata={"ge": 0})
+    """Seconds between a reply and the next question, uniform."""
+
+    def __post_init__(self) -> None:
+        _check_range(self.turns, "turns")
+        _check_range(self.think_s, "think_s")
+
+
+@dataclass(frozen=True)
+class Rag:
+    """Questions over a handful of shared documents: each request carries ``per_request`` of
+    ``documents`` (a corpus's documents are the same text for every tenant naming it), then a
+    question of ``prompt_tokens``."""
+
+    documents: int = field(default=4, metadata={"ge": 1})
+    document_tokens: tuple[int, int] = field(default=(1000, 3000), metadata={"ge": 1})
+    """Each document's length in filler words (about a token each), uniform, inclusive."""
+    per_request: int = field(default=1, metadata={"ge": 1})
+    """Documents in one request, in the corpus's order."""
+    corpus: str = "shared"
+    """Tenants naming the same corpus share its documents."""
+
+    def __post_init__(self) -> None:
+        _check_range(self.document_tokens, "document_tokens")
+        if self.per_request > self.documents:
+            raise ConfigError("per_request", f"must be at most documents {self.documents}")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """Agent programs: each arrival is a task of ``calls`` calls; call 0 sends the task (of
+    ``prompt_tokens``), each later call the context so far (every earlier call's prompt and
+    reply) plus a tool result, sent ``tool_latency_s`` after the previous reply."""
+
+    calls: int = field(metadata={"ge": 1})
+    """K, the calls of one task."""
+    tool_result_tokens: tuple[int, int] = field(default=(100, 400), metadata={"ge": 1})
+    """A tool result's length in filler words, uniform, inclusive."""
+    tool_latency_s: tuple[float, float] = field(default=(0.2, 1.0), metadata={"ge": 0})
+    """Seconds a tool runs between a reply and the next call, uniform."""
+
+    def __post_init__(self) -> None:
+        _check_range(self.tool_result_tokens, "tool_result_tokens")
+        _check_range(self.tool_latency_s, "tool_latency_s")
 
 
 @dataclass(frozen=True)
@@ -64,6 +135,23 @@ class TenantTraffic:
     """Extra request headers."""
     send_tenant_header: bool = True
     """Send ``tenant_header: name``; false for anonymous traffic (or an id set in ``headers``)."""
+    system_prompt_tokens: int = field(default=0, metadata={"ge": 0})
+    """The tenant's own system prompt, in filler words, first in every request (0: none)."""
+    chat: ChatSessions | None = None
+    """Multi-turn chat sessions (at most one of chat, rag, agent)."""
+    rag: Rag | None = None
+    """Questions over shared documents."""
+    agent: Agent | None = None
+    """Agent programs of ``agent.calls`` calls."""
+
+    @property
+    def workload(self) -> str:
+        """``requests`` (independent requests of filler words, as before), ``system_prompt``,
+        ``chat``, ``rag`` or ``agent``."""
+        for kind in ("chat", "rag", "agent"):
+            if getattr(self, kind) is not None:
+                return kind
+        return "system_prompt" if self.system_prompt_tokens else "requests"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -78,6 +166,12 @@ class TenantTraffic:
             raise ConfigError("backlog", "cannot be combined with rate > 0 (closed or open loop)")
         if self.backlog is None and self.rate == 0 and not self.bursts:
             raise ConfigError("", "sends nothing: give it a rate, bursts or a backlog")
+        given = [kind for kind in ("chat", "rag", "agent") if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ConfigError(given[1], f"cannot be combined with {given[0]} (one workload a "
+                              "tenant)")
+        if self.workload != "requests" and self.api != "chat":
+            raise ConfigError("api", f"must be chat for a {self.workload} workload")
 
 
 @dataclass(frozen=True)
@@ -91,6 +185,9 @@ class Traffic:
     """The request body's ``model``."""
     tenant_header: str = DEFAULT_TENANT_HEADER
     """Header carrying the tenant id."""
+    session_header: str = DEFAULT_SESSION_HEADER
+    """Header naming the session or program of a chat or agent tenant's request,
+    ``<tenant>-<n>``; the picker does not read it yet."""
     seed: int = 0
     """Seeds arrival times, lengths, streaming choices and prompt words (same seed, same run)."""
     max_in_flight: int = field(default=2000, metadata={"ge": 1})
@@ -103,6 +200,8 @@ class Traffic:
             raise ConfigError("tenants", "needs at least one tenant")
         if not self.tenant_header:
             raise ConfigError("tenant_header", "must not be empty")
+        if not self.session_header:
+            raise ConfigError("session_header", "must not be empty")
         require_unique([t.name for t in self.tenants], "tenants[{}].name", "tenant")
         for i, tenant in enumerate(self.tenants):
             where = f"tenants[{i}]"
