@@ -16,6 +16,7 @@ from picker.core.admission import BucketRule, TenantRules
 from picker.core.cost import CostFunction
 from picker.core.gate import GateRules, LaneRules
 from picker.core.health import HealthRules
+from picker.core.prefix import AffinityRules
 from picker.core.selection import CapacityRules
 from picker.errors import ConfigError
 from picker.identity import Identity, KeyEntry
@@ -26,9 +27,10 @@ def cost_function(config: PickerConfig) -> CostFunction:
     """What a tenant is charged for prompt and output tokens."""
     c = config.cost
     if c.context_beta:
-        return ContextAwareCost(c.prefill_weight, c.decode_weight, c.context_beta)
+        return ContextAwareCost(c.prefill_weight, c.decode_weight, c.context_beta,
+                                1.0 if c.charge_cached_prompt else c.cached_prompt_weight)
     if not c.charge_cached_prompt:
-        return ComputedTokenCost(c.prefill_weight, c.decode_weight)
+        return ComputedTokenCost(c.prefill_weight, c.decode_weight, c.cached_prompt_weight)
     return LinearCost(c.prefill_weight, c.decode_weight)
 
 
@@ -63,7 +65,18 @@ def gate_rules(config: PickerConfig) -> GateRules:
         tenant_lanes={t.id: t.lane for t in config.tenants if t.lane is not None},
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
                        for t in config.tenants},
-        configured_tenants=frozenset(t.id for t in config.tenants))
+        configured_tenants=frozenset(t.id for t in config.tenants),
+        affinity=affinity_rules(config),
+        charge_sent_to_budgets=config.cost.budget_tokens == "sent")
+
+
+def affinity_rules(config: PickerConfig) -> AffinityRules | None:
+    """Prefix affinity, when configured."""
+    a = config.routing.prefix_affinity
+    if a is None:
+        return None
+    return AffinityRules(weight=a.weight, block_chars=a.block_chars,
+                         max_blocks_per_endpoint=a.max_blocks_per_endpoint)
 
 
 def endpoint_budgets(config: PickerConfig) -> dict[str, int | None]:

@@ -50,9 +50,13 @@ class ContextAwareCost:
     prefill_weight: float = 1.0
     decode_weight: float = 2.0
     context_beta: float = 0.0
+    cached_weight: float = 1.0
+    """What a prompt token served from the prefix cache costs beside a computed one (1: as
+    much, the tokens sent; 0: nothing)."""
 
     def prompt_cost(self, prompt_tokens: int, cached_prompt_tokens: int = 0) -> float:
-        return self.prefill_weight * prompt_tokens
+        cached = min(max(cached_prompt_tokens, 0), prompt_tokens)
+        return self.prefill_weight * (prompt_tokens - cached + self.cached_weight * cached)
 
     def output_cost(self, prompt_tokens: int, generated_before: int, tokens: int) -> float:
         # Sum over k = g+1 … g+n of (w_q + β·(p + k)), in closed form.
@@ -66,15 +70,18 @@ class ComputedTokenCost:
     """Linear cost over the tokens the engine computed: prefix-cache hits are not charged.
 
     A tenant whose requests share a cached system prompt should not pay for a prefill that never
-    happened. When the cached count is unknown (0), this is the linear cost.
+    happened. When the cached count is unknown (0), this is the linear cost. ``cached_weight``:
+    what a cached prompt token costs beside a computed one (0: nothing; the KV it holds and
+    the lookup are not free, an operator may say they cost something).
     """
 
     prefill_weight: float = 1.0
     decode_weight: float = 2.0
+    cached_weight: float = 0.0
 
     def prompt_cost(self, prompt_tokens: int, cached_prompt_tokens: int = 0) -> float:
-        computed = prompt_tokens - min(max(cached_prompt_tokens, 0), prompt_tokens)
-        return self.prefill_weight * computed
+        cached = min(max(cached_prompt_tokens, 0), prompt_tokens)
+        return self.prefill_weight * (prompt_tokens - cached + self.cached_weight * cached)
 
     def output_cost(self, prompt_tokens: int, generated_before: int, tokens: int) -> float:
         return self.decode_weight * tokens

@@ -41,6 +41,7 @@ from picker.core.estimates import TenantEstimates
 from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
 from picker.core.lanes import Scheduler
 from picker.core.occupancy import Occupancy
+from picker.core.prefix import AffinityRules, PrefixIndex, cached_estimate
 from picker.core.request import Request, Usage
 from picker.core.selection import (
     CapacityRules,
@@ -118,6 +119,12 @@ class GateRules:
     """Lanes a tenant may ask for (its own included)."""
     configured_tenants: frozenset[str] = frozenset()
     """Tenants the config names: their service totals are kept while they idle."""
+    affinity: AffinityRules | None = None
+    """Prefix affinity (``picker.core.prefix``): among endpoints where a request fits, prefer
+    the one holding more of its prompt; None: load alone decides."""
+    charge_sent_to_budgets: bool = True
+    """Budgets count the prompt tokens sent (billing's count); False: the tokens computed
+    (those the engine reports cached not counted)."""
 
     def lane_rank(self) -> dict[str, int]:
         return {lane.name: i for i, lane in enumerate(self.lanes)}
@@ -171,6 +178,10 @@ class Passage:
     prefilling: bool = False
     """A stream dispatched whose first output token has not come back: its prompt counts in its
     endpoint's ``prefill_tokens``."""
+    prefix_blocks: tuple[int, ...] = ()
+    """The prompt's chained block hashes (``picker.openai.prefix``); empty: no affinity."""
+    prefix_chars: int = 0
+    """Length of the text those blocks were cut from."""
     output_seen: bool = True
     """The picker sees the response's tokens as they stream (the meter stream, inline); False on
     the access-log response path, which reports a request only once it has ended: its prefill
@@ -276,13 +287,30 @@ class Gate:
         self._unseen_prefill: dict[str, dict[Passage, None]] = {}
         """Per endpoint, the streams there whose tokens the picker does not see
         (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
+        self.prefix_index: PrefixIndex | None = None
+        """What each endpoint was recently sent (``rules.affinity``); None without affinity."""
+        self._set_affinity(rules.affinity)
 
     # -- rules --
 
     def set_rules(self, rules: GateRules) -> None:
+        if rules.affinity != self.rules.affinity:
+            self._set_affinity(rules.affinity)
         self.rules = rules
         self._lane_rank = rules.lane_rank()
         self.estimates.default_output = float(rules.default_output_tokens)
+
+    def _set_affinity(self, affinity: AffinityRules | None) -> None:
+        """A new bound keeps what is remembered (trimmed at the next dispatch); a new block
+        size makes it meaningless."""
+        index = self.prefix_index
+        if affinity is None:
+            self.prefix_index = None
+        elif index is None or self.rules.affinity is None or \
+                self.rules.affinity.block_chars != affinity.block_chars:
+            self.prefix_index = PrefixIndex(affinity.max_blocks_per_endpoint)
+        else:
+            index.capacity = affinity.max_blocks_per_endpoint
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """Set a tenant's weight (``Scheduler.set_weight``), for its running requests too."""
@@ -349,6 +377,8 @@ class Gate:
                         if e.draining and e.inflight_requests == 0]:
             del self.endpoints[address]
             self._unseen_prefill.pop(address, None)
+            if self.prefix_index is not None:
+                self.prefix_index.forget(address)
 
     def lane_of(self, tenant: str) -> str:
         """The tenant's configured lane, else the first lane."""
@@ -422,7 +452,8 @@ class Gate:
               prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
               subset: frozenset[str] | None = None, request_id: str = "",
               prereserved: int | None = None, output_seen: bool = True, choices: int = 1,
-              max_model_len: int | None = None) -> P | Refused | Turnaway:
+              max_model_len: int | None = None, prefix_blocks: tuple[int, ...] = (),
+              prefix_chars: int = 0) -> P | Refused | Turnaway:
         """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
         set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
 
@@ -432,12 +463,14 @@ class Gate:
         them back. ``output_seen``: see ``Passage.output_seen``. ``choices``: the output
         sequences it asks for (``max(n, best_of)``); ``max_model_len``: the model's context,
         which bounds the output of a request without ``max_tokens`` (None: unknown).
+        ``prefix_blocks``, ``prefix_chars``: its prompt's block hashes and the text's length
+        (``picker.openai.prefix``), for prefix affinity.
         """
         decision = self._admit(build, tenant, lane, model=model, prompt_tokens=prompt_tokens,
                                max_tokens=max_tokens, stream=stream, now=now, subset=subset,
                                request_id=request_id, prereserved=prereserved,
                                output_seen=output_seen, choices=choices,
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len, prefix=(prefix_blocks, prefix_chars))
         # Refused before anything was reserved here: the store's reservation goes back. (A full
         # queue is turned away after: settling that reservation gives it back.)
         if prereserved is not None and (isinstance(decision, Refused) or (
@@ -460,7 +493,8 @@ class Gate:
                prompt_tokens: int, max_tokens: int | None, stream: bool, now: float,
                subset: frozenset[str] | None, request_id: str,
                prereserved: int | None, output_seen: bool, choices: int,
-               max_model_len: int | None) -> P | Refused | Turnaway:
+               max_model_len: int | None,
+               prefix: tuple[tuple[int, ...], int] = ((), 0)) -> P | Refused | Turnaway:
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(e.in_service(now) and (subset is None or e.address in subset)
@@ -493,6 +527,8 @@ class Gate:
             subset=subset, request_id=request_id, reservation=decision.reservation,
             demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None,
             output_seen=output_seen, choices=choices)
+        if self.prefix_index is not None and prefix[0]:
+            passage.prefix_blocks, passage.prefix_chars = prefix
         self.passages[request] = passage
         self._waiting.setdefault(passage.lane, {})[request] = passage
         self._place(passage, now)
@@ -781,8 +817,18 @@ class Gate:
         pool = [e for e in self.endpoints.values() if subset is None or e.address in subset]
         lease_tokens = None if passage is None or self.capacity_share >= 1.0 \
             else self._projected(passage, now)
+        bonus = None
+        index, affinity = self.prefix_index, self.rules.affinity
+        if index is not None and affinity is not None and passage is not None \
+                and passage.prefix_blocks and affinity.weight:
+            blocks = passage.prefix_blocks
+            scale = affinity.weight / len(blocks)
+
+            def bonus(endpoint: EndpointState) -> float:
+                return scale * index.matched(endpoint.address, blocks)
+
         ranked = rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
-                      require_room=require_room, lease_tokens=lease_tokens)
+                      require_room=require_room, lease_tokens=lease_tokens, bonus=bonus)
         if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
                 and not self._backlogged(passage.tenant):
             ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
@@ -794,6 +840,9 @@ class Gate:
         passage.preempting = preempting
         # The standing is the tenant's as it waited, this request included.
         passage.engine_priority = self.engine_priority_for(passage)
+        primary = candidates[0]
+        if passage.prefix_blocks:
+            self._note_prefix(passage, primary)
         self.scheduler.dispatch(request, now)
         self._queue_remove(passage)
         self._unwait(passage)
@@ -802,7 +851,6 @@ class Gate:
                                                 self.admission.may_start(passage.tenant)):
             self.admission.start(passage.reservation)
         passage.ratelimit_headers = self.admission.headers(passage.tenant, now)
-        primary = candidates[0]
         passage.endpoint = primary
         passage.destinations = [e.address for e in
                                 candidates[: 1 + self.rules.fallback_endpoints]]
@@ -825,6 +873,21 @@ class Gate:
         passage.projected_tokens = self._projected(passage, now)
         primary.projected_tokens += passage.projected_tokens
         self.listener.dispatched(passage, now)
+
+    def _note_prefix(self, passage: Passage, endpoint: EndpointState) -> None:
+        """The request goes to ``endpoint``: the part of its prompt the endpoint is expected
+        to hold is its expected cached prompt (charged at dispatch as the cost function says,
+        settled from the engine's report), and its blocks are now the endpoint's most
+        recent."""
+        index, affinity = self.prefix_index, self.rules.affinity
+        if index is None or affinity is None:
+            return
+        blocks = passage.prefix_blocks
+        request = passage.request
+        request.cached_prompt_tokens = cached_estimate(
+            request.prompt_tokens, index.matched(endpoint.address, blocks),
+            affinity.block_chars, passage.prefix_chars)
+        index.record(endpoint.address, blocks)
 
     # -- the request's end --
 
@@ -924,14 +987,15 @@ class Gate:
             elif outcome == "unmetered":
                 output = max(output, self.expected_output(
                     passage.tenant, passage.output_cap, passage.stream, now) * passage.choices)
-            usage = Usage(request.prompt_tokens, output, 0)
+            usage = Usage(request.prompt_tokens, output, request.cached_prompt_tokens)
         self.scheduler.finish(request, usage)
         del self.passages[request]
         self._release(passage, outcome == "ok", now)
         self._learn(passage, usage, outcome, reported, now)
         if passage.reservation is not None and passage.reservation.state != "done":
-            self.admission.finish(passage.reservation,
-                                  usage.prompt_tokens + usage.completion_tokens, now)
+            prompt = usage.prompt_tokens if self.rules.charge_sent_to_budgets else \
+                usage.prompt_tokens - min(usage.cached_prompt_tokens, usage.prompt_tokens)
+            self.admission.finish(passage.reservation, prompt + usage.completion_tokens, now)
         self._unpark(passage.tenant, now)
         self.listener.settled(passage, usage, outcome, now, not reported)
         if now >= self._next_prune:

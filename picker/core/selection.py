@@ -10,6 +10,7 @@ admit yet would wait in its FCFS queue, ahead of whoever the fair queue picks ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -269,12 +270,21 @@ class LeastLoaded:
 
 def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
          scorer: Scorer, require_room: bool = True,
-         lease_tokens: int | None = None) -> list[EndpointState]:
+         lease_tokens: int | None = None,
+         bonus: Callable[[EndpointState], float] | None = None) -> list[EndpointState]:
     """Candidates, best first: those with room (``require_room=False``: all in service, i.e.
     neither draining nor ejected). A failing endpoint looks least loaded (nothing in flight
-    stays there), so skipping ejected ones is what keeps traffic off a dead server."""
+    stays there), so skipping ejected ones is what keeps traffic off a dead server.
+    ``bonus``: added to the scorer's score (prefix affinity); it reorders the candidates, it
+    never adds one."""
     candidates = [e for e in endpoints
                   if (has_room(e, now, rules, prompt_tokens, lease_tokens) if require_room
                       else e.in_service(now))]
-    candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
+    if len(candidates) < 2:
+        return candidates
+    if bonus is None:
+        candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules), reverse=True)
+    else:
+        candidates.sort(key=lambda e: scorer.score(e, prompt_tokens, now, rules) + bonus(e),
+                        reverse=True)
     return candidates

@@ -51,6 +51,7 @@ from picker.identity import OBJECTIVE_HEADER
 from picker.metering import MeteringRecord, MeteringSink
 from picker.metrics import PickerMetrics
 from picker.openai import InferenceRequest
+from picker.openai.prefix import prompt_blocks
 
 log = logging.getLogger(__name__)
 
@@ -271,13 +272,17 @@ class Dispatcher:
         """
         self._check_serving()
         prereserved = await self._reserve_in_store(tenant, inference)
+        affinity = self.gate.rules.affinity
+        blocks, chars = ((), 0) if affinity is None else prompt_blocks(
+            inference.model, inference.body, inference.kind, affinity.block_chars)
         ticket = _admitted(self.gate.admit(
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,
             max_tokens=inference.max_tokens, stream=inference.stream, now=self.clock(),
             subset=subset, request_id=request_id, prereserved=prereserved,
             output_seen=output_seen, choices=inference.choices,
-            max_model_len=self.max_model_len(inference.model)))
+            max_model_len=self.max_model_len(inference.model), prefix_blocks=blocks,
+            prefix_chars=chars))
         ticket.lane_asked = lane
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),
