@@ -56,6 +56,7 @@ from picker.core.admission import Admission, Refused
 from picker.core.gate import Gate, Passage, Turnaway
 from picker.core.selection import figures_decide
 from picker.core.shared import Replica, StoreModel, StoreReply
+from picker.openai.prefix import token_blocks
 from picker.sim.load import (
     BACKLOG_ERROR_PAUSE_S,
     PlannedRequest,
@@ -470,11 +471,18 @@ class _Pool:
         build = functools.partial(SimPassage, planned=planned, record=record)
         picker = self._picker_for(planned.tenant)
         build = functools.partial(build, picker=picker)
-        passage = self.gates[picker].admit(
+        gate = self.gates[picker]
+        # Prefix affinity hashes the token ids as the dispatcher hashes a body's text: blocks
+        # of about blockChars / 4 tokens (four characters a token), chained the same way.
+        affinity = gate.rules.affinity
+        blocks, size = ((), 0) if affinity is None or planned.token_ids is None else \
+            token_blocks(self.traffic.model, planned.token_ids, max(1, affinity.block_chars // 4))
+        passage = gate.admit(
             build, planned.tenant, None, model=self.traffic.model,
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
             stream=planned.stream, now=self.now,
-            output_seen=not self.spec.output_seen_at_end, max_model_len=self.max_model_len)
+            output_seen=not self.spec.output_seen_at_end, max_model_len=self.max_model_len,
+            prefix_blocks=blocks, prefix_chars=size)
         if isinstance(passage, (Refused, Turnaway)):
             self._end(record, passage.reason, self.now, planned)
             return
@@ -583,8 +591,10 @@ class _Pool:
                 gates[passage.picker].charge_output(passage, 1, now)
         for seq in out.finished:
             finished = cast(SimPassage, seq.id)
-            gates[finished.picker].complete(finished, Usage(seq.prompt_tokens, seq.generated, 0),
-                                            "ok", now)
+            # The engine's own cached count, as the server reports it in usage.
+            gates[finished.picker].complete(
+                finished, Usage(seq.prompt_tokens, seq.generated, seq.cached_tokens or 0), "ok",
+                now)
         return delivered
 
 
