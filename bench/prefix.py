@@ -1,0 +1,229 @@
+"""Workloads that share prefixes, in the pool simulator: what do fcfs and vtc (and prefix affinity,
+where the picker has it) give on the traffic people run?
+
+It answers issue 28's point 4 measures on each workload of ``bench/traffic/prefix_*.yaml`` (a
+shared system prompt per tenant, multi-turn chat sessions, RAG over shared documents, agent
+programs of 1, 10 and 30 calls): the pool's output tokens/s, the engines' own prefix hit rate
+(vLLM's ``prefix_cache_hits / prefix_cache_queries``), TTFT p50/p95, each tenant's session or
+program completion time p50/p95 (first call sent to last reply; a single request's is its
+end-to-end time), and each tenant's share of the computed-token cost, ``(prompt - cached) + 2 ×
+output`` per request, beside its share of the sent-token cost ``prompt + 2 × output``.
+
+The pool: 2 engines of 65,536 tokens of KV, 8,192 batched tokens a step, 10 ms a step plus
+0.05 ms per prompt token computed (``bench.isolation``'s 64k size: an 8B model on an H100
+prefills about 20k tokens/s), vLLM's prefix caching on. Each run is 60 simulated seconds, the
+first 10 a warm-up for tokens/s, then up to 30 s for requests still in flight (sessions and
+programs start no new call after 60 s: a unit cut there is not counted as completed).
+
+Run: ``python -m bench.prefix --out bench/results`` (writes ``prefix.md`` and ``prefix.json``;
+about a minute of CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from picker.config import schema
+from picker.config.schema import PickerConfig
+from picker.config.strict import load
+from picker.sim.load import percentile
+from picker.sim.pool import PoolRecord, PoolRun, PoolSpec, simulate
+from picker.sim.traffic import Traffic, load_traffic
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "system prompt": "bench/traffic/prefix_system_prompt.yaml",
+    "chat sessions": "bench/traffic/prefix_chat.yaml",
+    "rag": "bench/traffic/prefix_rag.yaml",
+    "agent programs": "bench/traffic/prefix_agent.yaml",
+}
+SPEC = PoolSpec(endpoints=2, kv_budget_tokens=65536, max_num_batched_tokens=8192,
+                prefill_s_per_token=0.00005)
+WARMUP_S = 10.0
+DRAIN_S = 30.0
+PREFILL_WEIGHT, DECODE_WEIGHT = 1, 2
+"""The cost of ``picker.core.cost``'s defaults: a prompt token 1, an output token 2."""
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "fcfs": {"scheduling": {"policy": "fcfs"}},
+    "vtc": {},
+}
+
+
+def affinity_available() -> bool:
+    """The picker has a prefix-affinity scorer (``routing.prefixAffinity``) to turn on."""
+    return hasattr(schema, "PrefixAffinity")
+
+
+def modes(affinity: bool) -> dict[str, dict[str, Any]]:
+    """Each policy, and with affinity each policy with ``routing.prefixAffinity`` on."""
+    out = dict(POLICIES)
+    if affinity:
+        for name, config in POLICIES.items():
+            out[f"{name} + affinity"] = {**config, "routing": {"prefixAffinity": {}}}
+    return out
+
+
+def _config(mode: dict[str, Any]) -> PickerConfig:
+    return load(PickerConfig, {**mode, "capacity": {"kvBudgetTokens": SPEC.kv_budget_tokens}})
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def unit_times(records: list[PoolRecord]) -> dict[tuple[str, int], float | None]:
+    """Per unit (tenant, number): first call's arrival to last call's end when every call of it
+    ended ok, else None."""
+    units: dict[tuple[str, int], list[PoolRecord]] = {}
+    for record in records:
+        units.setdefault((record.tenant, record.seq), []).append(record)
+    out: dict[tuple[str, int], float | None] = {}
+    for key, calls in units.items():
+        calls.sort(key=lambda r: r.call or 0)
+        whole = (len(calls) == calls[0].calls and all(r.outcome == "ok" for r in calls))
+        end = calls[-1].end_s
+        out[key] = end - calls[0].arrival_s if whole and end is not None else None
+    return out
+
+
+def numbers(run: PoolRun, traffic: Traffic, cpu_s: float) -> dict[str, Any]:
+    """One run's measures, in total and per tenant."""
+    ok = [r for r in run.records if r.outcome == "ok"]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    computed = {t.name: 0 for t in traffic.tenants}
+    sent = dict(computed)
+    for r in ok:
+        computed[r.tenant] += (PREFILL_WEIGHT * (r.prompt_tokens - r.cached_tokens)
+                               + DECODE_WEIGHT * r.completion_tokens)
+        sent[r.tenant] += PREFILL_WEIGHT * r.prompt_tokens + DECODE_WEIGHT * r.completion_tokens
+    units = unit_times(run.records)
+    tenants: dict[str, Any] = {}
+    for tenant in traffic.tenants:
+        name = tenant.name
+        mine = [r for r in run.records if r.tenant == name]
+        done = [s for (t, _), s in units.items() if t == name and s is not None]
+        tenants[name] = {
+            "requests": len(mine),
+            "ok": sum(1 for r in mine if r.outcome == "ok"),
+            "ttft_p50_ms": _ms(percentile([r.ttft_s for r in mine if r.outcome == "ok"
+                                           and r.ttft_s is not None], 50)),
+            "ttft_p95_ms": _ms(percentile([r.ttft_s for r in mine if r.outcome == "ok"
+                                           and r.ttft_s is not None], 95)),
+            "units_started": sum(1 for (t, _) in units if t == name),
+            "units_completed": len(done),
+            "completion_p50_s": percentile(done, 50),
+            "completion_p95_s": percentile(done, 95),
+            "computed_cost_share": computed[name] / total if (total := sum(computed.values()))
+            else 0.0,
+            "sent_cost_share": sent[name] / whole if (whole := sum(sent.values())) else 0.0,
+        }
+    return {
+        "tokens_per_s": run.tokens_per_s(),
+        "prefix_hit_rate": run.prefix_cache_hits / run.prefix_cache_queries
+        if run.prefix_cache_queries else 0.0,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p95_ms": _ms(percentile(ttft, 95)),
+        "requests": len(run.records),
+        "ok": len(ok),
+        "preemptions": run.preemptions,
+        "tenants": tenants,
+        "sim_cpu_s": round(cpu_s, 2),
+    }
+
+
+def run_one(path: str, mode: dict[str, Any]) -> dict[str, Any]:
+    """One workload under one picker config."""
+    traffic = load_traffic(ROOT / path)
+    started = time.process_time()
+    run = simulate(_config(mode), traffic, SPEC, warmup_s=WARMUP_S, drain_s=DRAIN_S)
+    return numbers(run, traffic, time.process_time() - started)
+
+
+def measure(only: list[str] | None = None, affinity: bool | None = None) -> dict[str, Any]:
+    """Every workload (``only``: these) under every mode."""
+    chosen = modes(affinity_available() if affinity is None else affinity)
+    results: dict[str, Any] = {}
+    for workload, path in WORKLOADS.items():
+        if only and workload not in only:
+            continue
+        results[workload] = {"traffic": path,
+                             "modes": {name: run_one(path, mode)
+                                       for name, mode in chosen.items()}}
+    return results
+
+
+def _f(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def render(results: dict[str, Any]) -> str:
+    spec = dataclasses.asdict(SPEC)
+    lines = [
+        "# Workloads that share prefixes (issue 28, point 4)",
+        "",
+        "`python -m bench.prefix --out bench/results`, in the pool simulator (`picker.sim.pool`: "
+        "the picker's gate over vLLM V1's scheduler with automatic prefix caching). Pool: "
+        f"{spec['endpoints']} engines × {spec['kv_budget_tokens']:,} tokens of KV, "
+        f"{spec['max_num_batched_tokens']:,} batched tokens a step, "
+        f"{spec['step_s'] * 1000:g} ms a step + {spec['prefill_s_per_token'] * 1000:g} ms per "
+        "prompt token computed. 60 simulated seconds a run (tokens/s over the last 50), up to "
+        f"{DRAIN_S:g} s more for requests in flight. Pool tokens/s: output tokens. Hit rate: the "
+        "engines' own (prefix_cache_hits / prefix_cache_queries, tokens). Completion: a session's "
+        "or program's first call sent to its last reply (a single request's end-to-end), over "
+        "the units whose every call was answered before the end. Cost shares: computed "
+        "`(prompt − cached) + 2 × output`, beside sent `prompt + 2 × output`, of requests "
+        "answered.",
+        "",
+    ]
+    for workload, data in results.items():
+        lines += [f"## {workload} (`{data['traffic']}`)", "",
+                  "| picker | pool tokens/s | prefix hit rate | TTFT p50 ms | TTFT p95 ms | "
+                  "requests ok | preemptions |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, n in data["modes"].items():
+            lines.append(f"| {name} | {_f(n['tokens_per_s'])} | {n['prefix_hit_rate']:.1%} | "
+                         f"{_f(n['ttft_p50_ms'])} | {_f(n['ttft_p95_ms'])} | "
+                         f"{n['ok']:,} / {n['requests']:,} | {n['preemptions']:,} |")
+        lines += ["", "| picker | tenant | TTFT p50 / p95 ms | units done / started | "
+                  "completion p50 / p95 s | computed-cost share | sent-cost share |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for name, n in data["modes"].items():
+            for tenant, t in n["tenants"].items():
+                lines.append(
+                    f"| {name} | {tenant} | {_f(t['ttft_p50_ms'])} / {_f(t['ttft_p95_ms'])} | "
+                    f"{t['units_completed']:,} / {t['units_started']:,} | "
+                    f"{_f(t['completion_p50_s'], 2)} / {_f(t['completion_p95_s'], 2)} | "
+                    f"{t['computed_cost_share']:.1%} | {t['sent_cost_share']:.1%} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for prefix.md and prefix.json (default: print only)")
+    parser.add_argument("--only", action="append", choices=list(WORKLOADS),
+                        help="run only this workload (repeatable)")
+    parser.add_argument("--affinity", choices=["auto", "on", "off"], default="auto",
+                        help="add modes with routing.prefixAffinity (auto: when the picker "
+                             "has it)")
+    args = parser.parse_args(argv)
+    affinity = None if args.affinity == "auto" else args.affinity == "on"
+    results = measure(args.only, affinity)
+    text = render(results)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prefix.md").write_text(text + "\n")
+        (args.out / "prefix.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
