@@ -518,7 +518,8 @@ class PrefixAffinity:
     replica learns from its own dispatches only: with several replicas a conversation's turns
     keep their endpoint as long as the gateway sends them to the same replica, and otherwise
     fall back to load (a cache miss, never a wrong decision). About 40 us of CPU per request at
-    a 16,000-character prompt and 80 bytes per remembered block (bench/results/prefix_scorer.md)."""
+    a 16,000-character prompt and 116 bytes per remembered block at most, under 1 MB an endpoint
+    at the default bound (bench/results/prefix_scorer.md)."""
 
     weight: float = field(default=1.0, metadata={"ge": 0})
     """What a whole prompt found on an endpoint adds to its score beside load (the least-loaded
