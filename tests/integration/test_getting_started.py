@@ -47,14 +47,15 @@ def _start_stack(block: Block, cwd: Path) -> tuple[subprocess.Popen[str], str]:
                              cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     found: list[str] = []
+    port: list[str] = []
     ready = threading.Event()
 
     def read() -> None:
         assert stack.stdout is not None
         for out in stack.stdout:
             found.append(out)
-            if (m := re.search(r"gateway http://127\.0\.0\.1:(\d+)", out)) and not ready.is_set():
-                found.append(m.group(1))
+            if (m := re.search(r"gateway http://127\.0\.0\.1:(\d+)", out)) and not port:
+                port.append(m.group(1))
                 ready.set()
         ready.set()
 
@@ -62,8 +63,8 @@ def _start_stack(block: Block, cwd: Path) -> tuple[subprocess.Popen[str], str]:
     # Generous: starting Envoy, the picker and two servers on a busy 2-core machine; a stack
     # that never says where it listens fails here.
     ready.wait(timeout=90)
-    assert found and found[-1].isdigit(), "".join(found)
-    return stack, found[-1]
+    assert port, "".join(found)
+    return stack, port[0]
 
 
 def test_the_getting_started_commands_run(tmp_path: Path) -> None:
@@ -94,5 +95,9 @@ def test_the_getting_started_commands_run(tmp_path: Path) -> None:
     assert "ok (2 tenants, 2 lanes, 2 endpoints, policy vtc)" in \
         subprocess.run([".venv/bin/python", "-m", "picker.config", "check", "picker.yaml"],
                        cwd=cwd, capture_output=True, text=True).stdout
+    gateway = "manifests/gateway/kgateway.yaml"
+    assert f"{gateway}: removes clients' copies of every header picker.yaml trusts" in \
+        subprocess.run([".venv/bin/python", "-m", "picker.config", "check", "picker.yaml",
+                        "--gateway", gateway], cwd=cwd, capture_output=True, text=True).stdout
     for policy in ("vtc", "fcfs"):
         assert (cwd / f"sim-{policy}" / "summary.json").is_file()
