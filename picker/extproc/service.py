@@ -420,6 +420,8 @@ class _Exchange:
         self.response_failed = False
         self.routed = False
         self.done = False
+        self.routed_at = 0.0
+        """When the route went out (the event loop's clock), for a meter-stream request."""
         self.shed: Callable[[str], bool] | None = None
         """Set while the picker is behind on its meter streams: whether a tenant's inference
         request is refused (503, ``MeterBacklog``) rather than routed to a response whose meter
@@ -914,7 +916,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._awaiting_meter: dict[str, tuple[_Exchange, asyncio.TimerHandle]] = {}
         self._routed: collections.deque[tuple[float, str]] = collections.deque()
         """(when, meter id) of meter-stream requests routed, oldest first; the front is popped
-        once claimed (``meter_backlog``)."""
+        once claimed, or once a request routed after it was (``meter_backlog``)."""
+        self._claimed_through = -math.inf
+        """When the latest-routed request whose meter stream was claimed was routed."""
+        self._claim_lag = 0.0
+        """How long the latest meter stream claimed had waited since its route."""
         self.meter_backlog_shed = METER_BACKLOG_SHED
         self._metering: collections.Counter[str] = collections.Counter()
         """Meter-stream requests routed and not yet metered, by tenant (``_shed``)."""
@@ -1011,7 +1017,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         timer = loop.call_later(timeout, self._unclaimed, meter_id)
         self._awaiting_meter[meter_id] = (exchange, timer)
         if not exchange.logged:
-            self._routed.append((loop.time(), meter_id))
+            exchange.routed_at = loop.time()
+            self._routed.append((exchange.routed_at, meter_id))
             self._metering[exchange.tenant] += 1
 
     def _metered(self, exchange: _Exchange) -> None:
@@ -1029,13 +1036,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return metering[tenant] * len(metering) >= metering.total()
 
     def meter_backlog(self) -> float:
-        """Seconds the oldest routed request still waiting for its meter stream has waited (0:
-        none waits): how far behind the picker is reading meter streams. A meter stream opens as
-        soon as Envoy has the route, so a picker that keeps up claims it within milliseconds."""
-        routed, awaiting = self._routed, self._awaiting_meter
-        while routed and routed[0][1] not in awaiting:
+        """How far behind the picker is reading meter streams, in seconds: 0 while none is
+        awaited, else how long the latest one claimed had waited since its route, or how long
+        the oldest routed after that one has waited so far, whichever is more. A meter stream
+        opens as soon as Envoy has the route, so a picker that keeps up claims it within
+        milliseconds; one routed before a claimed one and still unclaimed is not coming (a route
+        without the metering filter), which is no backlog."""
+        routed, awaiting, claimed = self._routed, self._awaiting_meter, self._claimed_through
+        while routed and (routed[0][0] <= claimed or routed[0][1] not in awaiting):
             routed.popleft()
-        return asyncio.get_running_loop().time() - routed[0][0] if routed else 0.0
+        if not routed:
+            return 0.0
+        return max(asyncio.get_running_loop().time() - routed[0][0], self._claim_lag)
 
     def _unclaimed(self, meter_id: str) -> None:
         exchange, _ = self._awaiting_meter.pop(meter_id, (None, None))
@@ -1082,6 +1094,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             timer.cancel()
         loop = asyncio.get_running_loop()
         read_at = loop.time()
+        if not exchange.logged:
+            self._claim_lag = read_at - exchange.routed_at
+            self._claimed_through = max(self._claimed_through, exchange.routed_at)
         try:
             exchange.observe_response(first)
             if exchange.done:

@@ -55,12 +55,20 @@ def test_requests_ending_while_the_picker_is_paused_are_all_charged(tmp_path: Pa
             done.set()
             pauser.join()
             os.kill(stack.picker_process.pid, signal.SIGCONT)
+        # Back from a pause behind on its meter streams, the picker may refuse new requests
+        # until it has caught up (503 meter_backlog): never lose a served one's meter.
         statuses = Counter(status for status, _, _ in answers)
-        assert statuses == {200: REQUESTS}, statuses
+        assert set(statuses) <= {200, 503}, statuses
+        assert all(body["error"]["code"] == "picker_overloaded"
+                   for status, _, body in answers if status == 503)
+        served = statuses[200]
+        assert served >= REQUESTS // 2, statuses
         url = stack.metrics_url
-        assert settled_metric(url, "fairway_requests_total", REQUESTS, tenant="a") == REQUESTS
+        assert settled_metric(url, "fairway_requests_total", served, tenant="a",
+                              outcome="ok") == served
         assert metric(url, "fairway_meter_unclaimed_total") == 0
-        assert settled_metric(url, "fairway_service_tokens_total", REQUESTS, tenant="a",
-                              kind="completion") == REQUESTS
+        assert metric(url, "fairway_settlements_estimated_total") == 0
+        assert settled_metric(url, "fairway_service_tokens_total", served, tenant="a",
+                              kind="completion") == served
         drained = gauges_drain(stack)
         assert not any(drained.values()), drained

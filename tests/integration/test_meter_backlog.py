@@ -106,3 +106,25 @@ async def test_new_requests_are_refused_while_a_meter_stream_waits_unread(
         stream = picker.open(METERED)
         await send_request(stream, body, headers={TENANT_HEADER: "a"})
         await expect_route(stream, body)
+
+
+async def test_a_meter_stream_that_never_comes_is_no_backlog_once_a_later_one_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A route without the metering filter leaves its requests unclaimed for good; a picker that
+    # reads the meter streams routed after them is not behind, and refuses nobody.
+    monkeypatch.setattr(service, "METER_BACKLOG_SHED", 0.0)  # any wait is a backlog
+    async with running_picker(tmp_path, tenants=[{"id": "a"}, {"id": "b"}]) as picker:
+        body = chat_body(max_tokens=3, stream=True)
+        await routed_for_meter(picker, body, "a")  # its meter stream never comes
+        routed, request_id = await routed_for_meter(picker, body, "b")
+        upstream = await fetch(routed.destinations[0], CHAT, body)
+        meter = picker.open()
+        await meter.send(observed(request_headers(headers={TENANT_HEADER: "b"}), request_id),
+                         observed(response_headers(200, upstream.content_type), request_id),
+                         observed(response_body(upstream.data, True), request_id))
+        await picker.eventually("fairway_requests_total", 1, tenant="b", outcome="ok")
+        # a holds all that is being metered (its unclaimed request), yet it is not refused.
+        stream = picker.open(METERED)
+        await send_request(stream, body, headers={TENANT_HEADER: "a"})
+        await expect_route(stream, body)
+        assert await picker.metric("fairway_rejections_total", reason="meter_backlog") == 0
