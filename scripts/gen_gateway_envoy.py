@@ -122,8 +122,8 @@ ACCESS_LOG_HEADER = """\
 # engine's `usage` itself (sse_to_metadata on streams, json_to_metadata on whole answers) and
 # its gRPC access log brings it to the picker, batched, once each request has ended; the picker
 # asks streams for usage in every chunk (stream_options.continuous_usage_stats), so a stream cut
-# short still leaves its delivered count. The picker spends nothing per streamed token (README,
-# "What a picker costs"), but it no longer sees streams grow between its scrapes of the engines:
+# short still leaves its delivered count. The picker spends nothing per streamed token
+# (docs/results.md, "What a picker costs"), but it no longer sees streams grow between scrapes:
 # under a flood a light tenant's requests wait longer than on envoy.yaml's meter stream, and
 # capacity.maxPrefillTokens and readyReserve see a stream's prefill end when a read of its
 # engine shows it out of the waiting queue, not at its first token. The picker serves the

@@ -202,8 +202,8 @@ def section_light(data: dict[str, Any]) -> str:
         f"The judged runs use `capacity.idleTenantReserve: {reserve}`; the last row is the same "
         f"flood with `{other}`. With a reserve, for that long after a tenant's last request, "
         "while it is not backlogged, one endpoint keeps room for its typical request and "
-        "backlogged tenants may not take that room (README, \"Light tenants\"); its cost in "
-        "throughput is in goal 3.",
+        "backlogged tenants may not take that room (docs/picker.md, \"Light tenants\"); its cost "
+        "in throughput is in goal 3.",
         "",
         md_table(["run", "ok/sent", "TTFT p50 ms", "p95", "p99", "max", "p95 ÷ alone",
                 "mean held in picker ms", "mean dispatch→first byte ms", "mean outside picker ms",
@@ -629,7 +629,7 @@ def render(data: dict[str, Any]) -> str:
         f"Mode {mode}; goals run: {', '.join(str(g) for g in meta['goals'])}; "
         f"{meta['runtime_seconds']:.0f} s. Envoy {meta['envoy_version']}, Python "
         f"{meta['python']}. Response path: {meta.get('response_path', 'inline')} "
-        "(`--response-path`; README, \"Three response paths\"). Envoy dials the picker "
+        "(`--response-path`; docs/picker.md, \"Three response paths\"). Envoy dials the picker "
         f"{'over TLS' if meta.get('secure_serving', False) else 'in plaintext'} "
         "(`--plaintext`).",
         "",

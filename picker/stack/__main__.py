@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode step time of each simulated server")
     parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream",
-                        help="how Envoy hands responses to the picker (see README)")
+                        help="how Envoy hands responses to the picker "
+                             "(docs/picker.md, 'Three response paths')")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where configs and logs go (default: a temporary directory)")
     args = parser.parse_args(argv)

@@ -436,7 +436,7 @@ def _picker_filters(failure_mode_allow: bool, request_timeout_s: int,
     picker = _ext_proc(
         grpc_service,
         stat_prefix="picker",
-        # fail-closed: without the picker there is no fairness, so refuse (see README).
+        # fail-closed: without the picker there is no fairness, so refuse (docs/operating.md).
         failure_mode_allow=failure_mode_allow,
         # A picker that cannot be reached is a retryable 503 (Envoy's default is a bare 500);
         # LOCAL_REPLY gives it an OpenAI-style body.
