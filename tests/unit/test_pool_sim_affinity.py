@@ -5,36 +5,49 @@ traffic; and the engines' cached counts reach the gate's settlement (point 3).""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
 from picker.sim.pool import PoolRun, PoolSpec, simulate
 from picker.sim.traffic import load_traffic
 
-TRAFFIC = Path(__file__).resolve().parents[2] / "bench" / "traffic"
 POOL = PoolSpec(endpoints=4, kv_budget_tokens=16384, step_s=0.02)
+SHAPE = {"stream_fraction": 1.0, "include_usage": True}
+CHAT = {"system_prompt_tokens": 300, "prompt_tokens": [20, 120], "output_tokens": [50, 200],
+        "chat": {"turns": [5, 20], "think_s": [2, 8]}, **SHAPE}
+"""Chat sessions as bench/traffic/prefix_chat.yaml has them: each turn resends the whole
+conversation."""
+AGENT = {"system_prompt_tokens": 1000, "prompt_tokens": [200, 400], "output_tokens": [40, 150],
+         **SHAPE}
+"""Agent programs as bench/traffic/prefix_agent.yaml has them: each call the context so far
+plus a tool result."""
+TENANTS = {
+    "chat": [{"name": name, **CHAT} for name in ("many-users", "some-users", "few-users")],
+    "agent": [{"name": f"k{k}", **AGENT, "agent": {"calls": k, "tool_result_tokens": [100, 300],
+                                                   "tool_latency_s": [0.2, 1.0]}}
+              for k in (1, 10, 30)],
+}
 
 
-def _run(scenario: str, sections: dict[str, Any], backlog: int) -> PoolRun:
-    data = yaml.safe_load((TRAFFIC / scenario).read_text())
-    data["duration_s"] = 20  # a third of the scenario: a few seconds of CPU
-    for tenant in data["tenants"]:
-        tenant["backlog"] = backlog
+def _traffic(workload: str, backlog: int, duration: float = 20.0) -> dict[str, Any]:
+    return {"duration_s": duration, "seed": 28, "timeout_s": 60,
+            "tenants": [{**t, "backlog": backlog} for t in TENANTS[workload]]}
+
+
+def _run(workload: str, sections: dict[str, Any], backlog: int) -> PoolRun:
+    data = _traffic(workload, backlog)
     config = load(PickerConfig, {"tenants": [{"id": t["name"]} for t in data["tenants"]],
                                  **sections})
     return simulate(config, load_traffic(data), POOL, drain_s=30)
 
 
-@pytest.mark.parametrize(("scenario", "backlog"), [("prefix_chat.yaml", 4),
-                                                   ("prefix_agent.yaml", 4)])
-def test_affinity_raises_the_engines_prefix_hit_rate(scenario: str, backlog: int) -> None:
-    plain = _run(scenario, {}, backlog)
-    affine = _run(scenario, {"routing": {"prefixAffinity": {}}}, backlog)
+@pytest.mark.parametrize("workload", ["chat", "agent"])
+def test_affinity_raises_the_engines_prefix_hit_rate(workload: str) -> None:
+    plain = _run(workload, {}, 4)
+    affine = _run(workload, {"routing": {"prefixAffinity": {}}}, 4)
     for run in (plain, affine):
         assert run.records and all(r.outcome == "ok" for r in run.records)
     # The same requests (closed loop: the same count when every one is served).
@@ -51,9 +64,8 @@ def test_computed_token_charging_settles_on_the_engines_cached_counts() -> None:
     its service, no lift)."""
     runs = {}
     for charge in (True, False):
-        data = yaml.safe_load((TRAFFIC / "prefix_chat.yaml").read_text())
-        data["duration_s"] = 10
-        data["tenants"] = [{**data["tenants"][0], "backlog": 3}]
+        data = _traffic("chat", 3, duration=10.0)
+        data["tenants"] = data["tenants"][:1]
         config = load(PickerConfig, {"tenants": [{"id": "many-users"}],
                                      "routing": {"prefixAffinity": {}},
                                      "cost": {"chargeCachedPrompt": charge}})
