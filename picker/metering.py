@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -189,6 +190,49 @@ class JsonLinesSink:
             except OSError as exc:
                 log.warning("metering: closing %s: %s", self.target, exc)
             self._owned = None
+
+
+class RecentRecords:
+    """The last ``capacity`` records, oldest first, in memory: the traffic a what-if replays
+    (the admin API's ``RecentRequests``). Kept whether or not a metering log is written.
+
+    Appending keeps the record the dispatcher already built (no copy, no parse); the ring
+    forgets the oldest once full, so memory is bounded by ``capacity`` records (about 560 bytes
+    each, measured with tracemalloc: 11 MB for 20,000)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, not {capacity!r}")
+        self.capacity = capacity
+        self.records: deque[MeteringRecord] = deque(maxlen=capacity)
+
+    def add(self, record: MeteringRecord) -> None:
+        self.records.append(record)
+
+    def oldest_arrival(self) -> float | None:
+        """The earliest arrival among the records held (None: none held)."""
+        arrivals = (r.arrived_at if r.arrived_at is not None else r.timestamp - r.e2e_ms / 1000
+                    for r in self.records)
+        return min(arrivals, default=None)
+
+    def since(self, arrived_from: float, limit: int) -> tuple[list[MeteringRecord], bool]:
+        """Records that arrived at ``arrived_from`` (unix seconds) or later, oldest first by
+        finish; at most ``limit``, the latest to finish, and whether more matched."""
+        found: list[MeteringRecord] = []
+        truncated = False
+        for record in reversed(self.records):
+            if record.timestamp < arrived_from:
+                break  # it and every older record finished, so arrived, before the window
+            arrived = record.arrived_at if record.arrived_at is not None else \
+                record.timestamp - record.e2e_ms / 1000
+            if arrived < arrived_from:
+                continue
+            if len(found) == limit:
+                truncated = True
+                break
+            found.append(record)
+        found.reverse()
+        return found, truncated
 
 
 def open_sink(target: str) -> MeteringSink:

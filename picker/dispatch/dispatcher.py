@@ -48,7 +48,7 @@ from picker.errors import (
     StateUnavailable,
 )
 from picker.identity import OBJECTIVE_HEADER
-from picker.metering import MeteringRecord, MeteringSink
+from picker.metering import MeteringRecord, MeteringSink, RecentRecords
 from picker.metrics import PickerMetrics
 from picker.openai import InferenceRequest
 from picker.openai.prefix import prompt_blocks
@@ -91,6 +91,9 @@ class Dispatcher:
         """With a shared state store: reserve a near-limit tenant's request there first
         (``RedisSync.reserve``)."""
         self.metering: MeteringSink = metering_sink(config)
+        self.recent: RecentRecords | None = None
+        """The latest finished requests' records, kept for the admin API's what-if window
+        (``AdminService`` sets it); None: not kept."""
         self.refusal_log = LogBudget(log, "refusals", clock)
         """Refusals' log lines: a few a minute (each is counted in fairway_rejections_total)."""
         self.config = config
@@ -474,11 +477,11 @@ class Dispatcher:
     def _meter(self, ticket: Ticket, usage: Usage, outcome: str, now: float,
                estimated: bool = False) -> None:
         """One metering record for a request that got into the queue."""
-        if not self.metering.enabled:
+        if not self.metering.enabled and self.recent is None:
             return
         end_ms = (now - ticket.arrived_at) * 1000
         wall = self.wall_clock()
-        self.metering.write(MeteringRecord(
+        record = MeteringRecord(
             request_id=ticket.request_id, timestamp=wall, tenant_id=ticket.tenant,
             model=ticket.inference.model, priority_lane=ticket.lane, outcome=outcome,
             finish_reason=ticket.finish_reason or outcome,
@@ -491,7 +494,11 @@ class Dispatcher:
             ttft_ms=None if ticket.first_byte_at is None else
             (ticket.first_byte_at - ticket.arrived_at) * 1000,
             e2e_ms=end_ms, arrived_at=wall - end_ms / 1000, max_tokens=ticket.body_max_tokens,
-            stream=ticket.stream, lane_asked=ticket.lane_asked))
+            stream=ticket.stream, lane_asked=ticket.lane_asked)
+        if self.recent is not None:
+            self.recent.add(record)
+        if self.metering.enabled:
+            self.metering.write(record)
 
     def _record_done(self, ticket: Ticket, usage: Usage, outcome: str) -> None:
         # The metrics fold unconfigured tenants into "other" themselves (TenantCapped).

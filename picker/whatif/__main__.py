@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,15 @@ from picker.config.schema import PickerConfig, load_config
 from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.sim.pool import PoolSpec
-from picker.whatif.log import Arrival, BadField, Skips, parse_record, parse_time, read_arrivals
+from picker.whatif.log import (
+    Arrival,
+    BadField,
+    Skips,
+    open_lines,
+    parse_record,
+    parse_time,
+    read_arrivals,
+)
 from picker.whatif.replay import Quantiles, ReplayRecord, ReplayResult, replay
 from picker.whatif.report import plot, table
 
@@ -174,8 +183,9 @@ def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], star
     result.output_tokens += record.completion_tokens
 
 
-def scan_figures(path: Path, size: int | None = None, *, since: float | None = None,
-                 until: float | None = None, bucket_s: float = 60.0) -> LogFigures:
+def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
+                 since: float | None = None, until: float | None = None,
+                 bucket_s: float = 60.0) -> LogFigures:
     """One streaming pass over the log (its first ``size`` bytes) for the pool's figures and
     what the log measured (arrivals in ``[since, until)``); bad lines are left to the replay's
     pass to report."""
@@ -184,7 +194,7 @@ def scan_figures(path: Path, size: int | None = None, *, since: float | None = N
     recorded = ReplayResult(bucket_s=bucket_s, step_s=1.0)
     first = last = None
     read = 0
-    with path.open("rb") as stream:
+    with open_lines(path) as stream:
         for number, raw in enumerate(stream, start=1):
             read += len(raw)
             if size is not None and read > size:

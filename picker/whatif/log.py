@@ -16,10 +16,11 @@ unknown (``Skips.inferred`` counts them).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,11 +207,21 @@ def _iso(unix: float) -> str:
     return datetime.fromtimestamp(unix, UTC).isoformat(timespec="milliseconds")
 
 
-def read_arrivals(path: Path, skips: Skips, *, reorder_window_s: float = 600.0,
+def open_lines(source: Path | Sequence[bytes]
+               ) -> contextlib.AbstractContextManager[Iterable[bytes]]:
+    """The log's lines: a file opened for reading, or lines already in memory (JSON records
+    the admin API's ``RecentRequests`` answered, encoded as the log would hold them)."""
+    if isinstance(source, Path):
+        return source.open("rb")
+    return contextlib.nullcontext(source)
+
+
+def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_s: float = 600.0,
                   since: float | None = None, until: float | None = None,
                   size: int | None = None,
                   report: Callable[[str], None] | None = None) -> Iterator[Arrival]:
-    """The usable records of the log at ``path``, in arrival order, streamed.
+    """The usable records of the log at ``path`` (or lines in memory), in arrival order,
+    streamed.
 
     ``since``/``until`` (unix seconds) keep arrivals in ``[since, until)``. ``size``: read only
     the first ``size`` bytes (a live log grows: every config is replayed on the same lines).
@@ -227,7 +238,7 @@ def read_arrivals(path: Path, skips: Skips, *, reorder_window_s: float = 600.0,
         if report is not None and len(skips.messages) > before:
             report(skips.messages[-1])
 
-    with path.open("rb") as stream:
+    with open_lines(path) as stream:
         read = 0
         for number, raw in enumerate(stream, start=1):
             read += len(raw)

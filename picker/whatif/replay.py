@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -39,6 +39,8 @@ from picker.whatif.log import Arrival
 
 LANE_NOT_ALLOWED = "lane_not_allowed"
 OVER_BUDGET_REASONS = frozenset((OVER_BUDGET, INSUFFICIENT_QUOTA))
+EXPIRY_CHECK_STEPS = 1024
+"""Steps between two questions to a replay's ``expired`` (each costs about one step)."""
 
 
 def _statuses() -> dict[str, int]:
@@ -267,7 +269,9 @@ class ReplayPool(_Pool):
         if record.dispatched_s is None:
             self.queued.append(passage)
 
-    def _end(self, record: PoolRecord, outcome: str, now: float) -> None:
+    def _end(self, record: PoolRecord, outcome: str, now: float,
+             planned: PlannedRequest | None = None) -> None:
+        # ``planned`` is the simulator's (a session's next turn); a log's requests have none.
         record.outcome, record.end_s = outcome, now
         assert isinstance(record, ReplayRecord)
         self.result.add(record)
@@ -281,10 +285,14 @@ class ReplayPool(_Pool):
 
 def replay(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *, start: float,
            client_timeout_s: float = 120.0, drain_s: float | None = None,
-           bucket_s: float = 60.0) -> ReplayResult:
+           bucket_s: float = 60.0,
+           expired: Callable[[], bool] | None = None) -> ReplayResult:
     """Replay ``arrivals`` (in arrival order; ``start``: the unix time of the replay's 0) under
     ``config`` on ``spec``'s pool. After the last arrival the replay runs until every request has
-    ended, or ``drain_s`` more (default: the client timeout plus the queue's ``maxWait``)."""
+    ended, or ``drain_s`` more (default: the client timeout plus the queue's ``maxWait``).
+
+    ``expired`` is asked every ``EXPIRY_CHECK_STEPS`` steps; once it answers True the replay
+    stops with TimeoutError (the operator bounds a dry run's time; no clock is read here)."""
     result = ReplayResult(bucket_s=bucket_s, engines=spec.endpoints, step_s=spec.step_s)
     pool = ReplayPool(config, spec, result, client_timeout_s=client_timeout_s)
     drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
@@ -323,6 +331,9 @@ def replay(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *,
         for steps in pool.step_log.values():
             steps.clear()
         step += 1
+        if expired is not None and step % EXPIRY_CHECK_STEPS == 0 and expired():
+            raise TimeoutError(f"the replay ran out of time after {step * step_s:,.0f} "
+                               "simulated seconds")
     for passage in list(pool.gate.passages.values()):
         record = cast(SimPassage, passage).record
         if not record.outcome:

@@ -99,3 +99,65 @@ class ListEndpointsResponse(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[EndpointState]
     def __init__(self, endpoints: _Optional[_Iterable[_Union[EndpointState, _Mapping]]] = ...) -> None: ...
+
+class RecentRequestsRequest(_message.Message):
+    __slots__ = ("since_seconds", "limit")
+    SINCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    since_seconds: float
+    limit: int
+    def __init__(self, since_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class RequestRecord(_message.Message):
+    __slots__ = ("tenant_id", "model", "priority_lane", "lane_asked", "arrived_at", "timestamp", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "max_tokens", "stream", "outcome", "endpoint", "queue_ms", "ttft_ms", "e2e_ms", "demoted")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_ASKED_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_AT_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    model: str
+    priority_lane: str
+    lane_asked: str
+    arrived_at: float
+    timestamp: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    outcome: str
+    endpoint: str
+    queue_ms: float
+    ttft_ms: float
+    e2e_ms: float
+    demoted: bool
+    def __init__(self, tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., priority_lane: _Optional[str] = ..., lane_asked: _Optional[str] = ..., arrived_at: _Optional[float] = ..., timestamp: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., endpoint: _Optional[str] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., demoted: _Optional[bool] = ...) -> None: ...
+
+class RecentRequestsResponse(_message.Message):
+    __slots__ = ("records", "taken_at_unix", "held", "capacity", "oldest_arrived_at", "truncated")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_ARRIVED_AT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RequestRecord]
+    taken_at_unix: float
+    held: int
+    capacity: int
+    oldest_arrived_at: float
+    truncated: bool
+    def __init__(self, records: _Optional[_Iterable[_Union[RequestRecord, _Mapping]]] = ..., taken_at_unix: _Optional[float] = ..., held: _Optional[int] = ..., capacity: _Optional[int] = ..., oldest_arrived_at: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...

@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=fairway_dot_v1_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
                 response_deserializer=fairway_dot_v1_dot_admin__pb2.ListEndpointsResponse.FromString,
                 _registered_method=True)
+        self.RecentRequests = channel.unary_unary(
+                '/fairway.v1.Admin/RecentRequests',
+                request_serializer=fairway_dot_v1_dot_admin__pb2.RecentRequestsRequest.SerializeToString,
+                response_deserializer=fairway_dot_v1_dot_admin__pb2.RecentRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -64,6 +69,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecentRequests(self, request, context):
+        """The requests that finished most recently, as their metering records say, oldest first: the
+        traffic a what-if replays (the operator's dry-run TenantPolicies, `picker.ctl whatif`).
+        The picker holds a bounded number of them in memory (a ring), whether or not it writes a
+        metering log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +91,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListEndpoints,
                     request_deserializer=fairway_dot_v1_dot_admin__pb2.ListEndpointsRequest.FromString,
                     response_serializer=fairway_dot_v1_dot_admin__pb2.ListEndpointsResponse.SerializeToString,
+            ),
+            'RecentRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecentRequests,
+                    request_deserializer=fairway_dot_v1_dot_admin__pb2.RecentRequestsRequest.FromString,
+                    response_serializer=fairway_dot_v1_dot_admin__pb2.RecentRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +152,33 @@ class Admin:
             '/fairway.v1.Admin/ListEndpoints',
             fairway_dot_v1_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
             fairway_dot_v1_dot_admin__pb2.ListEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecentRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fairway.v1.Admin/RecentRequests',
+            fairway_dot_v1_dot_admin__pb2.RecentRequestsRequest.SerializeToString,
+            fairway_dot_v1_dot_admin__pb2.RecentRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
