@@ -517,7 +517,9 @@ class PrefixAffinity:
     next, and capacity where it may go; affinity only orders the endpoints that have room. Each
     replica learns from its own dispatches only: with several replicas a conversation's turns
     keep their endpoint as long as the gateway sends them to the same replica, and otherwise
-    fall back to load (a cache miss, never a wrong decision). About 40 us of CPU per request at
+    fall back to load (a cache miss, never a request where it does not fit; simulated with
+    requests spread at random over 2 replicas, chat sessions' hit rate 0.50 -> 0.68 instead of
+    0.53 -> 0.83 with one). About 40 us of CPU per request at
     a 16,000-character prompt and 116 bytes per remembered block at most, under 1 MB an endpoint
     at the default bound (bench/results/prefix_scorer.md)."""
 
