@@ -1094,6 +1094,9 @@ class Gate:
             self._unseen_prefill.get(primary.address, {}).pop(passage, None)
             self._unseen_prefill.setdefault(served.address, {})[passage] = None
         passage.endpoint = served
+        if passage.prefix_blocks and self.prefix_index is not None:
+            # The prompt is in the server's cache now (the primary never computed it).
+            self.prefix_index.record(served.address, passage.prefix_blocks)
         self.pump(now)  # the primary's room is free again
         return ejected
 

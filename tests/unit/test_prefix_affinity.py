@@ -270,6 +270,16 @@ def test_each_replica_learns_from_its_own_dispatches() -> None:
     assert via_b.endpoint is b.endpoints[other] and via_b.request.cached_prompt_tokens == 0
 
 
+def test_a_request_served_by_a_fallback_teaches_the_index_where_it_went() -> None:
+    gate = make_gate()
+    passage = send(gate, chat("question " * 100), 400)
+    assert passage.endpoint is not None and gate.prefix_index is not None
+    other = E2 if passage.endpoint.address == E1 else E1
+    gate.served_by(passage, other, 0.5)
+    assert gate.prefix_index.matched(other, passage.prefix_blocks) == \
+        len(passage.prefix_blocks)
+
+
 def test_a_drained_endpoint_is_forgotten_and_without_affinity_no_hashes_are_kept() -> None:
     gate = make_gate()
     passage = send(gate, chat("question " * 100), 400)
