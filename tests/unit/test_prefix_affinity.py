@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from picker.config.build import affinity_rules, cost_function, gate_rules
 from picker.config.schema import load_config
@@ -128,6 +130,21 @@ def test_the_index_is_bounded_per_endpoint_and_forgets_the_least_recent() -> Non
     assert index.size(E2) == 5 and index.size(E1) == 5
     index.forget(E1)
     assert index.size(E1) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.sampled_from((E1, E2)),
+                                              st.lists(st.integers(0, 60), max_size=30)),
+                                    max_size=40))
+def test_any_sequence_of_dispatches_stays_within_the_bound(
+        capacity: int, dispatches: list[tuple[str, list[int]]]) -> None:
+    index = PrefixIndex(capacity)
+    for address, blocks in dispatches:
+        index.record(address, tuple(blocks))
+        assert index.size(address) <= capacity
+        # What was just sent is held, as far as the bound lets it be (its last blocks).
+        kept = list(dict.fromkeys(reversed(blocks)))[:capacity]
+        assert all(index.matched(address, (b,)) == 1 for b in kept)
 
 
 def test_the_cached_estimate_is_the_matched_share_less_the_last_token() -> None:
