@@ -59,6 +59,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--status-interval", default=_env("STATUS_INTERVAL", "10s"),
                         help="how often the live figures are read, e.g. 10s "
                              "(FAIRWAY_STATUS_INTERVAL; default %(default)s)")
+    # Dry-run TenantPolicies (fairway.dev/dry-run: "true"): how much of the picker's recent
+    # traffic one replays, and for how long (fairway_operator.whatif).
+    parser.add_argument("--whatif-minutes", type=float,
+                        default=float(_env("WHATIF_MINUTES", str(defaults.whatif_minutes))),
+                        help="a dry run replays the picker's last this many minutes "
+                             "(FAIRWAY_WHATIF_MINUTES; default %(default)g)")
+    parser.add_argument("--whatif-max-records", type=int,
+                        default=int(_env("WHATIF_MAX_RECORDS",
+                                         str(defaults.whatif_max_records))),
+                        help="... at most this many requests, the latest "
+                             "(FAIRWAY_WHATIF_MAX_RECORDS; default %(default)d)")
+    parser.add_argument("--whatif-timeout", type=float,
+                        default=float(_env("WHATIF_TIMEOUT", str(defaults.whatif_timeout))),
+                        help="seconds one dry run's replay may take "
+                             "(FAIRWAY_WHATIF_TIMEOUT; default %(default)g)")
+    parser.add_argument("--whatif-min-requests", type=int,
+                        default=int(_env("WHATIF_MIN_REQUESTS",
+                                         str(defaults.whatif_min_requests))),
+                        help="fewer requests in the window: no prediction, the status says "
+                             "so (FAIRWAY_WHATIF_MIN_REQUESTS; default %(default)d)")
+    parser.add_argument("--whatif-min-seconds", type=float,
+                        default=float(_env("WHATIF_MIN_SECONDS",
+                                           str(defaults.whatif_min_seconds))),
+                        help="arrivals spanning less: no prediction either "
+                             "(FAIRWAY_WHATIF_MIN_SECONDS; default %(default)g)")
     parser.add_argument("--liveness", default=_env("LIVENESS"),
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz "
                              "(FAIRWAY_LIVENESS)")
@@ -85,7 +110,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
             output_configmap=args.output_configmap, output_key=args.output_key,
             admin_address=args.admin_address or None,
             admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
-            status_interval=interval)
+            status_interval=interval, whatif_minutes=args.whatif_minutes,
+            whatif_max_records=args.whatif_max_records, whatif_timeout=args.whatif_timeout,
+            whatif_min_requests=args.whatif_min_requests,
+            whatif_min_seconds=args.whatif_min_seconds)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     return settings, args

@@ -23,6 +23,10 @@ MAX_PAGE = 1000
 """Tenants per admin API page (the picker's most)."""
 MAX_PAGES = 20
 """Pages read per snapshot at most: the picker holds few tenants beyond the busiest."""
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+"""The largest admin API answer read (a RecentRequests window)."""
+RECENT_TIMEOUT = 10.0
+"""Seconds a RecentRequests call may take at least (it carries thousands of records)."""
 
 
 class PickerUnreachable(Exception):
@@ -56,14 +60,33 @@ class AdminClient:
             self._latest = asyncio.ensure_future(self._list_tenants())
         return await asyncio.shield(self._latest)
 
-    async def _list_tenants(self) -> admin_pb2.ListTenantsResponse:
+    async def recent_requests(self, since_seconds: float, limit: int
+                              ) -> admin_pb2.RecentRequestsResponse:
+        """The picker's requests that arrived within ``since_seconds`` (at most ``limit``, the
+        latest), for a dry run's replay. Raises PickerUnreachable."""
+        stub = self._stub_now()
+        try:
+            answer: admin_pb2.RecentRequestsResponse = await stub.RecentRequests(
+                admin_pb2.RecentRequestsRequest(since_seconds=since_seconds, limit=limit),
+                timeout=max(self._timeout, RECENT_TIMEOUT), metadata=self._metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise PickerUnreachable(f"{self.address}: {exc.code().name}: {exc.details()}") from None
+        return answer
+
+    def _stub_now(self) -> admin_pb2_grpc.AdminStub:
         if self._stub is None:
             backoff_ms = int(self._reconnect_backoff * 1000)
             self._channel = grpc.aio.insecure_channel(self.address, options=[
                 ("grpc.initial_reconnect_backoff_ms", min(1000, backoff_ms)),
                 ("grpc.max_reconnect_backoff_ms", backoff_ms),
+                # RecentRequests answers up to 20,000 records (about 2 MB; 4 MB by default).
+                ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
             ])
             self._stub = admin_pb2_grpc.AdminStub(self._channel)
+        return self._stub
+
+    async def _list_tenants(self) -> admin_pb2.ListTenantsResponse:
+        self._stub = self._stub_now()
         try:
             # The answer is paged (busiest first); a configured tenant may be on a later page.
             metadata = self._metadata()

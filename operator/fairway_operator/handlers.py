@@ -8,7 +8,9 @@
   policy of the pool references: reconcile in the background, retried with backoff (kopf does
   not retry event handlers).
 - Every ``status_interval`` (with an admin address), one loop for the whole operator: each
-  applied policy's status gets the picker's live figures. An unreachable picker is logged once
+  applied policy's status gets the picker's live figures. Another answers dry-run policies
+  (``fairway.dev/dry-run: "true"``) with a replay of the picker's recent requests
+  (``fairway_operator.whatif``). An unreachable picker is logged once
   (and once more when it answers again); the old figures stay.
 
 No handler needs a finalizer: the output is rendered from what exists, so a deletion is seen as
@@ -34,8 +36,9 @@ import kopf
 from fairway_operator.figures import AdminClient, PickerUnreachable, figures
 from fairway_operator.kube import GROUP, PLURAL, VERSION, ApiError, Kube, PermanentApiError
 from fairway_operator.reconcile import Reconciler
-from fairway_operator.render import pool_of
+from fairway_operator.render import DRY_RUN, pool_of
 from fairway_operator.settings import Settings
+from fairway_operator.whatif import run_dry_runs
 
 log = logging.getLogger("fairway_operator")
 
@@ -95,6 +98,11 @@ def build_registry(settings: Settings, kube: Kube, *,
                 copy_live_figures(reconciler, admin, kube, settings.status_interval),
                 name="live-figures"))
 
+    @kopf.on.startup(registry=registry)
+    async def start_dry_runs(**_: Any) -> None:
+        loops.append(asyncio.create_task(
+            run_dry_runs(reconciler.dry_runs, admin, kube, settings), name="dry-runs"))
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
         for loop in loops:
@@ -118,6 +126,8 @@ def build_registry(settings: Settings, kube: Kube, *,
             logger.info(f"Not in pool {settings.pool}'s picker config (any more).")
         elif verdict.ready:
             logger.info(f"Applied: {verdict.message}.")
+        elif verdict.reason == DRY_RUN:
+            logger.info(f"Dry run: {verdict.message}.")
         else:
             logger.warning(f"Not applied ({verdict.reason}): {verdict.message}")
 

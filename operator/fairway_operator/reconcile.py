@@ -19,6 +19,7 @@ from typing import Any
 from fairway_operator import render
 from fairway_operator.kube import ApiError, Kube, PermanentApiError
 from fairway_operator.settings import Settings
+from fairway_operator.whatif import DryRun
 from picker.errors import ConfigError
 
 log = logging.getLogger("fairway_operator")
@@ -40,6 +41,7 @@ class Reconciler:
         self._done: defaultdict[str, int] = defaultdict(int)
         self._retries: dict[str, asyncio.Task[None]] = {}
         self._verdicts: dict[str, dict[str, render.Verdict]] = {}
+        self._dry_runs: dict[str, dict[str, DryRun]] = {}
 
     async def reconcile(self, namespace: str) -> dict[str, render.Verdict]:
         """Reconcile ``namespace`` now (or join a run that starts after this call).
@@ -61,6 +63,11 @@ class Reconciler:
         put in the picker config."""
         return [(namespace, verdict) for namespace, verdicts in self._verdicts.items()
                 for verdict in verdicts.values() if verdict.ready]
+
+    def dry_runs(self) -> list[DryRun]:
+        """The dry-run policies of the latest reconcile of each namespace that have a candidate
+        config to replay (refused ones have none)."""
+        return [dry for runs in self._dry_runs.values() for dry in runs.values()]
 
     def request(self, namespace: str) -> None:
         """Reconcile ``namespace`` in the background, retrying with backoff until it succeeds
@@ -94,7 +101,12 @@ class Reconciler:
     async def _reconcile_once(self, namespace: str) -> dict[str, render.Verdict]:
         s = self.settings
         problem = "base config: tenancy.apiKeys: apiKey mode needs at least one key"
-        policies = render.select_policies(await self.kube.list_policies(namespace), s.pool)
+        chosen = render.select_policies(await self.kube.list_policies(namespace), s.pool)
+        # Dry runs are never rendered into the picker's config: each is answered beside it.
+        policies = [p for p in chosen if not render.is_dry_run(p)]
+        dry_policies = [p for p in chosen if render.is_dry_run(p)]
+        secrets: dict[str, Mapping[str, str] | None] = {}
+        base: Any = None
         base_cm = await self.kube.get_configmap(namespace, s.base_configmap)
         try:
             data = (base_cm.get("data") or {}) if base_cm is not None else None
@@ -105,8 +117,7 @@ class Reconciler:
             config, verdicts = None, render.refuse_all(policies, render.INVALID_BASE_CONFIG,
                                                        problem)
         else:
-            secrets: dict[str, Mapping[str, str] | None] = {}
-            for name in sorted(render.secret_names(policies)):
+            for name in sorted(render.secret_names(chosen)):
                 secret = await self.kube.get_secret(namespace, name)
                 secrets[name] = None if secret is None else _secret_data(secret)
             config, verdicts = render.render(base, policies, secrets)
@@ -117,7 +128,15 @@ class Reconciler:
                 log.warning("%s: the picker config is left as it is: %s", namespace, problem)
         else:
             await self._write_output(namespace, render.dump(config, s.pool), base_cm)
-        for policy in policies:
+        runs: dict[str, DryRun] = {}
+        for policy in dry_policies:
+            candidate, verdict = render.dry_run(config, base, policy, secrets)
+            verdicts[verdict.name] = verdict
+            if candidate is not None and config is not None:
+                runs[verdict.name] = DryRun(namespace, verdict.name, verdict.generation,
+                                            verdict.tenants, config, candidate)
+        self._dry_runs[namespace] = runs
+        for policy in chosen:
             verdict = verdicts[policy["metadata"]["name"]]
             status = policy.get("status") or {}
             change = status_patch(status, verdict)

@@ -30,6 +30,9 @@ the gateway's header names.
 
 Policies are taken oldest first (``creationTimestamp``, then name). A tenant id or API key
 claimed by an older applied policy stays with it; the younger policy is refused whole.
+
+A policy annotated ``fairway.dev/dry-run: "true"`` is left out of ``render`` (the caller
+separates them with ``is_dry_run``): ``dry_run`` gives the candidate config it asks about.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ SECRET_NOT_FOUND = "SecretNotFound"
 INVALID_SECRET = "InvalidSecret"
 API_KEYS_NOT_ENABLED = "ApiKeysNotEnabled"
 TENANTS_UNIDENTIFIABLE = "TenantsUnidentifiable"
+DRY_RUN = "DryRun"
+
+DRY_RUN_ANNOTATION = "fairway.dev/dry-run"
+"""A policy annotated ``"true"`` is never rendered into the picker's config: the operator
+replays the picker's recent traffic under the config with it applied and writes the prediction
+into its status (``fairway_operator.whatif``)."""
 
 _TENANT_PATH = re.compile(r"^tenants\[(\d+)\](.*)$")
 
@@ -110,6 +119,60 @@ def select_policies(items: Iterable[Mapping[str, Any]], pool: str) -> list[dict]
     chosen = [dict(p) for p in items
               if pool_of(p) == pool and not p.get("metadata", {}).get("deletionTimestamp")]
     return sorted(chosen, key=_age)
+
+
+def is_dry_run(policy: Mapping[str, Any]) -> bool:
+    """The policy carries ``fairway.dev/dry-run: "true"`` (any case; other values: no)."""
+    annotations = (policy.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(DRY_RUN_ANNOTATION) if isinstance(annotations, Mapping) else None
+    return isinstance(value, str) and value.strip().lower() == "true"
+
+
+def dry_run(config: Mapping[str, Any] | None, base: Any, policy: Mapping[str, Any],
+            secrets: Mapping[str, Mapping[str, str] | None] | None = None,
+            ) -> tuple[dict | None, Verdict]:
+    """The candidate config a dry-run ``policy`` asks about, and its verdict.
+
+    The candidate is the live ``config`` (what ``render`` wrote, None when nothing could be)
+    with the policy applied as ``kubectl apply`` would apply it: each of its tenants' entries
+    replaces that tenant's entry (a dry run of a new weight for a tenant another policy holds is
+    the usual question) or is added, and its API keys are added. Its verdict is ``DryRun``
+    (Ready=False: it is not in the picker's config) with the tenants, or a refusal as a live
+    policy would get one, with no candidate.
+    """
+    name, generation = _name(policy), _generation(policy)
+    if config is None:
+        return None, Verdict(name, False, INVALID_BASE_CONFIG,
+                             "the base config is refused, so there is no config to compare "
+                             "with (see the pool's other policies)", generation)
+    try:
+        contribution = _contribution(policy, secrets or {}, _api_key_mode(base))
+    except _Refused as refused:
+        return None, Verdict(name, False, refused.reason, refused.message, generation)
+    candidate = copy.deepcopy(dict(config))
+    tenants = [entry for entry in candidate.get("tenants") or () if isinstance(entry, dict)]
+    for entry in contribution.entries:
+        index = next((i for i, t in enumerate(tenants) if t.get("id") == entry["id"]), None)
+        if index is None:
+            tenants.append(copy.deepcopy(entry))
+        else:
+            tenants[index] = copy.deepcopy(entry)
+    candidate["tenants"] = tenants
+    if contribution.keys:
+        tenancy = dict(candidate.get("tenancy") or {})
+        tenancy["apiKeys"] = [*(tenancy.get("apiKeys") or ()), *copy.deepcopy(contribution.keys)]
+        candidate["tenancy"] = tenancy
+    try:
+        load_config(candidate)
+    except ConfigError as exc:
+        return None, Verdict(name, False, INVALID_POLICY,
+                             f"the picker would refuse the config with this policy: {exc}",
+                             generation)
+    ids = tuple(e["id"] for e in contribution.entries)
+    return candidate, Verdict(
+        name, False, DRY_RUN,
+        f"a dry run ({DRY_RUN_ANNOTATION}): tenant(s) {', '.join(ids)} are not changed in the "
+        "picker config; status.whatIf predicts what each tenant would get", generation, ids)
 
 
 def secret_names(policies: Iterable[Mapping[str, Any]]) -> set[str]:

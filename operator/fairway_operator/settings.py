@@ -40,11 +40,28 @@ class Settings:
     """Seconds an admin API call may take before the picker counts as unreachable."""
     kube_timeout: float = 10.0
     """Seconds a Kubernetes API call of the reconciler may take (then it is retried)."""
+    whatif_minutes: float = 15.0
+    """A dry-run policy replays the picker's requests of the last this many minutes."""
+    whatif_max_records: int = 20_000
+    """... at most this many (the latest)."""
+    whatif_timeout: float = 60.0
+    """Seconds one dry run's replay (both configs) may take."""
+    whatif_min_requests: int = 50
+    """Fewer requests in the window: the status says it is too short instead of predicting."""
+    whatif_min_seconds: float = 60.0
+    """Arrivals spanning less: too short as well."""
+    whatif_interval: float = 300.0
+    """Seconds a dry run's prediction stands before it is replayed on newer traffic (a change
+    of its spec or of the live config replays it at once)."""
 
     def __post_init__(self) -> None:
         if not self.pool:
             raise ValueError("the pool name must not be empty")
         if self.status_interval <= 0:
             raise ValueError("the status interval must be > 0")
+        if not (self.whatif_minutes > 0 and self.whatif_timeout > 0
+                and self.whatif_interval > 0 and self.whatif_min_seconds >= 0
+                and self.whatif_max_records >= 1 and self.whatif_min_requests >= 1):
+            raise ValueError("the what-if bounds must be above 0 (records and requests: 1)")
         if self.admin_address is not None and ":" not in self.admin_address:
             raise ValueError(f"the admin address must be host:port, got {self.admin_address!r}")

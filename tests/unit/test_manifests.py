@@ -236,8 +236,12 @@ def test_crd_spec_and_status_have_exactly_these_fields() -> None:
     assert list(SPEC["properties"]["apiKeySecretRef"]["properties"]) == ["name"]
     assert list(STATUS["properties"]) == ["observedGeneration", "conditions", "share",
                                           "queuedRequests", "runningRequests", "budgetRemaining",
-                                          "lastUpdated"]
+                                          "lastUpdated", "whatIf"]
     assert list(STATUS["properties"]["budgetRemaining"]["properties"]) == ["burst", "sustained"]
+    what_if = STATUS["properties"]["whatIf"]["properties"]
+    assert list(what_if) == ["observedGeneration", "lastUpdated", "window", "pool", "tenants"]
+    assert list(what_if["tenants"]["items"]["properties"]) == [
+        "tenant", "share", "ttftP95", "refused429", "requests"]
     conditions = STATUS["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]
