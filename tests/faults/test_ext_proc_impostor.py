@@ -55,19 +55,29 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 async def _impersonate(port: int, client: KeyPair | None) -> grpc.StatusCode | None:
-    """Route a request as ``victim`` and answer it with a forged usage; the status the stream
-    failed with, or None when the whole exchange went through."""
+    """Route a request as ``victim`` and answer it with a forged usage; None when the whole
+    exchange went through, else what the picker says to this peer.
+
+    That status is read from a second stream that writes nothing: the picker refuses a stream
+    before reading a message, and a client write racing that refusal reaches the client as
+    INTERNAL ("Internal error from Core") now and then, whatever the picker sent."""
     credentials = await asyncio.to_thread(unverified_channel_credentials, "127.0.0.1", port,
                                           5.0, client)
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        stream = Stream(pb_grpc.ExternalProcessorStub(channel))
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        stream = Stream(stub)
         try:
             await route(stream, chat_body(max_tokens=30_000),
                         headers={TENANT_HEADER: "victim"})
             await relay_response(stream, 200, "application/json", [FORGED])
-        except (AssertionError, grpc.aio.AioRpcError):
+        except (AssertionError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await stream.close()
-            return await stream.call.code()
+            probe = stub.Process()
+            try:
+                await asyncio.wait_for(probe.read(), 15)
+            except grpc.aio.AioRpcError as refused:
+                return refused.code()
+            raise AssertionError("the picker answered a stream it refused before") from None
         await stream.close()
         return None
 

@@ -78,26 +78,26 @@ async def _picker(tmp_path: Path, *flags: str, **config: object
             await running.exit_code(10)
 
 
-async def _open_and_send(port: int, client: KeyPair | None, tenant: str
-                         ) -> grpc.StatusCode | None:
-    """An ext_proc client of our own naming ``tenant``: the status its stream ends with (None:
-    the picker answered, i.e. it routed)."""
+async def _open_and_send(port: int, client: KeyPair | None, tenant: str) -> grpc.StatusCode:
+    """An ext_proc client of our own naming ``tenant``, which must get no answer (no route);
+    returns what the picker says to this peer.
+
+    That status is read from a second stream that writes nothing: the picker refuses a stream
+    before reading a message, and a client write racing that refusal reaches the client as
+    INTERNAL ("Internal error from Core") now and then, whatever the picker sent."""
     credentials = await asyncio.to_thread(_credentials, port, client)
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        call = pb_grpc.ExternalProcessorStub(channel).Process()
-        body = chat_body(max_tokens=30)
-        try:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await call.write(request_headers(headers={TENANT_HEADER: tenant}))
-            await call.write(request_body(body, True))
+            await call.write(request_body(chat_body(max_tokens=30), True))
             reply = await asyncio.wait_for(call.read(), 15)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            # A write after the picker ended the call fails on its own terms: the call's status
-            # is what the picker said.
-            return await asyncio.wait_for(call.code(), 15)
-        if reply is grpc.aio.EOF:
-            return await call.code()
-        call.cancel()
-        return None
+            assert reply is grpc.aio.EOF, reply  # never a route
+        probe = stub.Process()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(probe.read(), 15)
+        return refused.value.code()
 
 
 async def test_only_a_client_certificate_of_the_gateway_ca_routes_and_charges(
@@ -131,8 +131,9 @@ async def test_only_a_client_certificate_of_the_gateway_ca_routes_and_charges(
             # past the handshake counted.
             assert await picker.metric("fairway_requests_total", tenant="victim") == 0
             assert await picker.metric("fairway_weighted_service_total", tenant="victim") == 0
+            # (each _open_and_send is two streams: the impostor's and the probe)
             assert await picker.metric("fairway_ext_proc_peers_refused_total",
-                                       reason="name") == 1
+                                       reason="name") == 2
 
 
 async def test_without_a_ca_header_mode_is_refused_and_api_keys_are_served(
@@ -144,7 +145,7 @@ async def test_without_a_ca_header_mode_is_refused_and_api_keys_are_served(
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
             picker = Picker(port, running.metrics_port, [address], channel)
             assert await picker.metric("fairway_ext_proc_peers_refused_total",
-                                       reason="unauthenticated") == 1
+                                       reason="unauthenticated") == 2
             assert await picker.metric("fairway_requests_total", tenant="victim") == 0
         assert "every ext_proc stream is refused" in "".join(running.stderr)
     key = "k-" + "7" * 40
