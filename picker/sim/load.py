@@ -17,6 +17,12 @@ How the run goes:
 - *Closed loop* for ``backlog`` tenants: N workers each send a request, wait for its end, and send
   the next, so N are outstanding. After a failed request a worker pauses for the response's numeric
   ``Retry-After`` (else ``BACKLOG_ERROR_PAUSE_S``) so a refusing gateway is not hammered.
+- *Sessions and programs* (``chat`` and ``agent`` tenants, ``picker.sim.workloads``) are closed
+  loop per unit: a unit's next call goes once the previous reply is in and its pause (think time,
+  tool latency) is over, with that reply in its messages, and names its unit in the
+  ``session_header``; a failed call ends its unit (nothing is retried). A backlog tenant's worker
+  runs one unit after another. ``summary.json`` gives each tenant's units started and completed
+  and their completion times (first call sent to last reply), and the cached tokens reported.
 - *Bounded.* Nothing is sent at or after ``duration_s``; requests still running then get at most
   ``timeout_s`` more, and are cancelled (status 0, error ``cancelled ...``). Each request also has
   ``timeout_s`` as its aiohttp total timeout (status 0, error ``timeout ...``).
