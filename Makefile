@@ -73,7 +73,9 @@ proto: setup
 
 # The two generated references (the picker's config, the TenantPolicy CRD) and the docs site in
 # site/, strictly: a warning (a link to no page or anchor, a page left out of the nav) fails.
-docs: setup
+# It needs the demo's .venv and MkDocs only, not the test tools.
+docs: setup-demo
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[docs]'
 	$(PY) scripts/config_reference.py
 	$(PY) scripts/crd_reference.py
 	$(PY) -m mkdocs build --strict
