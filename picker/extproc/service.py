@@ -880,9 +880,10 @@ METER_BACKLOG_SHED = 0.5
 """Seconds a routed request may wait for its meter stream to be read before the picker refuses
 new requests (503 ``meter_backlog``, ``Retry-After``) until it has caught up. Unloaded, the
 meter stream is read a few milliseconds after the route; a picker that falls further behind
-than Envoy's ``deferred_close_timeout`` (2 s in the shipped configs) loses meters, since Envoy
-resets the stream and discards what the picker had not read. A quarter of that leaves room
-for the requests already routed."""
+than Envoy's ``deferred_close_timeout`` (5 s in the shipped configs) loses meters, since Envoy
+resets the stream and discards what the picker had not read. A tenth of that leaves room for
+the requests already routed, which fall further behind as they stream (1.5 s lost 60 meters of
+943 where 0.5 s lost none: bench/results/meter_overload.md)."""
 
 METER_CUT_IDLE = 1.0
 """A meter stream that ends before its response did, less than this many seconds after the
@@ -890,7 +891,7 @@ picker read its last message, was cut while data was still coming: the picker wa
 Envoy reset the stream (``deferred_close_timeout`` after the HTTP stream ended), so what the
 response carried after that is unknown and it is settled on its estimate. A picker that keeps
 up reads a client's departure (the last message) a whole ``deferred_close_timeout`` before the
-reset, which must therefore exceed this (2 s in the shipped configs)."""
+reset, which must therefore exceed this (5 s in the shipped configs)."""
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
