@@ -883,7 +883,7 @@ meter stream is read a few milliseconds after the route; a picker that falls fur
 than Envoy's ``deferred_close_timeout`` (5 s in the shipped configs) loses meters, since Envoy
 resets the stream and discards what the picker had not read. A tenth of that leaves room for
 the requests already routed, which fall further behind as they stream (1.5 s lost 60 meters of
-943 where 0.5 s lost none: bench/results/meter_overload.md)."""
+883 whole streams where 0.5 s lost none: bench/results/meter_overload.md)."""
 
 METER_CUT_IDLE = 1.0
 """A meter stream that ends before its response did, less than this many seconds after the
