@@ -101,7 +101,8 @@ def build_registry(settings: Settings, kube: Kube, *,
     @kopf.on.startup(registry=registry)
     async def start_dry_runs(**_: Any) -> None:
         loops.append(asyncio.create_task(
-            run_dry_runs(reconciler.dry_runs, admin, kube, settings), name="dry-runs"))
+            run_dry_runs(reconciler.dry_runs, admin, kube, settings, lock=reconciler.lock),
+            name="dry-runs"))
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:

@@ -64,6 +64,12 @@ class Reconciler:
         return [(namespace, verdict) for namespace, verdicts in self._verdicts.items()
                 for verdict in verdicts.values() if verdict.ready]
 
+    def lock(self, namespace: str) -> asyncio.Lock:
+        """Held while ``namespace`` is reconciled: another writer of the policies' conditions
+        (the dry-run answers) holds it too, so neither overwrites the other's condition with a
+        list read before it was written."""
+        return self._locks[namespace]
+
     def dry_runs(self) -> list[DryRun]:
         """The dry-run policies of the latest reconcile of each namespace that have a candidate
         config to replay (refused ones have none)."""

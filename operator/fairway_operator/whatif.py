@@ -168,8 +168,10 @@ def _load(data: dict) -> PickerConfig:
 
 
 async def run_dry_runs(dry_runs: Callable[[], Sequence[DryRun]], admin: AdminClient | None,
-                       kube: Kube, settings: Settings) -> None:
-    """Every ``status_interval``: answer each dry run whose answer is missing or stale."""
+                       kube: Kube, settings: Settings,
+                       lock: Callable[[str], asyncio.Lock] | None = None) -> None:
+    """Every ``status_interval``: answer each dry run whose answer is missing or stale.
+    ``lock(namespace)`` is held while a status is read and written (the reconciler's)."""
     answered: dict[tuple[str, str], tuple[str, float]] = {}
     bounds = bounds_of(settings)
     while True:
@@ -195,7 +197,11 @@ async def run_dry_runs(dry_runs: Callable[[], Sequence[DryRun]], admin: AdminCli
                 except ConfigError as exc:  # render.dry_run checked both: not expected
                     failure = ("InvalidPolicy", f"the candidate config: {exc}")
             try:
-                await _write(kube, dry, prediction, failure)
+                if lock is None:
+                    await _write(kube, dry, prediction, failure)
+                else:
+                    async with lock(dry.namespace):
+                        await _write(kube, dry, prediction, failure)
             except ApiError as exc:
                 log.warning("%s/%s: what-if not written: %s", dry.namespace, dry.name, exc)
                 continue
