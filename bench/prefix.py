@@ -11,9 +11,11 @@ output`` per request, beside its share of the sent-token cost ``prompt + 2 × ou
 
 The pool: 2 engines of 65,536 tokens of KV, 8,192 batched tokens a step, 10 ms a step plus
 0.05 ms per prompt token computed (``bench.isolation``'s 64k size: an 8B model on an H100
-prefills about 20k tokens/s), vLLM's prefix caching on. Each run is 60 simulated seconds, the
-first 10 a warm-up for tokens/s, then up to 30 s for requests still in flight (sessions and
-programs start no new call after 60 s: a unit cut there is not counted as completed).
+prefills about 20k tokens/s), vLLM's prefix caching on. Each run lasts its traffic file's
+``duration_s`` (60 s; 120 s for chat sessions and 150 s for agent programs, which start new units
+only in the first 60 s so that those running can finish), tokens/s counted after a 10 s warm-up,
+then up to 30 s for requests still in flight (no unit starts a call after ``duration_s``: a unit
+cut there is not counted as completed).
 
 Run: ``python -m bench.prefix --out bench/results`` (writes ``prefix.md`` and ``prefix.json``;
 about a minute of CPU).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,11 +64,15 @@ def affinity_available() -> bool:
 
 
 def modes(affinity: bool) -> dict[str, dict[str, Any]]:
-    """Each policy, and with affinity each policy with ``routing.prefixAffinity`` on."""
+    """Each policy; with affinity, vtc with ``routing.prefixAffinity`` on (its defaults), and
+    the same charging the prompt as computed (``cost.chargeCachedPrompt: false``: cached tokens
+    cost nothing). Not fcfs with affinity: fcfs is pass-through, every request dispatched at once
+    without the scorer, so affinity changes nothing there (its rows were fcfs's, to the digit)."""
     out = dict(POLICIES)
     if affinity:
-        for name, config in POLICIES.items():
-            out[f"{name} + affinity"] = {**config, "routing": {"prefixAffinity": {}}}
+        out["vtc + affinity"] = {"routing": {"prefixAffinity": {}}}
+        out["vtc + affinity, charged computed"] = {
+            "routing": {"prefixAffinity": {}}, "cost": {"chargeCachedPrompt": False}}
     return out
 
 
@@ -152,9 +159,11 @@ def measure(only: list[str] | None = None, affinity: bool | None = None) -> dict
     for workload, path in WORKLOADS.items():
         if only and workload not in only:
             continue
-        results[workload] = {"traffic": path,
-                             "modes": {name: run_one(path, mode)
-                                       for name, mode in chosen.items()}}
+        runs: dict[str, Any] = {}
+        for name, mode in chosen.items():
+            runs[name] = run_one(path, mode)
+            print(f"{workload}, {name}: {runs[name]['sim_cpu_s']} s of CPU", file=sys.stderr)
+        results[workload] = {"traffic": path, "modes": runs}
     return results
 
 
@@ -172,13 +181,19 @@ def render(results: dict[str, Any]) -> str:
         f"{spec['endpoints']} engines × {spec['kv_budget_tokens']:,} tokens of KV, "
         f"{spec['max_num_batched_tokens']:,} batched tokens a step, "
         f"{spec['step_s'] * 1000:g} ms a step + {spec['prefill_s_per_token'] * 1000:g} ms per "
-        "prompt token computed. 60 simulated seconds a run (tokens/s over the last 50), up to "
-        f"{DRAIN_S:g} s more for requests in flight. Pool tokens/s: output tokens. Hit rate: the "
+        "prompt token computed. Each run lasts its traffic file's duration_s (tokens/s after "
+        f"a {WARMUP_S:g} s warm-up), up to {DRAIN_S:g} s more for requests in flight. Pool "
+        "tokens/s: output tokens. Hit rate: the "
         "engines' own (prefix_cache_hits / prefix_cache_queries, tokens). Completion: a session's "
         "or program's first call sent to its last reply (a single request's end-to-end), over "
         "the units whose every call was answered before the end. Cost shares: computed "
         "`(prompt − cached) + 2 × output`, beside sent `prompt + 2 × output`, of requests "
         "answered.",
+        "",
+        "fcfs is the picker's pass-through (every request dispatched at once, "
+        "ranked by load, without the affinity bonus), so it runs without affinity; vtc holds "
+        "requests in its fair queue while no endpoint has room by its KV budget, which counts "
+        "every request's whole prompt (shared blocks included) and its expected output.",
         "",
     ]
     for workload, data in results.items():
