@@ -444,10 +444,11 @@ class _Pool:
         record.outcome, record.end_s = outcome, now
         unit = None if planned is None else planned.unit
         if unit is not None and outcome == "ok":
+            assert planned is not None  # it holds the unit
             delay = unit.answered(generated_text(CHAT, record.completion_tokens))
             if delay is not None and now + delay < self.duration_s:
                 heapq.heappush(self.follow_ups, (now + delay, next(self.follow_order),
-                                                 unit_request(unit, record.kind, None)))
+                                                 unit_request(unit, planned.kind, None)))
                 return  # the unit goes on
         if record.kind == "backlog":
             pause = 0.0 if outcome == "ok" else BACKLOG_ERROR_PAUSE_S
