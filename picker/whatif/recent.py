@@ -49,8 +49,10 @@ class Bounds:
     """Replay the requests that arrived in the last this many minutes."""
     max_records: int = 20_000
     """At most this many records (the latest)."""
-    timeout_s: float = 60.0
-    """Seconds of replay (both configs) before giving up."""
+    timeout_s: float = 120.0
+    """Seconds of replay (both configs) before giving up. 20,000 records over 15 minutes on 2
+    endpoints (10 ms steps) took 38-40 s of CPU on the shared 2-core machine
+    (``python -m bench.whatif_window``)."""
     min_records: int = 50
     """Fewer usable requests than this: no prediction."""
     min_span_s: float = 60.0
@@ -149,8 +151,8 @@ def predict(records: Iterable[dict[str, Any]], baseline: PickerConfig,
     since = now - asked
     kept = [r for r in records
             if isinstance(r.get("arrived_at"), (int, float)) and r["arrived_at"] >= since]
+    cut = truncated or len(kept) > bounds.max_records
     kept = kept[-bounds.max_records:]
-    cut = truncated or len(kept) == bounds.max_records
     lines = [json.dumps(r, allow_nan=False).encode() + b"\n" for r in kept]
     arrivals_at = [r["arrived_at"] for r in kept]
     start = min(arrivals_at, default=now)
