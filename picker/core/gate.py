@@ -157,6 +157,9 @@ class Passage:
     destinations: list[str] = field(default_factory=list)
     endpoint: EndpointState | None = None
     dispatched_at: float | None = None
+    dispatch_seq: int = 0
+    """The gate's count of dispatches when this one left: the order of dispatches made at the
+    same instant (``still_waiting`` breaks ties with it)."""
     first_byte_at: float | None = None
     reserved_tokens: int = 0
     """Tokens this request adds to its endpoint's in-flight count."""
@@ -219,7 +222,10 @@ def still_waiting(sent: list[P], waiting: float) -> set[P]:
         return set()
     if count >= len(sent):
         return set(sent)
-    order = sorted(sent, key=lambda p: (p.engine_priority or 0, p.dispatched_at or 0.0))
+    # Dispatches of one instant in dispatch order, whatever order ``sent`` lists them in (a
+    # stream moved to the endpoint that served it is listed last there).
+    order = sorted(sent, key=lambda p: (p.engine_priority or 0, p.dispatched_at or 0.0,
+                                        p.dispatch_seq))
     return set(order[len(order) - count:])
 
 
@@ -284,6 +290,7 @@ class Gate:
         """This picker's lease: the fraction of each endpoint's budget it may hold."""
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
+        self._dispatches = 0
         self._unseen_prefill: dict[str, dict[Passage, None]] = {}
         """Per endpoint, the streams there whose tokens the picker does not see
         (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
@@ -855,6 +862,8 @@ class Gate:
         passage.destinations = [e.address for e in
                                 candidates[: 1 + self.rules.fallback_endpoints]]
         passage.dispatched_at = now
+        self._dispatches += 1
+        passage.dispatch_seq = self._dispatches
         passage.reserved_tokens = request.prompt_tokens
         if not passage.stream:
             estimate = self.output_estimate(passage, now)

@@ -110,10 +110,11 @@ async def test_budgets_show_what_is_left_and_full_buckets_for_tenants_not_yet_tr
         {"id": "a", "budgets": budgets}, {"id": "c", "budgets": {"burst": {"tokens": 500,
                                                                           "per": "60s"}}},
         {"id": "free"}]))
-    ticket = await _admit(d, "a", _request(100, stream=False, max_tokens=300))  # reserves 356
+    ticket = await _admit(d, "a", _request(100, stream=False, max_tokens=300))
+    # Reserved at its worst case: 100 prompt + 300 max_tokens.
     tenants = await _list(admin)
     a = {b.window: (b.remaining_tokens, b.capacity_tokens) for b in tenants["a"].budgets}
-    assert a == {"burst": (pytest.approx(644), 1000), "sustained": (pytest.approx(49644), 50000)}
+    assert a == {"burst": (pytest.approx(600), 1000), "sustained": (pytest.approx(49600), 50000)}
     assert a == {w: levels for w, levels in
                  d.snapshot()["budgets"]["a"].items()}
     c = {b.window: (b.remaining_tokens, b.capacity_tokens) for b in tenants["c"].budgets}

@@ -241,8 +241,8 @@ async def test_the_operator_reads_every_page() -> None:
         await _serve(d, f"t-{i:04d}", 10, 1 + i)
 
     class Stub:
-        async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
-                              timeout: float) -> admin_pb2.ListTenantsResponse:
+        async def ListTenants(self, request: admin_pb2.ListTenantsRequest, timeout: float,
+                              metadata: object = ()) -> admin_pb2.ListTenantsResponse:
             return admin.list_tenants(limit=request.limit, page_token=request.page_token)
 
     reader = AdminClient("127.0.0.1:1")
