@@ -131,7 +131,7 @@ class Scheduler:
         its counter since ``take_counter_changes``."""
         self.counter_faults = 0
         """Counters found not finite and set back to their lane's floor (a fault: exported as
-        ``fairway_counter_faults_total``)."""
+        ``fairway_vtc_faults_total``)."""
 
     # -- configuration --
 

@@ -244,7 +244,7 @@ class _StateCollector(Collector):
         yield from _budgets(state.get("budgets", {}), known)
         yield from _endpoints(state.get("endpoints", []))
         yield CounterMetricFamily(
-            "fairway_counter_faults", "Virtual counters found not finite (an infinite or NaN "
+            "fairway_vtc_faults", "Virtual counters found not finite (an infinite or NaN "
             "charge, or such a value from the shared store) and set back to their lane's floor: "
             "a fault, each one; the lane kept its fair order.",
             value=state.get("counter_faults", 0))

@@ -170,7 +170,7 @@ def test_a_tiny_weight_written_while_serving_is_refused_and_counters_stay_finite
                 in metric_samples(stack.metrics_url).items()
                 if name == "fairway_virtual_service"}
     assert counters and all(math.isfinite(v) for v in counters.values()), counters
-    assert metric(stack.metrics_url, "fairway_counter_faults_total") == 0
+    assert metric(stack.metrics_url, "fairway_vtc_faults_total") == 0
     assert metric(stack.metrics_url, "fairway_tenant_weight", tenant="heavy") == 1.0
 
 
