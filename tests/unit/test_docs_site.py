@@ -45,6 +45,7 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
 
 def test_every_link_of_the_readme_resolves() -> None:
     links = _LINK.findall(README.read_text(encoding="utf-8"))
+    assert len(links) >= 10, links  # the front door links to the task pages
     for link in links:
         if re.match(r"[a-z]+:", link):
             continue  # an outside address
@@ -53,6 +54,15 @@ def test_every_link_of_the_readme_resolves() -> None:
         assert target.exists(), f"README.md links to {link}: no such file"
         if anchor:
             assert anchor in _anchors(target), f"README.md links to {link}: no such heading"
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most about 250 lines, the two commands first, the cluster install within 80 lines."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail to docs/"
+    assert lines[:3] == ["# fairway", "", "```sh"] and lines[5] == "```", lines[:6]
+    assert lines[3].startswith("make demo ") and lines[4].startswith("make test "), lines[3:5]
+    assert "## Install in a cluster" in lines[:80]
 
 
 def test_the_tenantpolicy_reference_is_current() -> None:
