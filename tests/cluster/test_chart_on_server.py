@@ -179,8 +179,9 @@ def test_every_variant_of_the_chart_is_accepted_with_strict_field_validation(
                   "enabled", False),
               "inferencepool.inference.networking.k8s.io": values.get("inferencePool", {}).get(
                   "create", False),
+              # On by default: only the gateway may speak ext_proc (values.yaml).
               "networkpolicy.networking.k8s.io": values.get("networkPolicy", {}).get(
-                  "enabled", False),
+                  "enabled", True),
               "poddisruptionbudget.policy": values.get("picker", {}).get("replicas", 1) > 1}
     assert {kind for kind, on in wanted.items() if on} <= kinds, kinds
     assert not {kind for kind, on in wanted.items() if not on} & kinds, kinds
