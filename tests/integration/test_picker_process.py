@@ -203,7 +203,7 @@ async def test_hot_reload_applies_a_good_config_and_keeps_the_last_good_one(
         await picker.eventually("fairway_config_reloads_total", 1, result="failure")
         line = await running.wait_for_output("config reload failed", running.stderr, 15)
         assert "keeping the last good config" in line
-        assert "tenants[1].weight: must be > 0" in line
+        assert "tenants[1].weight: must be >= 0.001" in line
 
         # Still serving, still with the last good config (b is a configured tenant there).
         await complete(picker, picker.open(), "b")
@@ -270,7 +270,7 @@ async def test_sigterm_with_a_request_that_never_finishes_exits_after_the_grace(
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [({"tenants": [{"id": "a"}, {"id": "b", "weight": -1}]}, "tenants[1].weight: must be > 0"),
+    [({"tenants": [{"id": "a"}, {"id": "b", "weight": -1}]}, "tenants[1].weight: must be >= 0.001"),
      ({"queue": {"maxWait": "soon"}}, "queue.maxWait: must be a duration"),
      ({"tenancy": {"headr": "x-team"}}, "tenancy.headr: unknown key"),
      ({"endpoints": [{"address": "not an address"}]}, "endpoints[0].address: must be host:port")],

@@ -127,7 +127,8 @@ def _schema_errors(obj: dict) -> list[str]:
 _CEL_TOKEN = re.compile(r"\s*(?:(?P<has>has\(self((?:\.[A-Za-z_]\w*)+)\))"
                         r"|(?P<field>self((?:\.[A-Za-z_]\w*)*))"
                         r"|(?P<string>'[^'\\]*')"
-                        r"|(?P<op>\|\||&&|!=|==|!(?=has\()))")
+                        r"|(?P<number>-?\d+(?:\.\d+)?)"
+                        r"|(?P<op>\|\||&&|!=|==|>=|<=|!(?=has\()))")
 _MISSING = object()
 
 
@@ -158,8 +159,11 @@ def _cel(rule: str) -> typing.Callable[[dict], bool]:
             parts.append(f"_field(self, {names!r})")
         elif kind == "string":
             parts.append(repr(text[1:-1]))
+        elif kind == "number":
+            parts.append(repr(float(text)))
         else:
-            parts.append({"||": "or", "&&": "and", "!=": "!=", "==": "==", "!": "not"}[text])
+            parts.append({"||": "or", "&&": "and", "!=": "!=", "==": "==", ">=": ">=",
+                          "<=": "<=", "!": "not"}[text])
     code = compile(" ".join(parts), "<cel>", "eval")
 
     def _field(self: dict, names: tuple[str, ...]) -> Any:
