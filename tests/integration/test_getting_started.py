@@ -101,3 +101,20 @@ def test_the_getting_started_commands_run(tmp_path: Path) -> None:
                         "--gateway", gateway], cwd=cwd, capture_output=True, text=True).stdout
     for policy in ("vtc", "fcfs"):
         assert (cwd / f"sim-{policy}" / "summary.json").is_file()
+
+
+def test_the_demo_runs_and_prints_who_got_what(tmp_path: Path) -> None:
+    """What ``make demo`` runs (``tests/unit/test_docs_site.py`` checks that it runs this), with
+    3 s of traffic a policy instead of 20: both policies through real Envoy and the picker, the
+    side-by-side table with every tenant of the demo's traffic, and the plot."""
+    done = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "picker.demo",
+                           "--duration", "3", "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): line for line in done.stdout.splitlines()
+            if line.count("|") == 2}
+    assert {"alice", "bob", "carol", "noisy"} <= set(rows), done.stdout
+    for tenant in ("alice", "bob", "carol", "noisy"):
+        # A share under each policy: "12.3%" twice on the tenant's row.
+        assert len(re.findall(r"\d+\.\d%", rows[tenant])) == 2, rows[tenant]
+    assert (tmp_path / "out" / "demo_service.png").stat().st_size > 10_000
