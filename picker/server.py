@@ -543,7 +543,9 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
         await admin_server.stop(0.5)
         http_server.shutdown()
         http_thread.join(timeout=2)
-        log.info("picker stopped")
+        # Said last, for the pod's log: whether the drain left requests unsettled (its grace ran
+        # out on them): the metrics page is gone by now.
+        log.info("picker stopped, %d requests left unsettled", dispatcher.busy)
     if failed:
         raise RunnerFailed("a background task of the picker failed") from failed[0]
 

@@ -173,8 +173,9 @@ class ScrapesUntilExit:
     for once the process is gone.
 
     A draining picker keeps its metrics server up until its drain is over and its gRPC servers
-    are stopped (picker/server.py: it shuts that server last), so scraping until the port
-    refuses ends on a page taken after the last request left."""
+    are stopped (picker/server.py: it shuts that server last), but that can be within a few
+    milliseconds of the last settlement: the last page may predate it. What the picker left in
+    flight is in its last log line ("picker stopped, N requests left unsettled")."""
 
     def __init__(self, stack: Stack, process: subprocess.Popen) -> None:
         self.last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}

@@ -23,7 +23,6 @@ import pytest
 from picker.stack.launcher import Stack
 from tests.e2e.conftest import chat_body, metric, settled_metric, wait_until
 from tests.faults.helpers import (
-    GAUGES,
     ScrapesUntilExit,
     apost,
     assert_openai_error,
@@ -167,20 +166,13 @@ def test_sigterm_refuses_the_queued_and_lets_the_running_finish(stack: Stack) ->
     # Only the requests that were answered reached the engine; the refused never did.
     assert engine_requests(stack) - engine_before == len(ok)
 
-    # The draining picker's last page, scraped after its drain was over (it was not ready any
-    # more): nothing queued, running or in flight, and ``load`` charged exactly the answers it
-    # got, the refused ones nothing.
+    # The draining picker was not ready any more. Whether it left anything in flight is its
+    # last log line: its last metrics page may predate the last settlement, as the drain ends
+    # and the picker exits within a few milliseconds of it (a scrape every 10 ms missed it).
     assert last.last, ("no scrape of the draining picker", last.pages, last.errors[-3:])
     assert last.value("fairway_ready") == 0
-    assert {name: last.value(name) for name in GAUGES} == dict.fromkeys(GAUGES, 0)
-    prompt = sum(body["usage"]["prompt_tokens"] for _, _, body in ok)
-    assert last.value("fairway_service_tokens_total", tenant="load", kind="prompt") == prompt
-    assert last.value("fairway_service_tokens_total", tenant="load",
-                      kind="completion") == OUTPUT * len(ok)
-    assert last.value("fairway_weighted_service_total", tenant="load") == _cost(
-        prompt, OUTPUT * len(ok))
-    assert last.value("fairway_requests_total", tenant="load", outcome="ok") == len(ok)
-    assert last.value("fairway_requests_total", tenant="load") == LOAD
+    assert "picker stopped, 0 requests left unsettled" in \
+        (stack.workdir / "picker.log").read_text()
     # Per request, in the metering records: each answered one at its engine usage, each refused
     # one never sent and at 0.
     records = _records(stack, "load")
