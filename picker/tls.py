@@ -111,26 +111,32 @@ def self_signed(names: Sequence[str] = (), *,
     ``validity``."""
     all_names = list(dict.fromkeys([*names, *DEFAULT_NAMES]))
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, all_names[0])])
-    cert = (x509.CertificateBuilder()
-            .subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + validity)
+    subject = _subject(all_names[0])
+    cert = (_builder(subject, subject, key, validity)
             .add_extension(x509.SubjectAlternativeName([_san(n) for n in all_names]),
                            critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]),
                            critical=False)
             .sign(key, hashes.SHA256()))
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM),
-                   key.private_bytes(serialization.Encoding.PEM,
-                                     serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()),
-                   cert.not_valid_after_utc)
+    return _pair(cert, key)
+
+
+def _subject(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey,
+             validity: datetime.timedelta) -> x509.CertificateBuilder:
+    """A certificate of ``key`` valid from five minutes ago (clock skew) for ``validity``."""
+    now = datetime.datetime.now(datetime.UTC)
+    return (x509.CertificateBuilder()
+            .subject_name(subject).issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + validity))
 
 
 def _pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KeyPair:
@@ -146,15 +152,8 @@ def certificate_authority(name: str = "fairway-ca", *,
     """A new self-signed CA (ECDSA P-256) that signs only certificates (``issue``): what the
     chart's ``genCA`` makes for the gateway's client certificate, for tests and the stack."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    cert = (x509.CertificateBuilder()
-            .subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + validity)
+    subject = _subject(name)
+    cert = (_builder(subject, subject, key, validity)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
                                          crl_sign=True, content_commitment=False,
@@ -175,17 +174,9 @@ def issue(ca: KeyPair, names: Sequence[str], *, client: bool = True,
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
     usage = x509.ExtendedKeyUsageOID.CLIENT_AUTH if client \
         else x509.ExtendedKeyUsageOID.SERVER_AUTH
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fairway"),
-                                     x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + validity)
+    cert = (_builder(_subject(names[0]), ca_cert.subject, key, validity)
             .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]),
                            critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
