@@ -54,7 +54,7 @@ experiments: setup
 # keep one to themselves, one test at a time (tests/conftest.py); the pure and cluster tests run
 # on the other.
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 # Style, the import contracts of pyproject.toml (layers; docs/architecture.md) and types.
 lint: setup
