@@ -6,8 +6,9 @@ pool sizes users run?* Each size of ``bench.isolation`` from 8k up runs through 
 budget per step and prefill cost) in its modes: the light tenant alone and FCFS pass-through (the
 baselines), the picker with ``scheduling.enginePolicy: priority``, and the same with
 ``bench.isolation_together``'s *ready* profile (the idle-tenant reserve kept ready, growth room,
-prefill pacing); then the same traffic goes through the pool simulator, which runs the picker's
-own gate over a model of the same engines.
+prefill pacing), and ``capacity.profile: isolation`` (the switch that sets them); then the
+same traffic goes through the pool simulator, which runs the picker's own gate over a model of
+the same engines.
 
 Two cores carry Envoy, the picker, both servers and the load client, so time runs ``SCALE``
 times slower than in the simulator's own table (``bench/results/isolation.md``): each engine
@@ -49,7 +50,7 @@ from bench.isolation import (
     size_heading,
 )
 from bench.isolation_together import PROFILES, RESPONSE_PATHS
-from picker.config.schema import PickerConfig
+from picker.config.schema import CAPACITY_PROFILES, PickerConfig
 from picker.config.strict import load, parse_duration
 from picker.sim.load import percentile
 from picker.sim.pool import PoolSpec, simulate
@@ -66,6 +67,8 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "vtc, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"}}),
     "vtc + ready reserve, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"},
                                                       "capacity": PROFILES["ready"]}),
+    "isolation profile, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"},
+                                                    "capacity": {"profile": "isolation"}}),
 }
 BASELINES = ("light alone", "fcfs pass-through")
 """Every run has these: the ratios are against them."""
@@ -100,6 +103,10 @@ def server_args(spec: PoolSpec) -> list[str]:
 def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec, traffic: Traffic,
                  scale: float) -> dict[str, Any]:
     capacity = dict(extra.get("capacity", {}))
+    if "profile" in capacity and "idleTenantReserve" not in capacity:
+        # The profile's reserve, written out so that it scales as an explicit one does.
+        reserve = CAPACITY_PROFILES[capacity["profile"]]["idle_tenant_reserve"]
+        capacity["idleTenantReserve"] = f"{reserve:g}s"
     if "idleTenantReserve" in capacity:  # a window in time: as slow as the tenants' rates
         window = parse_duration(capacity["idleTenantReserve"], "idleTenantReserve")
         capacity["idleTenantReserve"] = f"{window * scale:g}s"

@@ -76,6 +76,8 @@ def _default(field: dataclasses.Field) -> str:
         return "required"
     if dataclasses.is_dataclass(value):
         return "(see below)"
+    if value is None and field.metadata.get("profile"):
+        return "the profile's"
     if value == () or value is None:
         return "unset" if value is None else "none"
     if isinstance(value, tuple):

@@ -163,6 +163,17 @@ class Queue:
     has one, which gets 429); ``refuseNew`` refuses every arrival alike."""
 
 
+CAPACITY_PROFILES: dict[str, dict[str, float | bool | int]] = {
+    "throughput": {"idle_tenant_reserve": 0.0, "growth_room": False, "max_prefill_tokens": 0,
+                   "ready_reserve": False},
+    "isolation": {"idle_tenant_reserve": 10.0, "growth_room": True, "max_prefill_tokens": 4096,
+                  "ready_reserve": True},
+}
+"""What ``capacity.profile`` sets, by field: the values of the four settings a key left unset
+takes. ``isolation``'s are those measured together in ``bench/isolation_together.py`` (its
+*ready* profile) and through Envoy in ``bench/isolation_envoy.py``."""
+
+
 @dataclass(frozen=True)
 class Capacity:
     """When an endpoint has room for another request."""
@@ -193,18 +204,34 @@ class Capacity:
     default_output_tokens: int = field(default=256,
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
-    idle_tenant_reserve: float = field(default=0.0, metadata=_camel("idle_tenant_reserve", ge=0,
-                                                                    duration=True))
+    profile: Literal["throughput", "isolation"] = "throughput"
+    """The four latency-isolation settings as one switch (``CAPACITY_PROFILES``). ``throughput``
+    (default): work-conserving, no request is held while an endpoint has room
+    (``idleTenantReserve: 0s``, ``growthRoom: false``, ``maxPrefillTokens: 0``,
+    ``readyReserve: false``). ``isolation``: a light tenant's first token under a flood as if it
+    were nearly alone, at a cost in the pool's tokens (``idleTenantReserve: 10s``,
+    ``growthRoom: true``, ``maxPrefillTokens: 4096``, ``readyReserve: true``); meant with
+    ``scheduling.enginePolicy: priority`` (vLLM's ``--scheduling-policy priority``), which the
+    profile cannot set since the engines' flag decides it. Any of the four keys written out
+    wins over the profile's value, and these fields hold what is in force: ``/metrics`` says it
+    (``fairway_capacity_profile{profile="isolation"} 1``, and each setting's own gauge, e.g.
+    ``fairway_capacity_max_prefill_tokens``), as does each TenantPolicy's
+    ``status.capacityProfile``. Measured cost: README, "What isolation costs"."""
+    idle_tenant_reserve: float = field(default=None,  # type: ignore[assignment]
+                                       metadata=_camel("idle_tenant_reserve", profile=True, ge=0,
+                                                       duration=True))
     """Headroom for light tenants. For this long after a tenant's last request, while it is not
     backlogged (at most one request waiting in the picker), one endpoint keeps room for its
     typical request: backlogged tenants may not take that room (a light tenant's queued request
     may, out of fair order). Room is
     judged by what running requests will hold once their output has grown. The light tenant's
     next request then starts at once instead of waiting for a long request to finish, at the cost
-    of a little throughput while such tenants exist. ``0s`` (default): strictly work-conserving,
-    no request is ever held while an endpoint has room."""
+    of a little throughput while such tenants exist. ``0s``: strictly work-conserving, no
+    request is ever held while an endpoint has room. Unset: the profile's (``throughput``: ``0s``,
+    ``isolation``: ``10s``)."""
 
-    growth_room: bool = field(default=False, metadata=_camel("growth_room"))
+    growth_room: bool = field(default=None,  # type: ignore[assignment]
+                              metadata=_camel("growth_room", profile=True))
     """Room for growth, for latency isolation under a flood. A backlogged tenant's request
     (more than one waiting in the picker, or parked) leaves only for an endpoint where it fits
     once every request there, and itself, have grown to their expected size (prompt + expected
@@ -221,9 +248,10 @@ class Capacity:
     FCFS pass-through's 0.97), 0.97 at 8k, 1.05 at 64k, 0.98 to 1.04 at 256k and 500k
     (preemption's recompute falls from 14 to 26 % of engine work to under 3 %); a light
     tenant's p95 TTFT under the flood goes from 2.5 to 10.6 times its p95 alone to 1.0 (1k),
-    1.3 to 1.5 (8k), 2.2 to 3.6 (64k), 1.3 to 2.0 (256k, 500k). ``false`` (default): the
-    prompt alone."""
-    max_prefill_tokens: int = field(default=0, metadata=_camel("max_prefill_tokens", ge=0))
+    1.3 to 1.5 (8k), 2.2 to 3.6 (64k), 1.3 to 2.0 (256k, 500k). ``false``: the prompt alone.
+    Unset: the profile's (``throughput``: ``false``, ``isolation``: ``true``)."""
+    max_prefill_tokens: int = field(default=None,  # type: ignore[assignment]
+                                    metadata=_camel("max_prefill_tokens", profile=True, ge=0))
     """Prefill pacing. A backlogged tenant's request leaves for an endpoint only while the prompt
     tokens sent there and not yet answered by a first token (streams: a non-streaming request's
     first token is not seen; on the access-log response path, where no token is seen before a stream
@@ -238,8 +266,10 @@ class Capacity:
     at 500k tokens of KV (2.7 to 3.0 without) and no better below, where the cache, not the prefill,
     is what its request waits for; with ``growthRoom``, 1.2 to 1.5 at 256k and 500k (1.3 to 2.0 with
     ``growthRoom`` alone). Held requests are judged again when a first token comes back or such a
-    read ends a prefill (the server and the simulator alike). ``0`` (default): no bound."""
-    ready_reserve: bool = field(default=False, metadata=_camel("ready_reserve"))
+    read ends a prefill (the server and the simulator alike). ``0``: no bound. Unset: the
+    profile's (``throughput``: ``0``, ``isolation``: ``4096``)."""
+    ready_reserve: bool = field(default=None,  # type: ignore[assignment]
+                                metadata=_camel("ready_reserve", profile=True))
     """With ``idleTenantReserve``: keep the reserve where a light tenant's request starts at the
     engine's next step, on an endpoint computing no prompt. A step runs its prompt chunks to
     the end and vLLM finishes a running request's prompt before starting a waiting one's, so
@@ -254,10 +284,20 @@ class Capacity:
     a light tenant's p95 TTFT under a flood 1.00 to 1.26 times its p95 alone on two endpoints
     (1.00 to 1.87 without it), at 0.73 to 0.91 of the default's tokens (0.91 to 1.05 without);
     1.00 to 1.09 on four endpoints at 0.87 to 1.00; 1.00 on eight at 0.95 to 1.04 (8k and
-    64k); through Envoy at 64k, 1.14. ``false`` (default): the reserve counts on any endpoint
-    with the room."""
+    64k); through Envoy at 64k, 1.14. ``false``: the reserve counts on any endpoint with the
+    room. Unset: the profile's (``throughput``: ``false``, ``isolation``: ``true``)."""
 
     def __post_init__(self) -> None:
+        # A key left unset takes the profile's value; one written out wins. The fields then
+        # hold what is in force, so every reader (the gate's rules, /metrics, the status) sees
+        # one answer.
+        unset = [name for name in CAPACITY_PROFILES[self.profile] if getattr(self, name) is None]
+        for name in unset:
+            object.__setattr__(self, name, CAPACITY_PROFILES[self.profile][name])
+        if "ready_reserve" in unset and not self.idle_tenant_reserve:
+            # idleTenantReserve: 0s written out under a profile leaves its ready reserve nothing
+            # to place: off, rather than an error the profile's user did not write.
+            object.__setattr__(self, "ready_reserve", False)
         if isinstance(self.kv_budget_tokens, int) and self.kv_budget_tokens < 1:
             raise ConfigError("kvBudgetTokens", "must be >= 1 or auto")
         if self.ready_reserve and not self.idle_tenant_reserve:
@@ -536,6 +576,47 @@ class PrefixAffinity:
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
 
 
+_HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Programs and sessions: an optional key a request carries in ``header``, set by the
+    gateway or the application, naming the session or agent program it belongs to. It never
+    picks the tenant: every key is scoped by the tenant the identity resolved, so a key sent by
+    one tenant neither steers nor rides another tenant's session. A session's calls go to the
+    endpoint its previous call went to (its context is in that engine's prefix cache) when that
+    endpoint has room, before prefix affinity and load are looked at; otherwise the normal
+    choice (never an endpoint where the request does not fit). A call of a session that already
+    had a call dispatched (a program in progress) goes before its tenant's new programs: the
+    fair queue still picks which tenant goes next, by its counters, so a tenant's share of
+    tokens does not grow with its calls; only the order inside its own queue changes. The
+    header is passed to the model server unchanged. Each picker replica keeps its own table.
+    Measured in the pool simulator on agent programs of 1, 10 and 30 calls per task
+    (bench/results/prefix.md, "sessions")."""
+
+    header: str = "x-session-id"
+    """The request header holding the key (lower case). A value longer than 256 characters or
+    holding a control character is ignored (the request has no session)."""
+    max_sessions: int = field(default=65_536, metadata=_camel("max_sessions", ge=1,
+                                                              le=10_000_000))
+    """Sessions remembered per picker; past it the least recently used is forgotten (its next
+    call is routed and ordered as a new one). About 250 bytes a session beside its key."""
+    idle_timeout: float = field(default=600.0, metadata=_camel("idle_timeout", gt=0,
+                                                               duration=True))
+    """A session is forgotten this long after its last call."""
+    sticky: bool = True
+    """A session's calls go to the endpoint of its previous call while it has room."""
+    resume_first: bool = field(default=True, metadata=_camel("resume_first"))
+    """A tenant's calls of programs in progress go before its new programs (within the tenant's
+    fair share)."""
+
+    def __post_init__(self) -> None:
+        if not _HEADER_NAME.match(self.header):
+            raise ConfigError("header", f"must be a lower-case HTTP header name, got "
+                                        f"{self.header!r}")
+
+
 @dataclass(frozen=True)
 class Routing:
     """How requests are routed. The inference paths (``/v1/completions``,
@@ -550,6 +631,9 @@ class Routing:
     prefix_affinity: PrefixAffinity | None = field(default=None,
                                                    metadata=_camel("prefix_affinity"))
     """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off)."""
+    sessions: Sessions | None = None
+    """Keep a session's or program's calls on one endpoint and its calls in progress before its
+    tenant's new programs (unset: session keys are ignored)."""
     fallback_endpoints: int = field(default=0, metadata=_camel("fallback_endpoints", ge=0,
                                                                le=8))
     """Endpoints named after the primary, for the gateway to retry on (header and ``envoy.lb``

@@ -67,6 +67,36 @@ def test_kv_budget_tokens_takes_an_integer() -> None:
     assert load_config({"capacity": {"kvBudgetTokens": 4096}}).capacity.kv_budget_tokens == 4096
 
 
+def test_capacity_profile_sets_the_four_isolation_settings() -> None:
+    throughput = load_config({}).capacity
+    assert throughput.profile == "throughput"
+    assert (throughput.idle_tenant_reserve, throughput.growth_room, throughput.max_prefill_tokens,
+            throughput.ready_reserve) == (0.0, False, 0, False)
+    isolation = load_config({"capacity": {"profile": "isolation"}}).capacity
+    assert (isolation.idle_tenant_reserve, isolation.growth_room, isolation.max_prefill_tokens,
+            isolation.ready_reserve) == (10.0, True, 4096, True)
+
+
+def test_a_key_written_out_wins_over_the_profile() -> None:
+    capacity = load_config({"capacity": {"profile": "isolation", "maxPrefillTokens": 8192,
+                                         "growthRoom": False}}).capacity
+    assert (capacity.idle_tenant_reserve, capacity.growth_room, capacity.max_prefill_tokens,
+            capacity.ready_reserve) == (10.0, False, 8192, True)
+    # and under the default profile, as before profiles existed
+    capacity = load_config({"capacity": {"idleTenantReserve": "2s"}}).capacity
+    assert (capacity.profile, capacity.idle_tenant_reserve, capacity.growth_room) == \
+        ("throughput", 2.0, False)
+
+
+def test_the_profiles_ready_reserve_goes_with_a_reserve_written_out_as_none() -> None:
+    # idleTenantReserve: 0s leaves the ready reserve nothing to place: off, not an error the
+    # user did not write (written out, readyReserve: true is refused: a bad fixture).
+    capacity = load_config({"capacity": {"profile": "isolation",
+                                         "idleTenantReserve": "0s"}}).capacity
+    assert (capacity.idle_tenant_reserve, capacity.ready_reserve, capacity.growth_room) == \
+        (0.0, False, True)
+
+
 def test_bad_fixtures_cover_every_kind_of_failure() -> None:
     assert len(BAD) >= 30
 
