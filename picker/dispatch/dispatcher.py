@@ -27,7 +27,7 @@ from picker.config.build import (
     identity,
     metering_sink,
 )
-from picker.config.schema import PickerConfig, Tenancy
+from picker.config.schema import CAPACITY_PROFILES, PickerConfig, Tenancy
 from picker.config.trusted import reload_refusal, strip_list
 from picker.core import LaneSpec, Usage
 from picker.core.admission import Admission, Refused
@@ -202,6 +202,12 @@ class Dispatcher:
         self.config = config
         gate.set_endpoints(endpoint_budgets(config))
         self.metrics.set_known_tenants(t.id for t in config.tenants)
+        c = config.capacity
+        self.metrics.set_capacity(c.profile, CAPACITY_PROFILES,
+                                  idle_tenant_reserve=c.idle_tenant_reserve,
+                                  growth_room=c.growth_room,
+                                  max_prefill_tokens=c.max_prefill_tokens,
+                                  ready_reserve=c.ready_reserve)
         gate.pump(now)
 
     def _check_live_change(self, config: PickerConfig, structural: bool) -> None:

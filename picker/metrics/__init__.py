@@ -4,8 +4,9 @@ They answer, per tenant and lane: how many requests ended and how (``fairway_req
 why some were refused or demoted, how many tokens were served, waiting and in flight, how far
 each tenant is ahead of its fair share (``fairway_fairness_debt``) and how much of its token
 budget is left; per endpoint, how loaded it is; and, per picker, what it runs
-(``fairway_build_info``) and whether it is the one serving (``fairway_leader``,
-``fairway_ready``). Everything is on an injected registry so tests read the values.
+(``fairway_build_info``), with which capacity profile (``fairway_capacity_profile``) and
+whether it is the one serving (``fairway_leader``, ``fairway_ready``). Everything is on an
+injected registry so tests read the values.
 
 Names carry the ``fairway_`` prefix and their unit (seconds, tokens, ratio; ``_total`` on
 counters), and pass ``promtool check metrics`` (no type in a name: VTC's counter is exported as
@@ -158,9 +159,37 @@ class PickerMetrics:
         self.state_staleness = Gauge(
             "fairway_state_staleness_seconds", "Age of this picker's view of the shared state "
             "(time since its last successful exchange).", registry=r)
+        self.capacity_profile = Gauge(
+            "fairway_capacity_profile", "1 for the capacity.profile in force (throughput: "
+            "work-conserving; isolation: a light tenant's latency first), 0 for the others.",
+            ["profile"], registry=r)
+        self.capacity_idle_tenant_reserve = Gauge(
+            "fairway_capacity_idle_tenant_reserve_seconds", "capacity.idleTenantReserve in "
+            "force (the profile's, or written out).", registry=r)
+        self.capacity_growth_room = Gauge(
+            "fairway_capacity_growth_room", "capacity.growthRoom in force (1 on, 0 off).",
+            registry=r)
+        self.capacity_max_prefill_tokens = Gauge(
+            "fairway_capacity_max_prefill_tokens", "capacity.maxPrefillTokens in force "
+            "(0: no bound).", registry=r)
+        self.capacity_ready_reserve = Gauge(
+            "fairway_capacity_ready_reserve", "capacity.readyReserve in force (1 on, 0 off).",
+            registry=r)
         labels = build_labels()
         Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
               list(labels), registry=r).labels(**labels).set(1)
+
+    def set_capacity(self, profile: str, profiles: Iterable[str], *,
+                     idle_tenant_reserve: float, growth_room: bool, max_prefill_tokens: int,
+                     ready_reserve: bool) -> None:
+        """The capacity profile in force (1; the other ``profiles`` 0) and the four settings it
+        sets, as loaded: a key written out over the profile shows its own value."""
+        for name in profiles:
+            self.capacity_profile.labels(name).set(1 if name == profile else 0)
+        self.capacity_idle_tenant_reserve.set(idle_tenant_reserve)
+        self.capacity_growth_room.set(1 if growth_room else 0)
+        self.capacity_max_prefill_tokens.set(max_prefill_tokens)
+        self.capacity_ready_reserve.set(1 if ready_reserve else 0)
 
     def set_known_tenants(self, tenants: Iterable[str]) -> None:
         """Tenants that get their own label value; all others are counted as ``other``."""
