@@ -142,10 +142,13 @@ class Reconciler:
                 runs[verdict.name] = DryRun(namespace, verdict.name, verdict.generation,
                                             verdict.tenants, config, candidate)
         self._dry_runs[namespace] = runs
+        # The pool's profile goes on every policy's status, dry runs' too: it is in force for
+        # their tenants. None (no config written): the picker keeps its last, left as said.
+        profile = None if config is None else render.capacity_profile(config)
         for policy in chosen:
             verdict = verdicts[policy["metadata"]["name"]]
             status = policy.get("status") or {}
-            change = status_patch(status, verdict)
+            change = status_patch(status, verdict, profile=profile)
             if change is not None:
                 await self.kube.patch_policy_status(namespace, verdict.name, change)
             if verdict_changed(status, verdict):
@@ -218,11 +221,20 @@ def _ready_condition(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def status_patch(status: Mapping[str, Any], verdict: render.Verdict,
-                 now: datetime | None = None) -> dict | None:
+                 now: datetime | None = None, *, profile: str | None = None) -> dict | None:
     """The status change that records ``verdict`` (its Ready condition and
-    ``observedGeneration``), or None when the status already says so.
+    ``observedGeneration``) and the pool's ``capacityProfile`` (when ``profile`` is known), or
+    None when the status already says so.
 
     ``lastTransitionTime`` moves only when the condition's status flips."""
+    change = _verdict_patch(status, verdict, now)
+    if profile is not None and status.get("capacityProfile") != profile:
+        change = {**(change or {}), "capacityProfile": profile}
+    return change
+
+
+def _verdict_patch(status: Mapping[str, Any], verdict: render.Verdict,
+                   now: datetime | None) -> dict | None:
     conditions = [c for c in status.get("conditions") or () if isinstance(c, Mapping)]
     old = _ready_condition(status)
     flag = "True" if verdict.ready else "False"

@@ -175,6 +175,13 @@ def dry_run(config: Mapping[str, Any] | None, base: Any, policy: Mapping[str, An
         "picker config; status.whatIf predicts what each tenant would get", generation, ids)
 
 
+def capacity_profile(config: Mapping[str, Any]) -> str:
+    """The ``capacity.profile`` in force under ``config`` (a config ``render`` wrote): each
+    TenantPolicy's ``status.capacityProfile``. The base config chooses it, never a policy: it
+    trades the whole pool's tokens for light tenants' latency (README, "What isolation costs")."""
+    return load_config(config).capacity.profile
+
+
 def secret_names(policies: Iterable[Mapping[str, Any]]) -> set[str]:
     """Names of the Secrets the policies' ``apiKeySecretRef`` point at."""
     names = set()

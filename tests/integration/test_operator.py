@@ -307,6 +307,7 @@ async def test_policies_are_rendered_and_marked_ready(cluster: Cluster) -> None:
             assert ready["status"] == "True" and ready["reason"] == "Applied"
             assert ready["observedGeneration"] == 1
             assert cluster.policy(name)["status"]["observedGeneration"] == 1
+            assert cluster.policy(name)["status"]["capacityProfile"] == "throughput"
         assert "alice, ann" in cluster.ready("team-a")["message"]
         assert_valid_policy(cluster.policy("team-a"))
         output = cluster.get("v1/configmaps", "fairway-picker-config")

@@ -240,7 +240,8 @@ def test_crd_spec_and_status_have_exactly_these_fields() -> None:
     assert list(SPEC["properties"]["apiKeySecretRef"]["properties"]) == ["name"]
     assert list(STATUS["properties"]) == ["observedGeneration", "conditions", "share",
                                           "queuedRequests", "runningRequests", "budgetRemaining",
-                                          "lastUpdated", "whatIf"]
+                                          "lastUpdated", "capacityProfile", "whatIf"]
+    assert STATUS["properties"]["capacityProfile"]["enum"] == ["throughput", "isolation"]
     assert list(STATUS["properties"]["budgetRemaining"]["properties"]) == ["burst", "sustained"]
     what_if = STATUS["properties"]["whatIf"]["properties"]
     assert list(what_if) == ["observedGeneration", "lastUpdated", "window", "pool", "tenants"]

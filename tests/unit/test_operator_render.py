@@ -380,6 +380,30 @@ def test_status_patch_records_the_verdict_once() -> None:
     assert flipped["conditions"][0]["lastTransitionTime"] == "2025-03-01T00:00:00Z"
 
 
+def test_the_pools_capacity_profile_comes_from_the_base_config() -> None:
+    config, verdicts = render.render(BASE, [policy("a", ["a"])])
+    assert config is not None and verdicts["a"].ready
+    assert render.capacity_profile(config) == "throughput"
+    isolation = {**BASE, "capacity": {"profile": "isolation", "maxPrefillTokens": 8192}}
+    config, verdicts = render.render(isolation, [policy("a", ["a"])])
+    assert config is not None and verdicts["a"].ready
+    assert config["capacity"] == {"profile": "isolation", "maxPrefillTokens": 8192}
+    assert render.capacity_profile(config) == "isolation"
+
+
+def test_status_patch_says_which_capacity_profile_is_in_force() -> None:
+    t0 = datetime(2025, 1, 1, tzinfo=UTC)
+    ok = Verdict("p", True, "Applied", "tenant(s) a are in the picker config", 3)
+    change = status_patch({}, ok, t0, profile="isolation")
+    assert change is not None and change["capacityProfile"] == "isolation"
+    assert change["conditions"][0]["reason"] == "Applied"
+    assert status_patch(change, ok, profile="isolation") is None  # nothing new: no write
+    # The base config switched the pool back: only the profile is written.
+    assert status_patch(change, ok, profile="throughput") == {"capacityProfile": "throughput"}
+    # No config written (a bad base config): the status keeps what it said.
+    assert status_patch(change, ok) is None
+
+
 def test_figures_sum_the_policys_tenants() -> None:
     def state(tenant: str, share: float, queued: int, running: int,
               budgets: tuple = ()) -> admin_pb2.TenantState:
