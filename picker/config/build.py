@@ -42,7 +42,7 @@ def capacity_rules(config: PickerConfig) -> CapacityRules:
     return CapacityRules(fallback_budget=fallback, max_waiting=c.max_waiting,
                          stale_after=c.metrics_stale_after, growth_room=c.growth_room,
                          max_prefill_tokens=c.max_prefill_tokens,
-                         ready_reserve=c.ready_reserve)
+                         ready_reserve=c.ready_reserve, engine_queue=c.engine_queue)
 
 
 def gate_rules(config: PickerConfig) -> GateRules:

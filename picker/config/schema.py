@@ -187,6 +187,17 @@ class Capacity:
     """Budget used with ``auto`` until (or unless) the endpoint reports its own."""
     max_waiting: int = field(default=2, metadata=_camel("max_waiting", ge=1))
     """An endpoint whose scraped ``vllm:num_requests_waiting`` is at or above this has no room."""
+    engine_queue: int = field(default=0, metadata=_camel("engine_queue", ge=0, le=64))
+    """Requests the picker keeps queued in each engine beyond its room. An endpoint where a
+    request's prompt does not fit beside the tokens in flight still takes it while fewer than
+    this many of the picker's requests sent so wait in its engine's queue (by the picker's own
+    count: sent beyond the room, no first token back yet). When a request there ends, the
+    engine starts the next one at its next step instead of idling that room until the picker has
+    seen the end and its next request has crossed the gateway. The fair queue still orders
+    everything else: at most this many requests an endpoint leave out of its order; a light
+    tenant's request waits behind them on ``fcfs`` engines and overtakes them on ``priority``
+    engines (its ``priority`` is better). Not beside other replicas (a lease bounds what each
+    holds). ``0``: a request leaves only when its prompt fits."""
     scrape_interval: float = field(default=0.05, metadata=_camel("scrape_interval", gt=0,
                                                                  duration=True))
     """How often an endpoint's ``/metrics`` is read while its figures decide its room: the last

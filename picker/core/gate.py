@@ -20,6 +20,10 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 * ``single`` holds exactly the tenants with one request in the fair queue and none parked;
 * an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
   over the requests dispatched there and not yet settled.
+* an endpoint's ``engine_queued`` is the number of requests dispatched there, not yet settled,
+  that are ``engine_queued``: sent where they did not fit (``fits``) and still ``prefilling``
+  (a non-streaming one, whose first token is never seen, until it ends); it reaches at most
+  ``capacity.engine_queue`` through dispatches (``queue_slot``).
 * an endpoint's ``prefill_tokens`` is the sum of the prompts of the requests dispatched there,
   not yet settled, that are ``prefilling`` (streams whose first output token has not come back,
   or, for those whose tokens the picker does not see, that no read of the engine has shown
@@ -48,6 +52,7 @@ from picker.core.selection import (
     EndpointState,
     LeastLoaded,
     Scorer,
+    fits,
     free_tokens,
     keeps_reserve,
     observe,
@@ -185,6 +190,10 @@ class Passage:
     """The prompt's chained block hashes (``picker.openai.prefix``); empty: no affinity."""
     prefix_chars: int = 0
     """Length of the text those blocks were cut from."""
+    engine_queued: bool = False
+    """Sent to an endpoint where it did not fit, into its engine's own queue
+    (``CapacityRules.engine_queue``): counted in the endpoint's ``engine_queued`` until its
+    prefill ends (as ``prefilling``) or it ends."""
     output_seen: bool = True
     """The picker sees the response's tokens as they stream (the meter stream, inline); False on
     the access-log response path, which reports a request only once it has ended: its prefill
@@ -869,6 +878,11 @@ class Gate:
             estimate = self.output_estimate(passage, now)
             self.scheduler.charge_estimate(request, estimate)
             passage.reserved_tokens += estimate
+        if self.rules.capacity.engine_queue and self.rules.holding and not preempting and \
+                not fits(primary, now, self.rules.capacity, request.prompt_tokens):
+            # Beyond its room (``queue_slot``): the engine queues it until a request there ends.
+            passage.engine_queued = True
+            primary.engine_queued += 1
         primary.inflight_tokens += passage.reserved_tokens
         primary.inflight_requests += 1
         if passage.stream:
@@ -935,8 +949,10 @@ class Gate:
             passage.reserved_tokens += tokens
             self.occupancy.add(passage.lane, passage.tenant, tokens, self.scheduler.weights)
         if passage.prefilling:
+            # Its engine started it: an engine-queue slot there is free again.
+            queued = passage.engine_queued
             self._prefilled(passage)
-            if now is not None and self._prefill_holds():
+            if now is not None and (queued or self._prefill_holds()):
                 self.pump(now)
 
     def scraped(self, endpoint: EndpointState, waiting: float | None, running: float | None,
@@ -972,6 +988,9 @@ class Gate:
         endpoint = passage.endpoint
         if endpoint is not None:
             endpoint.prefill_tokens -= passage.request.prompt_tokens
+            if passage.engine_queued:
+                passage.engine_queued = False
+                endpoint.engine_queued -= 1
             if not passage.output_seen:
                 self._unseen_prefill.get(endpoint.address, {}).pop(passage, None)
 
@@ -1023,6 +1042,9 @@ class Gate:
         endpoint.projected_tokens -= passage.projected_tokens
         if passage.prefilling:
             self._prefilled(passage)
+        elif passage.engine_queued:  # non-streaming: no first token ended it
+            passage.engine_queued = False
+            endpoint.engine_queued -= 1
         self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens,
                            self.scheduler.weights)
         endpoint.inflight_requests -= 1
@@ -1097,6 +1119,7 @@ class Gate:
             endpoint.inflight_tokens += sign * passage.reserved_tokens
             endpoint.projected_tokens += sign * passage.projected_tokens
             endpoint.inflight_requests += sign
+            endpoint.engine_queued += sign * passage.engine_queued
             if passage.prefilling:
                 endpoint.prefill_tokens += sign * passage.request.prompt_tokens
         if passage.prefilling and not passage.output_seen:

@@ -58,6 +58,11 @@ class EndpointState:
     share: float = 1.0
     """The fraction of the budget this picker may hold here: its lease among active-active
     replicas (``picker.core.leases``); 1 for a picker alone."""
+    engine_queued: int = 0
+    """Requests sent here beyond its room, into its engine's own queue
+    (``CapacityRules.engine_queue``), that the engine has not started by the picker's own
+    accounting: no first token back yet (or, unseen, no read of the engine showing it out of
+    the waiting queue) and not ended."""
 
     def in_service(self, now: float) -> bool:
         """Whether it may get a new request: not draining, not ejected (a probing endpoint
@@ -136,6 +141,12 @@ class CapacityRules:
     """The idle-tenant reserve counts only on an endpoint that computes no prompt: none
     outstanding there (``prefill_tokens``), and not the one a backlogged tenant's request is
     about to go to (``keeps_reserve``); False: on any endpoint with the room."""
+    engine_queue: int = 0
+    """Requests an endpoint without room may still take, into its engine's own queue, while
+    fewer than this of the picker's wait there (``EndpointState.engine_queued``): a request
+    the engine finishes is replaced at its next step from that queue instead of after the
+    picker has seen the end and its next request has crossed the gateway. 0: none (a request
+    leaves only when its prompt fits, ``fits``)."""
 
 
 def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
@@ -163,11 +174,34 @@ def waiting(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
 
 def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
              prompt_tokens: int = 0, lease_tokens: int | None = None) -> bool:
-    """Whether the endpoint should take a request with this prompt now. ``lease_tokens``:
-    what the request will hold at its end (default its prompt), judged against this picker's
-    lease beside other replicas, so that together they never reserve past the budget."""
+    """Whether the endpoint should take a request with this prompt now: it is in service and
+    the prompt fits (``fits``), or its engine's queue has a slot for it (``queue_slot``)."""
     if not endpoint.in_service(now):
         return False
+    return fits(endpoint, now, rules, prompt_tokens, lease_tokens) or queue_slot(endpoint, rules)
+
+
+def queue_slot(endpoint: EndpointState, rules: CapacityRules) -> bool:
+    """Whether the endpoint may take a request that does not fit, into its engine's own queue:
+    fewer than ``engine_queue`` of the picker's requests wait there. Never beside other
+    replicas (a lease bounds what each may hold), and never to an endpoint with nothing in
+    flight (any request fits there).
+
+    Invariant: the picker never has more than ``engine_queue`` requests sent to an endpoint
+    beyond its room and not yet started there, so the fair queue still orders all but that
+    many requests an endpoint; a completion is refilled at the engine's next step for as long
+    as the queue lasts, which is why it needs only about one round trip's completions."""
+    return endpoint.engine_queued < rules.engine_queue and endpoint.share >= 1.0 \
+        and endpoint.inflight_requests > 0
+
+
+def fits(endpoint: EndpointState, now: float, rules: CapacityRules,
+         prompt_tokens: int = 0, lease_tokens: int | None = None) -> bool:
+    """Whether a request with this prompt fits on the endpoint now (in service assumed): its
+    prompt beside the tokens in use there (``occupancy``; an empty endpoint takes any), and the
+    engine's own waiting queue under ``max_waiting``. ``lease_tokens``: what the request will
+    hold at its end (default its prompt), judged against this picker's lease beside other
+    replicas, so that together they never reserve past the budget."""
     used = occupancy(endpoint, now, rules)
     budget = endpoint.budget(rules.fallback_budget)
     if used >= budget or (endpoint.inflight_requests and used + prompt_tokens > budget):

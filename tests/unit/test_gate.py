@@ -4,6 +4,7 @@ hand-computed example."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -149,11 +150,13 @@ class GateMachine(RuleBasedStateMachine):
         assert isinstance(admission, RecordingAdmission)
         return admission
 
-    @initialize(shed=st.booleans(), max_queued=st.integers(2, 10))
-    def configure(self, shed: bool, max_queued: int) -> None:
+    @initialize(shed=st.booleans(), max_queued=st.integers(2, 10),
+                engine_queue=st.sampled_from((0, 1, 2)))
+    def configure(self, shed: bool, max_queued: int, engine_queue: int) -> None:
         rules = self.gate.rules
         self.gate.set_rules(GateRules(
-            lanes=rules.lanes, capacity=rules.capacity, health=rules.health,
+            lanes=rules.lanes, capacity=replace(rules.capacity, engine_queue=engine_queue),
+            health=rules.health,
             max_queued=max_queued, shed_lower_lanes=shed, tenant_lanes=rules.tenant_lanes,
             allowed_lanes=rules.allowed_lanes))
 
@@ -396,6 +399,11 @@ class GateMachine(RuleBasedStateMachine):
                 p for p in mine if p.prefilling and not p.output_seen}
             assert endpoint.prefill_tokens == sum(p.request.prompt_tokens for p in mine
                                                   if p.prefilling)
+            # Sent beyond the room into the engine's queue: until its prefill ends (a stream)
+            # or it ends.
+            assert endpoint.engine_queued == sum(p.engine_queued for p in mine)
+            for passage in mine:
+                assert not passage.engine_queued or passage.prefilling or not passage.stream
         held: dict[tuple[str, str], int] = {}
         for passage in self.running():
             key = (passage.lane, passage.tenant)
