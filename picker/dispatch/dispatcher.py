@@ -512,6 +512,9 @@ class Dispatcher:
         m.requests.labels(label, ticket.lane, outcome).inc()
         m.service_tokens.labels(label, ticket.lane, "prompt").inc(usage.prompt_tokens)
         m.service_tokens.labels(label, ticket.lane, "completion").inc(usage.completion_tokens)
+        # Of the prompt, what the engine found in its prefix cache (0 counted too, so every
+        # tenant's computed share, prompt - cached, has both series).
+        m.service_tokens.labels(label, ticket.lane, "cached").inc(usage.cached_prompt_tokens)
         m.weighted_service.labels(label, ticket.lane).inc(max(0.0, ticket.request.charged))
 
     # -- state --

@@ -105,7 +105,8 @@ class PickerMetrics:
             "Requests admitted into a lower lane because their tenant was over budget.",
             ["tenant", "from_lane", "to_lane"], registry=r), fold)
         self.service_tokens = TenantCapped(Counter(
-            "fairway_service_tokens", "Tokens served, by kind.",
+            "fairway_service_tokens", "Tokens served, by kind: prompt (as sent), completion, "
+            "and cached (of the prompt, what the engine reported found in its prefix cache).",
             ["tenant", "lane", "kind"], registry=r), fold)
         self.weighted_service = TenantCapped(Counter(
             "fairway_weighted_service", "Weighted service charged (cost units, not ÷ weight).",

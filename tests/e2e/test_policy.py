@@ -387,15 +387,19 @@ def test_api_key_request_is_charged_to_the_keys_tenant_not_the_header(key_stack:
     url = key_stack.metrics_url
     # Earlier tests' requests of this tenant settle after their clients got the answer.
     assert wait_until(lambda: metric(url, "fairway_running_requests", tenant="keyed") == 0)
-    before = metric(url, "fairway_service_tokens_total", tenant="keyed")
+
+    def served_tokens() -> float:  # prompt and completion (kind="cached" is of the prompt)
+        return sum(metric(url, "fairway_service_tokens_total", tenant="keyed", kind=kind)
+                   for kind in ("prompt", "completion"))
+
+    before = served_tokens()
     status, _, body = _post(key_stack.gateway_url, chat_body(max_tokens=6), {
         "authorization": f"Bearer {API_KEY}", TENANT_HEADER: "someone-else",
         "x-llm-d-inference-fairness-id": "someone-else"})
     assert status == 200, body
     usage = json.loads(body)["usage"]
     served = usage["prompt_tokens"] + usage["completion_tokens"]
-    assert wait_until(lambda: metric(url, "fairway_service_tokens_total", tenant="keyed")
-                       - before == served)
+    assert wait_until(lambda: served_tokens() - before == served)
     assert metric(url, "fairway_service_tokens_total", tenant="someone-else") == 0
     assert metric(url, "fairway_requests_total", tenant="someone-else") == 0
     assert metric(url, "fairway_requests_total", tenant="other") == 0

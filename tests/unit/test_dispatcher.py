@@ -321,6 +321,12 @@ async def test_complete_with_usage_settles_to_the_cost_of_usage() -> None:
     assert _sample(d, "fairway_service_tokens_total", tenant="a", lane=LANE, kind="prompt") == 200
     assert _sample(d, "fairway_service_tokens_total", tenant="a", lane=LANE,
                    kind="completion") == 10
+    # The engine's cached share of the prompt, for the dashboard's cached / computed panel.
+    assert _sample(d, "fairway_service_tokens_total", tenant="a", lane=LANE, kind="cached") == 150
+    other = await _admit(d, "a", _request(100, stream=False))
+    d.complete(other, Usage(100, 5), "ok")
+    assert _sample(d, "fairway_service_tokens_total", tenant="a", lane=LANE, kind="cached") == 150
+    assert _sample(d, "fairway_service_tokens_total", tenant="a", lane=LANE, kind="prompt") == 300
 
 
 async def test_uncharged_cached_prompt_settles_to_computed_tokens() -> None:
