@@ -18,6 +18,7 @@ from picker.core.gate import GateRules, LaneRules
 from picker.core.health import HealthRules
 from picker.core.prefix import AffinityRules
 from picker.core.selection import CapacityRules
+from picker.core.sessions import SessionRules
 from picker.errors import ConfigError
 from picker.identity import Identity, KeyEntry
 from picker.metering import MeteringSink, open_sink
@@ -67,6 +68,7 @@ def gate_rules(config: PickerConfig) -> GateRules:
                        for t in config.tenants},
         configured_tenants=frozenset(t.id for t in config.tenants),
         affinity=affinity_rules(config),
+        sessions=session_rules(config),
         charge_sent_to_budgets=config.cost.budget_tokens == "sent")
 
 
@@ -77,6 +79,15 @@ def affinity_rules(config: PickerConfig) -> AffinityRules | None:
         return None
     return AffinityRules(weight=a.weight, block_chars=a.block_chars,
                          max_blocks_per_endpoint=a.max_blocks_per_endpoint)
+
+
+def session_rules(config: PickerConfig) -> SessionRules | None:
+    """Programs and sessions, when configured."""
+    s = config.routing.sessions
+    if s is None:
+        return None
+    return SessionRules(max_sessions=s.max_sessions, idle_timeout=s.idle_timeout,
+                        sticky=s.sticky, resume_first=s.resume_first)
 
 
 def endpoint_budgets(config: PickerConfig) -> dict[str, int | None]:

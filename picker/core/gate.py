@@ -59,6 +59,7 @@ from picker.core.selection import (
     rank,
     takes_backlogged,
 )
+from picker.core.sessions import SessionId, SessionRules, SessionTable, prefer
 
 FOOTPRINT_EWMA_ALPHA = 0.2
 """How fast a tenant's typical footprint (for the idle-tenant reserve) follows its requests."""
@@ -127,6 +128,9 @@ class GateRules:
     affinity: AffinityRules | None = None
     """Prefix affinity (``picker.core.prefix``): among endpoints where a request fits, prefer
     the one holding more of its prompt; None: load alone decides."""
+    sessions: SessionRules | None = None
+    """Programs and sessions (``picker.core.sessions``): a session's calls stay on its endpoint
+    and go before its tenant's new programs; None: session keys are ignored."""
     charge_sent_to_budgets: bool = True
     """Budgets count the prompt tokens sent (billing's count); False: the tokens computed
     (those the engine reports cached not counted)."""
@@ -190,6 +194,8 @@ class Passage:
     """The prompt's chained block hashes (``picker.openai.prefix``); empty: no affinity."""
     prefix_chars: int = 0
     """Length of the text those blocks were cut from."""
+    session: SessionId | None = None
+    """(tenant, key) of the session or program it belongs to (``rules.sessions``); None: none."""
     engine_queued: bool = False
     """Sent to an endpoint where it did not fit, into its engine's own queue
     (``CapacityRules.engine_queue``): counted in the endpoint's ``engine_queued`` until its
@@ -306,12 +312,17 @@ class Gate:
         self.prefix_index: PrefixIndex | None = None
         """What each endpoint was recently sent (``rules.affinity``); None without affinity."""
         self._set_affinity(rules.affinity)
+        self.sessions: SessionTable | None = None
+        """Per (tenant, session key), the endpoint of its last call (``rules.sessions``)."""
+        self._set_sessions(rules.sessions)
 
     # -- rules --
 
     def set_rules(self, rules: GateRules) -> None:
         if rules.affinity != self.rules.affinity:
             self._set_affinity(rules.affinity)
+        if rules.sessions != self.rules.sessions:
+            self._set_sessions(rules.sessions)
         self.rules = rules
         self._lane_rank = rules.lane_rank()
         self.estimates.default_output = float(rules.default_output_tokens)
@@ -327,6 +338,15 @@ class Gate:
             self.prefix_index = PrefixIndex(affinity.max_blocks_per_endpoint)
         else:
             index.capacity = affinity.max_blocks_per_endpoint
+
+    def _set_sessions(self, rules: SessionRules | None) -> None:
+        """New rules keep the sessions remembered (a smaller bound trims at the next one)."""
+        if rules is None:
+            self.sessions = None
+        elif self.sessions is None:
+            self.sessions = SessionTable(rules)
+        else:
+            self.sessions.rules = rules
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """Set a tenant's weight (``Scheduler.set_weight``), for its running requests too."""
@@ -395,6 +415,8 @@ class Gate:
             self._unseen_prefill.pop(address, None)
             if self.prefix_index is not None:
                 self.prefix_index.forget(address)
+            if self.sessions is not None:
+                self.sessions.forget_endpoint(address)
 
     def lane_of(self, tenant: str) -> str:
         """The tenant's configured lane, else the first lane."""
@@ -469,7 +491,7 @@ class Gate:
               subset: frozenset[str] | None = None, request_id: str = "",
               prereserved: int | None = None, output_seen: bool = True, choices: int = 1,
               max_model_len: int | None = None, prefix_blocks: tuple[int, ...] = (),
-              prefix_chars: int = 0) -> P | Refused | Turnaway:
+              prefix_chars: int = 0, session: str | None = None) -> P | Refused | Turnaway:
         """Admit a request and place it: dispatched at once when it may go (``dispatched_at``
         set), else queued or parked. ``build`` makes the passage (the adapter's subclass).
 
@@ -480,13 +502,16 @@ class Gate:
         sequences it asks for (``max(n, best_of)``); ``max_model_len``: the model's context,
         which bounds the output of a request without ``max_tokens`` (None: unknown).
         ``prefix_blocks``, ``prefix_chars``: its prompt's block hashes and the text's length
-        (``picker.openai.prefix``), for prefix affinity.
+        (``picker.openai.prefix``), for prefix affinity. ``session``: the session or program
+        key the request carries (``picker.core.sessions.session_key``), scoped here by
+        ``tenant``; ignored without ``rules.sessions``.
         """
         decision = self._admit(build, tenant, lane, model=model, prompt_tokens=prompt_tokens,
                                max_tokens=max_tokens, stream=stream, now=now, subset=subset,
                                request_id=request_id, prereserved=prereserved,
                                output_seen=output_seen, choices=choices,
-                               max_model_len=max_model_len, prefix=(prefix_blocks, prefix_chars))
+                               max_model_len=max_model_len, prefix=(prefix_blocks, prefix_chars),
+                               session=session)
         # Refused before anything was reserved here: the store's reservation goes back. (A full
         # queue is turned away after: settling that reservation gives it back.)
         if prereserved is not None and (isinstance(decision, Refused) or (
@@ -510,7 +535,8 @@ class Gate:
                subset: frozenset[str] | None, request_id: str,
                prereserved: int | None, output_seen: bool, choices: int,
                max_model_len: int | None,
-               prefix: tuple[tuple[int, ...], int] = ((), 0)) -> P | Refused | Turnaway:
+               prefix: tuple[tuple[int, ...], int] = ((), 0),
+               session: str | None = None) -> P | Refused | Turnaway:
         lane = lane or self.lane_of(tenant)
         # Only whether one exists: ranking them here would be work pump() does again.
         if not any(e.in_service(now) and (subset is None or e.address in subset)
@@ -545,6 +571,11 @@ class Gate:
             output_seen=output_seen, choices=choices)
         if self.prefix_index is not None and prefix[0]:
             passage.prefix_blocks, passage.prefix_chars = prefix
+        if session is not None and self.sessions is not None:
+            # Scoped by the tenant the identity resolved: a key never reaches another's session.
+            passage.session = (tenant, session)
+            request.resumes = self.sessions.rules.resume_first and \
+                self.sessions.in_progress(passage.session, now)
         self.passages[request] = passage
         self._waiting.setdefault(passage.lane, {})[request] = passage
         self._place(passage, now)
@@ -848,6 +879,10 @@ class Gate:
         if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
                 and not self._backlogged(passage.tenant):
             ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
+        if passage is not None and passage.session is not None and self.sessions is not None \
+                and self.sessions.rules.sticky:
+            # The session's context is on its last endpoint: first, when it is among these.
+            prefer(ranked, self.sessions.endpoint(passage.session, now))
         return ranked
 
     def _dispatch(self, passage: Passage, candidates: list[EndpointState], now: float,
@@ -859,6 +894,8 @@ class Gate:
         primary = candidates[0]
         if passage.prefix_blocks:
             self._note_prefix(passage, primary)
+        if passage.session is not None and self.sessions is not None:
+            self.sessions.dispatched(passage.session, primary.address, now)
         self.scheduler.dispatch(request, now)
         self._queue_remove(passage)
         self._unwait(passage)
@@ -1129,6 +1166,8 @@ class Gate:
         if passage.prefix_blocks and self.prefix_index is not None:
             # The prompt is in the server's cache now (the primary never computed it).
             self.prefix_index.record(served.address, passage.prefix_blocks)
+        if passage.session is not None and self.sessions is not None:
+            self.sessions.moved(passage.session, served.address)
         self.pump(now)  # the primary's room is free again
         return ejected
 
@@ -1143,6 +1182,8 @@ class Gate:
         self.estimates.prune(now)
         active = {passage.tenant for passage in self.passages.values()}
         self.scheduler.forget_idle(active, self.rules.configured_tenants)
+        if self.sessions is not None:
+            self.sessions.prune(now)
         window = self.rules.idle_tenant_reserve
         self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
 

@@ -29,6 +29,10 @@ class Request:
     cached_prompt_tokens: int = 0
     arrival: float = 0.0
     id: str = ""
+    resumes: bool = False
+    """A call of a program in progress (``picker.core.sessions``): it goes before its tenant's
+    requests that do not resume one, in the fair queue's order within the tenant. Set before it
+    is queued; never changes while it is."""
     # -- accounting, written by the scheduler only --
     seq: int = field(default=-1, repr=False)
     """Enqueue order, unique per scheduler: FCFS order and the tie-break among equal counters."""

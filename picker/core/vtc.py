@@ -14,6 +14,11 @@ tenant's oldest request only gets younger. The one exception, a negative settlem
 tenant; superseded entries are dropped by a per-tenant version number (drawn from one counter
 per lane, so a tenant forgotten and re-created never reuses an old entry's version).
 
+Within a tenant, requests go oldest first, except that calls of programs in progress
+(``Request.resumes``, ``picker.core.sessions``) go before its other requests. The tie-break
+among equal counters stays the seq of the tenant's oldest request, so which tenant goes next is
+the same either way: only the order inside a tenant's own queue changes.
+
 Idle tenants are forgotten (``forget_idle``) once forgetting cannot change a decision: a tenant
 with nothing queued whose counter is at or below the lift floor would be lifted to the floor on
 its next enqueue anyway, and a forgotten tenant re-created at 0 is lifted to the same floor. The
@@ -51,6 +56,9 @@ class VirtualTokenCounter:
         self._backlogged = 0
         self._queued = 0
         self._last_left: str | None = None
+        self._resuming: dict[str, int] = {}
+        """Per tenant, its queued requests that resume a program (``Request.resumes``): the
+        first that many of its queue."""
         self._tick = 0
         self.shared_floor: float | None = None
         """The lowest backlogged counter on other pickers sharing these counters (active-active
@@ -70,7 +78,17 @@ class VirtualTokenCounter:
                 self._lift(tenant)
             self._backlogged += 1
             self._stale.add(tenant)
-        queue.append(request)
+        if request.resumes:
+            # A program in progress goes before the tenant's new programs, after those in
+            # progress already queued: they are kept together at the front of its queue.
+            ahead = self._resuming.get(tenant, 0)
+            self._resuming[tenant] = ahead + 1
+            if ahead < len(queue):
+                queue.insert(ahead, request)  # its oldest request, the heap key, is unchanged
+            else:
+                queue.append(request)
+        else:
+            queue.append(request)
         self._queued += 1
 
     def peek(self, now: float) -> Request | None:
@@ -177,6 +195,12 @@ class VirtualTokenCounter:
         else:
             queue.remove(request)  # a cancellation from the middle: rare, O(tenant's queue)
         self._queued -= 1
+        if request.resumes:
+            left = self._resuming[tenant] - 1
+            if left:
+                self._resuming[tenant] = left
+            else:
+                del self._resuming[tenant]
         if not queue:
             self._backlogged -= 1
             self._last_left = tenant
@@ -190,7 +214,7 @@ class VirtualTokenCounter:
                 backlog = queues[tenant]
                 self._tick += 1
                 v = version[tenant] = self._tick
-                heapq.heappush(heap, (counters[tenant], backlog[0].seq, tenant, v))
+                heapq.heappush(heap, (counters[tenant], self._oldest(tenant, backlog), tenant, v))
             self._stale.clear()
             if len(heap) > 4 * self._backlogged + 64:
                 self._compact()
@@ -199,11 +223,21 @@ class VirtualTokenCounter:
             queue = queues.get(tenant)
             if version.get(tenant) != v or not queue:
                 heapq.heappop(heap)
-            elif counter != counters[tenant] or seq != queue[0].seq:
-                heapq.heapreplace(heap, (counters[tenant], queue[0].seq, tenant, v))
+            elif counter != counters[tenant] or seq != (
+                    queue[0].seq if tenant not in self._resuming else self._oldest(tenant, queue)):
+                heapq.heapreplace(heap, (counters[tenant], self._oldest(tenant, queue), tenant, v))
             else:
                 return heap[0]
         return None
+
+    def _oldest(self, tenant: str, queue: deque[Request]) -> int:
+        """The seq of the tenant's oldest queued request (the tie-break among equal counters):
+        its head, or with programs in progress first (``Request.resumes``), the older of its
+        head and its first new request. Taking requests only makes it younger."""
+        ahead = self._resuming.get(tenant)
+        if ahead is None or ahead >= len(queue):
+            return queue[0].seq
+        return min(queue[0].seq, queue[ahead].seq)
 
     def _compact(self) -> None:
         version, queues = self._version, self._queues

@@ -35,6 +35,7 @@ from picker.core.estimates import TenantEstimates
 from picker.core.gate import QUEUE_FULL, Gate, Passage, Turnaway
 from picker.core.lanes import Scheduler
 from picker.core.selection import CapacityRules, EndpointState, Scorer
+from picker.core.sessions import session_key
 from picker.dispatch.log_budget import LogBudget
 from picker.dispatch.refusals import refusal_error
 from picker.errors import (
@@ -271,12 +272,15 @@ class Dispatcher:
 
     async def admit(self, tenant: str, inference: InferenceRequest,
                     subset: frozenset[str] | None = None, lane: str | None = None,
-                    request_id: str = "", output_seen: bool = True) -> Ticket:
+                    request_id: str = "", output_seen: bool = True,
+                    session: str | None = None) -> Ticket:
         """Admit a request, queue it and wait for its turn; returns it dispatched.
 
         ``lane``: the lane asked for (already checked with ``choose_lane``); default the
         tenant's. ``output_seen``: whether its tokens will reach the picker as they stream
-        (``Passage.output_seen``). Raises a RequestError subclass when the request is refused;
+        (``Passage.output_seen``). ``session``: the value of the request's session header
+        (``routing.sessions``; checked here, scoped by ``tenant`` in the gate). Raises a
+        RequestError subclass when the request is refused;
         cancellation (the client went away) removes it from the queue uncharged.
         """
         self._check_serving()
@@ -291,7 +295,7 @@ class Dispatcher:
             subset=subset, request_id=request_id, prereserved=prereserved,
             output_seen=output_seen, choices=inference.choices,
             max_model_len=self.max_model_len(inference.model), prefix_blocks=blocks,
-            prefix_chars=chars))
+            prefix_chars=chars, session=session_key(session)))
         ticket.lane_asked = lane
         if ticket.demoted:
             self.metrics.demotions.labels(tenant, lane or self.lane_of(tenant),

@@ -662,9 +662,13 @@ class _Exchange:
     async def _admit(self, inference: InferenceRequest) -> Ticket:
         """Admit and queue; returns once the request is dispatched (RequestError if refused)."""
         self.model = inference.model
+        sessions = self.config.routing.sessions
         self.ticket = await self.dispatcher.admit(
             self.tenant, inference, self.subset, self.lane, self.request_id,
-            output_seen=not (self.logged or self.response_unseen))
+            output_seen=not (self.logged or self.response_unseen),
+            # The session header is a hint scoped by the tenant resolved above; it goes on to
+            # the engine unchanged (the application may read it there).
+            session=None if sessions is None else self.headers.get(sessions.header))
         self.routed = True
         return self.ticket
 

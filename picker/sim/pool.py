@@ -483,7 +483,7 @@ class _Pool:
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,
             stream=planned.stream, now=self.now,
             output_seen=not self.spec.output_seen_at_end, max_model_len=self.max_model_len,
-            prefix_blocks=blocks, prefix_chars=size)
+            prefix_blocks=blocks, prefix_chars=size, session=planned.session)
         if isinstance(passage, (Refused, Turnaway)):
             self._end(record, passage.reason, self.now, planned)
             return
