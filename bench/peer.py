@@ -23,9 +23,16 @@ Measures (``bench/results/peer.md``):
 4. the pool's tokens/s in those floods against FCFS pass-through (fairway's ``fcfs`` policy:
    every request dispatched at once, the engines' queues decide);
 5. latency added at 200 requests/s against Envoy alone, the highest rate with p99 added ≤ 10 ms,
-   and CPU per request of each picker.
+   and CPU per request of each picker;
+6. on issue 28's workloads that share prefixes (``bench/traffic/prefix_*.yaml``: a system prompt
+   per tenant, chat sessions, RAG over shared documents, agent programs of 1, 10 and 30 calls),
+   on prefix-caching servers: upstream with its default scheduling profile (prefix-cache scorer
+   on), fairway with ``routing.prefixAffinity`` and fairway without it: the pool's tokens/s, the
+   engines' own prefix hit rate, TTFT p50/p95, each tenant's session or program completion
+   p50/p95 and its share of the computed-token cost (``PREFIX_TIMING``: the blocks' lengths).
 
     python -m bench.peer --out bench/results [--quick]
+    python -m bench.peer --only prefix        # measure 6 alone, the others kept from peer.json
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from bench.gateway.common import (
     PREFILL_WEIGHT,
     GatewayRun,
     envoy_version,
+    loadavg,
     make_traffic,
     percentile_ms,
     pool_numbers,
@@ -58,6 +66,7 @@ from bench.gateway.common import (
     run_stack,
     tenant_numbers,
     trace,
+    traffic_data,
 )
 from bench.gateway.overhead import (
     FAST_SERVER_ARGS,
@@ -68,8 +77,8 @@ from bench.gateway.overhead import (
     raw_post,
 )
 from picker.sim.analysis import widest_swing
-from picker.sim.load import RequestRecord
-from picker.sim.traffic import DEFAULT_TENANT_HEADER, Traffic
+from picker.sim.load import RequestRecord, percentile, unit_completions
+from picker.sim.traffic import DEFAULT_TENANT_HEADER, Traffic, load_traffic
 from picker.stack.envoy import DESTINATION_HEADER, envoy_config
 from picker.stack.launcher import Stack
 from scripts.cluster import ControlPlane
@@ -139,6 +148,55 @@ class PeerPlan:
     @property
     def ladder(self) -> tuple[float, ...]:
         return LADDER[:1] if self.quick else LADDER
+
+    @property
+    def prefix_blocks(self) -> tuple[str, ...]:
+        """The prefix measure's order: fairway with affinity and upstream ABBA, fairway without
+        affinity in the middle (A B C B A: every picker's mean position in the run the same)."""
+        return PREFIX_PEERS if self.quick else (
+            PREFIX_AFFINITY, "upstream", PREFIX_PLAIN, "upstream", PREFIX_AFFINITY)
+
+    def prefix_timing(self, workload: str) -> PrefixTiming:
+        timing = PREFIX_TIMING[workload]
+        if not self.quick:
+            return timing
+        return PrefixTiming(timing.duration_s / 2, timing.warmup_s / 2,
+                            None if timing.stop_s is None else timing.stop_s / 2)
+
+
+@dataclass(frozen=True)
+class PrefixTiming:
+    """One prefix workload's block: ``duration_s`` of traffic, measured after ``warmup_s``;
+    sessions and programs start until ``stop_s`` (None: the file's open loop to the end)."""
+
+    duration_s: float
+    warmup_s: float
+    stop_s: float | None = None
+
+
+PREFIX_AFFINITY = "fairway + affinity"
+PREFIX_PLAIN = "fairway, no affinity"
+PREFIX_PEERS = (PREFIX_AFFINITY, "upstream", PREFIX_PLAIN)
+PREFIX_WORKLOADS = {"system prompt": "system_prompt", "chat sessions": "chat", "rag": "rag",
+                    "agent programs": "agent"}
+"""Issue 28's point 4 workloads: ``bench/traffic/prefix_<name>.yaml``."""
+PREFIX_TIMING = {
+    "system prompt": PrefixTiming(10.0, 3.0),
+    "rag": PrefixTiming(10.0, 3.0),
+    "chat sessions": PrefixTiming(25.0, 5.0, stop_s=12.0),
+    "agent programs": PrefixTiming(30.0, 5.0, stop_s=12.0),
+}
+"""Shorter than the files (60-150 s, for the pool simulator): five blocks of each workload
+through real processes on a shared 2-core machine. Sessions and programs longer than a block
+(a 30-call task, a 20-turn session) are counted as started, not completed."""
+PREFIX_TIMEOUT_S = 30.0
+"""A request still running when a block's traffic ends gets at most this long (the files' 60)."""
+PREFIX_SERVER_ARGS = ["--kv-budget-tokens", "65536", "--step-ms", "10",
+                      "--prefill-ms-per-1k-tokens", "50", "--max-num-batched-tokens", "8192",
+                      "--block-size", "16", "--enable-prefix-caching"]
+"""``bench.prefix``'s pool as servers: 65,536 tokens of KV each, 8,192 batched tokens a step,
+10 ms a step plus 0.05 ms per prompt token computed, vLLM's prefix caching on (16-token
+blocks)."""
 
 
 # -- the two pickers' stacks -------------------------------------------------------------------
@@ -355,6 +413,174 @@ def exp_flood(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
         out["by_engine"][engine] = {"blocks": rows, "fcfs_pass_through": fcfs,
                                     "upstream_queue_depth_5": throughput}
     return out
+
+
+def prefix_traffic(workload: str, timing: PrefixTiming) -> Traffic:
+    """The workload's file with the block's duration (its sessions and programs starting until
+    ``stop_s``) and ``PREFIX_TIMEOUT_S``."""
+    data = traffic_data(PREFIX_WORKLOADS[workload], prefix="prefix")
+    data["duration_s"] = timing.duration_s
+    data["timeout_s"] = PREFIX_TIMEOUT_S
+    for tenant in data["tenants"]:
+        if timing.stop_s is not None and "stop_s" in tenant:
+            tenant["stop_s"] = timing.stop_s
+    return load_traffic(data)
+
+
+def prefix_config(traffic: Traffic, affinity: bool) -> dict[str, Any]:
+    """fairway's benchmark config (equal weights, ``queue.maxWait`` 60 s), with
+    ``routing.prefixAffinity`` at its defaults when ``affinity``."""
+    config = fairway_config(traffic, "fcfs")
+    if affinity:
+        config["routing"] = {"prefixAffinity": {}}
+    return config
+
+
+def _quantile(values: Sequence[float], q: float, scale: float = 1.0) -> float | None:
+    got = percentile(values, q)
+    return None if got is None else got * scale
+
+
+def prefix_run(run: GatewayRun, tenants: Sequence[str]) -> dict[str, Any]:
+    """One block: the pool's output tokens/s and the engines' prefix hit rate over the window
+    (the servers' counters), TTFT of the requests sent in it, and per tenant its sessions' or
+    programs' completion times (``unit_completions``: first call sent to last reply, units whose
+    every call was answered) and its share of the computed-token cost, ``(prompt - cached) + 2 ×
+    output`` of every request answered, beside the sent-token cost ``prompt + 2 × output``."""
+    t1, t2 = run.window
+    hits = run.delta(run.server_series("vllm:prefix_cache_hits_total"))
+    queries = run.delta(run.server_series("vllm:prefix_cache_queries_total"))
+    inside = [r for r in run.records if t1 <= r.start_s <= t2]
+    ttft = [r.ttft_s for r in inside if r.ok and r.ttft_s is not None]
+    units = unit_completions(run.records)
+    computed = dict.fromkeys(tenants, 0.0)
+    sent = dict.fromkeys(tenants, 0.0)
+    for r in run.records:
+        if r.ok:
+            output = DECODE_WEIGHT * r.completion_tokens
+            computed[r.tenant] += PREFILL_WEIGHT * (r.prompt_tokens - (r.cached_tokens or 0)) \
+                + output
+            sent[r.tenant] += PREFILL_WEIGHT * r.prompt_tokens + output
+    computed_share, sent_share = shares(computed), shares(sent)
+    per: dict[str, Any] = {}
+    for name in tenants:
+        mine = [r for r in inside if r.tenant == name and r.ok and r.ttft_s is not None]
+        done = [s for (t, _), s in units.items() if t == name and s is not None]
+        per[name] = {
+            "ttft_ms": {"p50": _quantile([r.ttft_s for r in mine if r.ttft_s is not None], 50,
+                                         1000),
+                        "p95": _quantile([r.ttft_s for r in mine if r.ttft_s is not None], 95,
+                                         1000)},
+            "requests": sum(1 for r in run.records if r.tenant == name),
+            "ok": sum(1 for r in run.records if r.tenant == name and r.ok),
+            "units_started": sum(1 for (t, _) in units if t == name),
+            "units_completed": len(done),
+            "completion_s": {"p50": _quantile(done, 50), "p95": _quantile(done, 95)},
+            "computed_cost_share": computed_share[name],
+            "sent_cost_share": sent_share[name],
+        }
+    cpu = run.resources.get("cpu_s", {})
+    return {
+        "label": run.label, "picker": run.policy, "window_s": [t1, t2],
+        "pool_tokens_per_s": pool_numbers(run)["server_output_tokens_per_s"],
+        "prefix_hit_rate": hits / queries if queries else None,
+        "ttft_ms": {"p50": percentile_ms(ttft, 50), "p95": percentile_ms(ttft, 95),
+                    "n": len(ttft)},
+        "requests": len(run.records), "ok": sum(r.ok for r in run.records),
+        "errors": sum(not r.ok for r in run.records),
+        "picker_cpu_s": sum(v for k, v in cpu.items() if k.rsplit("/", 1)[-1] in ("picker", "epp")),
+        "loadavg": [run.resources.get("loadavg_before"), run.resources.get("loadavg_after")],
+        "wall_s": run.resources.get("wall_s"),
+        "tenants": per,
+    }
+
+
+def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
+    """Each prefix workload through the same Envoy and prefix-caching servers, the pickers in
+    ``plan.prefix_blocks`` order."""
+    out: dict[str, Any] = {"server_args": PREFIX_SERVER_ARGS, "timeout_s": PREFIX_TIMEOUT_S,
+                           "blocks_order": list(plan.prefix_blocks),
+                           "loadavg_start": loadavg(), "by_workload": {}}
+    started = time.monotonic()
+    for workload, name in PREFIX_WORKLOADS.items():
+        timing = plan.prefix_timing(workload)
+        traffic = prefix_traffic(workload, timing)
+        tenants = [t.name for t in traffic.tenants]
+        window = (timing.warmup_s, timing.duration_s)
+        rows = []
+        for i, peer in enumerate(plan.prefix_blocks):
+            label = f"prefix-{name}-{i}-{peer.split(',')[0].split(' ')[0]}"
+            stack_peer = "upstream" if peer == "upstream" else "fairway"
+            stack = peers.stack(stack_peer, workdir / label, server_args=PREFIX_SERVER_ARGS,
+                                picker_config=prefix_config(traffic, peer == PREFIX_AFFINITY))
+            rows.append(prefix_run(run_stack(label, peer, stack, traffic, window,
+                                             plan.sample_interval), tenants))
+        out["by_workload"][workload] = {
+            "traffic": f"bench/traffic/prefix_{name}.yaml",
+            "timing": dataclasses.asdict(timing), "tenants": tenants, "blocks": rows}
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    out["loadavg_end"] = loadavg()
+    out["summary"] = prefix_summary(out)
+    return out
+
+
+PREFIX_HIT_RATE_SLACK = 0.02
+"""The issue's goal: the engines' hit rate within 2 points of upstream's, or better."""
+
+
+def prefix_summary(data: dict[str, Any]) -> dict[str, Any]:
+    """Per workload and picker, the means over its blocks; and the issue's goals, fairway with
+    affinity against upstream."""
+    out: dict[str, Any] = {}
+    for workload, got in data["by_workload"].items():
+        per: dict[str, Any] = {}
+        for peer in PREFIX_PEERS:
+            mine = [r for r in got["blocks"] if r["picker"] == peer]
+            if not mine:
+                continue
+            tenants = {}
+            for name in got["tenants"]:
+                rows = [r["tenants"][name] for r in mine]
+                tenants[name] = {
+                    "ttft_p50_ms": pooled(rows, lambda r: r["ttft_ms"]["p50"]),
+                    "ttft_p95_ms": pooled(rows, lambda r: r["ttft_ms"]["p95"]),
+                    "units_started": sum(r["units_started"] for r in rows),
+                    "units_completed": sum(r["units_completed"] for r in rows),
+                    "completion_p50_s": pooled(rows, lambda r: r["completion_s"]["p50"]),
+                    "completion_p95_s": pooled(rows, lambda r: r["completion_s"]["p95"]),
+                    "computed_cost_share": pooled(rows, lambda r: r["computed_cost_share"]),
+                    "sent_cost_share": pooled(rows, lambda r: r["sent_cost_share"]),
+                }
+            per[peer] = {
+                "blocks": len(mine),
+                "pool_tokens_per_s": pooled(mine, lambda r: r["pool_tokens_per_s"]),
+                "prefix_hit_rate": pooled(mine, lambda r: r["prefix_hit_rate"]),
+                "ttft_p50_ms": pooled(mine, lambda r: r["ttft_ms"]["p50"]),
+                "ttft_p95_ms": pooled(mine, lambda r: r["ttft_ms"]["p95"]),
+                "ok": sum(r["ok"] for r in mine), "requests": sum(r["requests"] for r in mine),
+                "picker_cpu_s": pooled(mine, lambda r: r["picker_cpu_s"]),
+                "tenants": tenants,
+            }
+        out[workload] = {"pickers": per, "goals": prefix_goals(per.get(PREFIX_AFFINITY),
+                                                              per.get("upstream"))}
+    return out
+
+
+def prefix_goals(mine: dict[str, Any] | None,
+                 theirs: dict[str, Any] | None) -> dict[str, bool | None]:
+    """Whether fairway (``mine``) meets each of the issue's goals against upstream (None: a
+    figure is missing)."""
+    if not mine or not theirs:
+        return {}
+
+    def judged(key: str, ok: Callable[[float, float], bool]) -> bool | None:
+        x, y = mine[key], theirs[key]
+        return None if x is None or y is None else ok(x, y)
+
+    return {"tokens_per_s": judged("pool_tokens_per_s", lambda x, y: x >= y),
+            "ttft_p50": judged("ttft_p50_ms", lambda x, y: x <= y),
+            "ttft_p95": judged("ttft_p95_ms", lambda x, y: x <= y),
+            "hit_rate": judged("prefix_hit_rate", lambda x, y: x >= y - PREFIX_HIT_RATE_SLACK)}
 
 
 async def _ladder(targets: dict[str, tuple[RawTarget, bytes]], plan: PeerPlan,
@@ -576,6 +802,8 @@ def render(data: dict[str, Any]) -> str:
         f"{_fmt(ratio.get('cpu_per_request_meter_stream'))}).",
     ]
     lines += _detail_tables(data)
+    if "prefix" in data:
+        lines += _prefix_tables(data["prefix"])
     return "\n".join(lines) + "\n"
 
 
@@ -627,9 +855,101 @@ def _detail_tables(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ms(value: float | None) -> str:
+    return _fmt(value, ",.0f")
+
+
+def _pct(value: float | None) -> str:
+    return _fmt(value, ".1%")
+
+
+def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
+    """Section 6: the prefix workloads, summary and goals first, then (``detail``) tenants and
+    blocks."""
+    order = " ".join({PREFIX_AFFINITY: "A", "upstream": "B", PREFIX_PLAIN: "C"}[p]
+                     for p in data["blocks_order"])
+    timings = "; ".join(
+        f"{w} {t['timing']['duration_s']:g} s"
+        + (f" (units start until {t['timing']['stop_s']:g} s)" if t["timing"]["stop_s"] else "")
+        + f", measured from {t['timing']['warmup_s']:g} s"
+        for w, t in data["by_workload"].items())
+    lines = [
+        "", "## 6. Workloads that share prefixes (issue 28; `bench/traffic/prefix_*.yaml`)", "",
+        "`python -m bench.peer --only prefix`. The same Envoy and two simulated vLLM servers "
+        "with prefix caching (`" + " ".join(data["server_args"]) + "`: `bench.prefix`'s pool) "
+        f"behind each picker: A = {PREFIX_AFFINITY} (`routing.prefixAffinity` at its "
+        f"defaults), B = upstream (its default scheduling profile: queue and KV-cache scorers at "
+        f"weight 2, prefix-cache scorer at 3, flow control as above), C = {PREFIX_PLAIN}; blocks "
+        f"in the order {order}, each a fresh stack. Blocks are shorter than the files' "
+        f"durations, which are sized for the pool simulator: {timings}; requests still running "
+        f"at a block's end get {data['timeout_s']:g} s. The whole measure took "
+        f"{data['wall_s']:,.0f} s, load average (1, 5, 15 min) "
+        f"{', '.join(f'{x:g}' for x in data['loadavg_start'])} at its start and "
+        f"{', '.join(f'{x:g}' for x in data['loadavg_end'])} at its end, on a 2-core machine "
+        "shared with other work. Pool tokens/s: the servers' output tokens in the window; hit "
+        "rate: the engines' own `vllm:prefix_cache_hits_total` ÷ `vllm:prefix_cache_queries_total` "
+        "(tokens) in the window; TTFT: requests sent in the window; picker CPU: the picker "
+        "process's CPU seconds over a block. Each figure is the mean over the picker's blocks.",
+        "",
+        "| workload | picker | pool tokens/s | prefix hit rate | TTFT p50 ms | TTFT p95 ms | "
+        "answered / sent | picker CPU s a block |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    summary = data["summary"]
+    for workload, got in summary.items():
+        for peer, n in got["pickers"].items():
+            lines.append(f"| {workload} | {peer} | {_fmt(n['pool_tokens_per_s'], ',.0f')} | "
+                         f"{_pct(n['prefix_hit_rate'])} | {_ms(n['ttft_p50_ms'])} | "
+                         f"{_ms(n['ttft_p95_ms'])} | {n['ok']:,} / {n['requests']:,} | "
+                         f"{_fmt(n['picker_cpu_s'], '.1f')} |")
+    lines += ["", f"The issue's goals, {PREFIX_AFFINITY} against upstream (met: yes):", "",
+              "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
+              "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
+    for workload, got in summary.items():
+        g = got["goals"]
+        lines.append(f"| {workload} | " + " | ".join(
+            "–" if g.get(k) is None else ("yes" if g[k] else "**no**")
+            for k in ("tokens_per_s", "ttft_p50", "ttft_p95", "hit_rate")) + " |")
+    if not detail:
+        return lines
+    lines += ["", "Per tenant: TTFT, its sessions' or programs' completion (first call sent to "
+              "last reply, over the units whose every call was answered within the block; "
+              "units done / started summed over the picker's blocks; a single request is a "
+              "unit of one call), and its share of the computed-token cost "
+              "`(prompt − cached) + 2 × output` beside the sent-token cost "
+              "`prompt + 2 × output` of the requests answered.", "",
+              "| workload | tenant | picker | TTFT p50 / p95 ms | units done / started | "
+              "completion p50 / p95 s | computed-cost share | sent-cost share |",
+              "|---|---|---|---|---|---|---|---|"]
+    for workload, got in summary.items():
+        for tenant in data["by_workload"][workload]["tenants"]:
+            for peer, n in got["pickers"].items():
+                t = n["tenants"][tenant]
+                lines.append(
+                    f"| {workload} | {tenant} | {peer} | {_ms(t['ttft_p50_ms'])} / "
+                    f"{_ms(t['ttft_p95_ms'])} | {t['units_completed']:,} / "
+                    f"{t['units_started']:,} | {_fmt(t['completion_p50_s'])} / "
+                    f"{_fmt(t['completion_p95_s'])} | {_pct(t['computed_cost_share'])} | "
+                    f"{_pct(t['sent_cost_share'])} |")
+    lines += ["", "Every block:", "",
+              "| workload | block | picker | pool tokens/s | hit rate | TTFT p50 / p95 ms | "
+              "errors | picker CPU s | wall s | load average before → after |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for workload, got in data["by_workload"].items():
+        for i, r in enumerate(got["blocks"]):
+            before, after = r["loadavg"]
+            lines.append(
+                f"| {workload} | {i} | {r['picker']} | {_fmt(r['pool_tokens_per_s'], ',.0f')} | "
+                f"{_pct(r['prefix_hit_rate'])} | {_ms(r['ttft_ms']['p50'])} / "
+                f"{_ms(r['ttft_ms']['p95'])} | {r['errors']} | {_fmt(r['picker_cpu_s'], '.1f')} "
+                f"| {_fmt(r['wall_s'], '.0f')} | {before[0] if before else '–'} → "
+                f"{after[0] if after else '–'} |")
+    return lines
+
+
 MEASURES: dict[str, Callable[[Peers, PeerPlan, Path], dict[str, Any]]] = {
     "shares": exp_shares, "returning": exp_returning, "flood": exp_flood,
-    "overhead": exp_overhead}
+    "overhead": exp_overhead, "prefix": exp_prefix}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -645,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "peer_quick" if plan.quick else "peer"
-    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text()) if args.only else {}
+    kept = out / f"{name}.json"
+    data: dict[str, Any] = json.loads(kept.read_text()) if args.only and kept.exists() else {}
     if isinstance(data.get("generated"), str):  # a run written before measures had their own
         data["generated"] = dict.fromkeys(MEASURES, data["generated"])
     with tempfile.TemporaryDirectory(prefix="fairway-peer-") as tmp:
@@ -660,11 +981,40 @@ def main(argv: list[str] | None = None) -> int:
                     data.setdefault("generated", {})[measure] = time.strftime(
                         "%Y-%m-%d %H:%M UTC", time.gmtime())
             data.setdefault("upstream_ready_s", {}).update(peers.started)
-    data["summary"] = summary(data)
+    if all(m in data for m in ("shares", "returning", "flood", "overhead")):
+        data["summary"] = summary(data)
+        text = render(data)
+    else:  # e.g. a first --quick --only prefix: that section alone
+        text = "\n".join(["# fairway beside upstream's endpoint picker",
+                          *_prefix_tables(data["prefix"])]) + "\n"
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    (out / f"{name}.md").write_text(render(data))
-    print(render(data))
+    (out / f"{name}.md").write_text(text)
+    if "prefix" in data and not plan.quick:
+        quote_in_prefix_md(out / "prefix.md", data["prefix"])
+    print(text)
     return 0
+
+
+QUOTE_START = "<!-- bench.peer: prefix workloads beside upstream -->"
+QUOTE_END = "<!-- /bench.peer -->"
+"""The markers of the section ``bench.peer`` writes into ``prefix.md`` (``bench.prefix`` keeps
+it when it writes that file anew)."""
+
+
+def quote_in_prefix_md(path: Path, prefix: dict[str, Any]) -> None:
+    """Put section 6's summary and goals into ``prefix.md`` between the markers (replacing an
+    earlier quote), so the pool simulator's page shows the real processes' figures beside it."""
+    quote = "\n".join([QUOTE_START, "## Beside upstream's endpoint picker (real processes)", "",
+                       "From `bench/results/peer.md` section 6 (per-tenant completion times and "
+                       "cost shares, and every block, are there).", "",
+                       *_prefix_tables(prefix, detail=False)[3:], QUOTE_END])
+    text = path.read_text() if path.exists() else ""
+    if QUOTE_START in text and QUOTE_END in text:
+        head, rest = text.split(QUOTE_START, 1)
+        text = head + quote + rest.split(QUOTE_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + quote + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -235,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefix.md").write_text(text + "\n")
+        page = args.out / "prefix.md"
+        # bench.peer quotes its prefix section there between markers: keep it.
+        old = page.read_text() if page.exists() else ""
+        start, end = "<!-- bench.peer:", "<!-- /bench.peer -->"
+        kept = old[old.index(start):old.index(end) + len(end)] \
+            if start in old and end in old else ""
+        page.write_text(text + "\n" + (f"\n{kept}\n" if kept else ""))
         (args.out / "prefix.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

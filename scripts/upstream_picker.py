@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -95,9 +96,14 @@ flowControl:
     orderingPolicyRef: fcfs-ordering-policy
 """
 """The picker's ``EndpointPickerConfig`` (``{policy}`` and ``{queue_depth}`` filled in): the
-release's default scorers and weights, flow control on with the fairness policy in every
-priority band, and the utilization detector (its ``kvCacheUtilThreshold`` default 0.8) at a
-``queueDepthThreshold``: ``FAIRNESS_QUEUE_DEPTH`` unless asked. A request waits at most 60 s, as
+release's default scheduling profile (its ``loadDefaultConfig``: queue and KV-cache utilization
+scorers at weight 2, the prefix-cache scorer at 3; the loader adds the scorer's
+``approx-prefix-cache-producer`` at its defaults: block size from the engines'
+``vllm:cache_config_info``, 16 tokens read as 64 characters of the request's messages, at most
+256 blocks matched, 31,250 remembered per endpoint, least recently used forgotten first), flow
+control on with the fairness policy in every priority band, and the utilization detector (its
+``kvCacheUtilThreshold`` default 0.8) at a ``queueDepthThreshold``: ``FAIRNESS_QUEUE_DEPTH``
+unless asked. A request waits at most 60 s, as
 fairway's ``queue.maxWait`` in the benchmark."""
 NAMESPACE, POOL, POD = "peer", "peer-pool", "peer-sim"
 LABELS = {"app": "peer-sim"}
@@ -234,10 +240,22 @@ def _ready_endpoints(ports: Ports) -> float:
     return 0.0
 
 
+def _listening(port: int) -> bool:
+    """The ext_proc port accepts connections: the release reports readiness before its ext_proc
+    server listens, which waits for its self-signed certificate (a 4,096-bit RSA key: seconds on
+    a busy machine; Envoy's first requests failed 503 in the meantime)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _wait_ready(process: subprocess.Popen[bytes], ports: Ports, endpoints: int,
                 log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
-    while not (_ready(ports) and _ready_endpoints(ports) >= endpoints):
+    while not (_ready(ports) and _ready_endpoints(ports) >= endpoints
+               and _listening(ports.grpc)):
         if process.poll() is not None or time.monotonic() > deadline:
             tail = log.read_text(errors="replace").splitlines()[-15:]
             state = f"exited {process.returncode}" if process.poll() is not None else \

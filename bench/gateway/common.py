@@ -225,6 +225,7 @@ PICKER_METRICS = frozenset({
 SERVER_METRICS = frozenset({
     "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:num_requests_waiting",
     "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
 })
 
 

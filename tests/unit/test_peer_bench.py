@@ -6,21 +6,29 @@ suite; these pin what its tables mean.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.gateway.common import GatewayRun, Sample
 from bench.peer import (
     PEERS,
+    QUOTE_END,
+    QUOTE_START,
     cpu_ms_per_request,
     drift,
     overhead_summary,
+    prefix_goals,
+    prefix_run,
+    prefix_summary,
+    quote_in_prefix_md,
     requests_started,
     service,
     shares,
     worst_error,
 )
-from picker.sim.load import RequestRecord
+from picker.sim.load import LoadResult, RequestRecord
 
 
 def _record(tenant: str, start: float, prompt: int, output: int, ttft: float = 0.0,
@@ -110,3 +118,87 @@ def test_cpu_per_request_takes_off_what_the_picker_uses_while_the_other_paths_ru
     rung["upstream"]["cpu_s"] = {"ovh-upstream/epp": 0.7, **idle}
     rung["baseline"]["cpu_s"] = {**idle}
     assert cpu_ms_per_request(rung, "upstream") == pytest.approx(0.7)
+
+
+# -- the prefix workloads (measure 6) ------------------------------------------------------------
+
+
+def _call(tenant: str, seq: int, call: int, calls: int, start: float, prompt: int, cached: int,
+          output: int, status: int = 200) -> RequestRecord:
+    record = _record(tenant, start, prompt, output, ttft=0.1, duration=0.5, status=status)
+    record.seq, record.call, record.calls, record.cached_tokens = seq, call, calls, cached
+    return record
+
+
+def _engines(t: float, hits: float, queries: float, generated: float) -> Sample:
+    """Two servers' counters at ``t``, split evenly."""
+    page = {"vllm:prefix_cache_hits_total": [({}, hits / 2)],
+            "vllm:prefix_cache_queries_total": [({}, queries / 2)],
+            "vllm:generation_tokens_total": [({}, generated / 2)]}
+    return Sample(t, {}, [page, page])
+
+
+def test_prefix_run_reads_the_engines_hit_rate_and_charges_computed_tokens() -> None:
+    records = [
+        # a's session: two calls, the second mostly cached; complete, 0.0 .. 3.5 s.
+        _call("a", 0, 0, 2, 0.0, prompt=1000, cached=0, output=10),
+        _call("a", 0, 1, 2, 3.0, prompt=1200, cached=1000, output=10),
+        # a's second session lost its second call: started, not completed.
+        _call("a", 1, 0, 2, 2.0, prompt=500, cached=0, output=10),
+        _call("a", 1, 1, 2, 4.0, prompt=600, cached=500, output=10, status=503),
+        # b: one request, nothing cached.
+        _call("b", 0, 0, 1, 2.5, prompt=400, cached=0, output=30),
+    ]
+    run = GatewayRun("x", "fairway", 6.0, (2.0, 6.0),
+                     LoadResult(records, {}, 6.0),
+                     [_engines(1.0, 0, 1000, 10), _engines(2.0, 0, 1000, 10),
+                      _engines(6.0, 1000, 2600, 50)], {})
+    got = prefix_run(run, ["a", "b"])
+    assert got["prefix_hit_rate"] == pytest.approx(1000 / 1600)  # in the window: 2.0 .. 6.0
+    assert got["pool_tokens_per_s"] == pytest.approx(40 / 4.0)
+    assert got["errors"] == 1 and got["ok"] == 4
+    a, b = got["tenants"]["a"], got["tenants"]["b"]
+    assert (a["units_started"], a["units_completed"]) == (2, 1)
+    assert a["completion_s"]["p50"] == pytest.approx(3.5)
+    computed_a = 1000 + 20 + 200 + 20 + 500 + 20  # answered requests: prompt - cached + 2 x out
+    computed_b = 400 + 60
+    assert a["computed_cost_share"] == pytest.approx(computed_a / (computed_a + computed_b))
+    sent_a = 1020 + 1220 + 520
+    assert b["sent_cost_share"] == pytest.approx(460 / (sent_a + 460))
+    # TTFT of the requests sent in the window only (a's first call at 0.0 is before it).
+    assert got["ttft_ms"]["n"] == 3
+
+
+def test_prefix_goals_hold_fairway_with_affinity_to_upstream() -> None:
+    upstream = {"pool_tokens_per_s": 1000.0, "ttft_p50_ms": 50.0, "ttft_p95_ms": 400.0,
+                "prefix_hit_rate": 0.80}
+    even = prefix_goals(dict(upstream), upstream)
+    assert even == {"tokens_per_s": True, "ttft_p50": True, "ttft_p95": True, "hit_rate": True}
+    worse = {"pool_tokens_per_s": 990.0, "ttft_p50_ms": 51.0, "ttft_p95_ms": 300.0,
+             "prefix_hit_rate": 0.785}  # 1.5 points under: within the 2 allowed
+    assert prefix_goals(worse, upstream) == {"tokens_per_s": False, "ttft_p50": False,
+                                             "ttft_p95": True, "hit_rate": True}
+    assert prefix_goals({**worse, "prefix_hit_rate": 0.77}, upstream)["hit_rate"] is False
+    assert prefix_goals({**worse, "ttft_p50_ms": None}, upstream)["ttft_p50"] is None
+    assert prefix_goals(None, upstream) == {}
+
+
+def test_the_quote_in_prefix_md_is_replaced_not_repeated(tmp_path: Path) -> None:
+    page = tmp_path / "prefix.md"
+    page.write_text("# Workloads that share prefixes\n\nthe simulator's tables\n")
+    block = {"picker": "upstream", "pool_tokens_per_s": 10.0, "prefix_hit_rate": 0.5,
+             "ttft_ms": {"p50": 1.0, "p95": 2.0}, "requests": 1, "ok": 1, "picker_cpu_s": 0.1,
+             "tenants": {}}
+    data = {"server_args": ["--block-size", "16"], "timeout_s": 30.0,
+            "blocks_order": ["upstream"], "wall_s": 10.0, "loadavg_start": [1.0, 1.0, 1.0],
+            "loadavg_end": [2.0, 1.0, 1.0],
+            "by_workload": {"rag": {"timing": {"duration_s": 10.0, "warmup_s": 3.0,
+                                               "stop_s": None},
+                                    "tenants": [], "blocks": [block]}}}
+    data["summary"] = prefix_summary(data)
+    quote_in_prefix_md(page, data)
+    quote_in_prefix_md(page, data)
+    text = page.read_text()
+    assert text.startswith("# Workloads that share prefixes\n\nthe simulator's tables\n")
+    assert text.count(QUOTE_START) == 1 and text.count(QUOTE_END) == 1
+    assert "| rag | upstream | 10 | 50.0% | 1 | 2 | 1 / 1 | 0.1 |" in text
