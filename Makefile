@@ -108,6 +108,13 @@ bench-scrape: setup
 bench-flood: setup
 	$(PY) -m bench.tenant_flood --out bench/results
 
+# Issue 27: pass-through and the default on the same flood through real Envoy, with the engines'
+# step traces and the picker's view, beside the pool simulator (about 4 minutes):
+# bench/results/efficiency.md.
+.PHONY: bench-efficiency
+bench-efficiency: setup
+	MPLBACKEND=Agg $(PY) -m bench.efficiency --out bench/results
+
 # Issue 15: fairway beside upstream's endpoint picker (built from Go modules the first time, about
 # three minutes, then cached under ~/.cache/fairway) on a real API server: bench/results/peer.md
 # (about 25 minutes).

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                           "again after this long, so connections spread over the workers "
                           f"(default {CONNECTION_AGE:g})")
     run.add_argument("--log-level", default="INFO")
+    run.add_argument("--trace", type=Path, metavar="FILE",
+                     help="write the picker's view of its endpoints to FILE, a JSON line every "
+                          "5 ms (benchmarks; off by default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_token_file=args.metrics_token_file,
             grace=args.grace, config_map=args.config_map,
             pool=args.pool, lease=args.lease, identity=args.identity,
-            kube_server=args.kube_server)
+            kube_server=args.kube_server, trace=args.trace)
         problem = settings.exposure_problem()
     except ValueError as exc:
         parser.error(str(exc))

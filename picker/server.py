@@ -46,6 +46,7 @@ from picker.admin.v1 import admin_pb2_grpc
 from picker.config.reload import ConfigWatcher
 from picker.config.schema import PickerConfig, load_config
 from picker.dispatch import Dispatcher
+from picker.dispatch.trace import PickerTrace
 from picker.errors import ConfigError
 from picker.extproc import (
     AccessLogReceiver,
@@ -229,6 +230,9 @@ class ServeSettings:
     announce: bool = True
     """Print the ``listening`` lines that scripts wait for; a worker's supervisor prints the
     pod's instead."""
+    trace: Path | None = None
+    """Write the picker's view of its endpoints to this file, a JSON line every 5 ms
+    (``picker.dispatch.trace``, for benchmarks); None: no trace."""
 
     def __post_init__(self) -> None:
         # Said as the flags spell it: the command line shows this message as its usage error.
@@ -479,6 +483,9 @@ async def _serve_config(settings: ServeSettings, client: KubeClient | None,
 
     runners: list[_Runner] = [Scraper(dispatcher), admin,
                               *_sources(settings, client, live, metrics, health)]
+    if settings.trace is not None:
+        dispatcher.trace = PickerTrace(dispatcher, settings.trace)
+        runners.append(dispatcher.trace)
     if sync is not None:
         runners.append(sync)
     if elector is not None:

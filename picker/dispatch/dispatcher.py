@@ -38,6 +38,7 @@ from picker.core.selection import CapacityRules, EndpointState, Scorer
 from picker.core.sessions import session_key
 from picker.dispatch.log_budget import LogBudget
 from picker.dispatch.refusals import refusal_error
+from picker.dispatch.trace import PickerTrace
 from picker.errors import (
     LaneNotAllowed,
     NoEndpoint,
@@ -108,6 +109,8 @@ class Dispatcher:
             self._loop = None
         self._loop_thread = threading.get_ident()
         self.metrics.add_state_collector(self._scrape_snapshot)
+        self.trace: PickerTrace | None = None
+        """The view written for benchmarks (``picker serve --trace``); None: none."""
 
     # The gate's parts, as the rest of the picker (admin API, scraper, tests) reads them.
     @property
@@ -386,6 +389,8 @@ class Dispatcher:
     # -- what the gate decided (``picker.core.gate.GateListener``) --
 
     def dispatched(self, passage: Ticket, now: float) -> None:
+        if self.trace is not None:
+            self.trace.dispatched(passage, now)
         self.metrics.queue_wait.labels(passage.tenant, passage.lane) \
             .observe(now - passage.arrived_at)
         ready = passage._ready
@@ -405,6 +410,8 @@ class Dispatcher:
 
     def settled(self, passage: Ticket, usage: Usage, outcome: str, now: float,
                 estimated: bool) -> None:
+        if self.trace is not None:
+            self.trace.settled(passage, now)
         self._record_done(passage, usage, outcome)
         self._meter(passage, usage, outcome, now, estimated=estimated)
 

@@ -82,6 +82,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -146,6 +147,9 @@ class SimServerConfig:
     """vLLM V1's automatic prefix caching (on by default, as in vLLM V1)."""
     image_tokens: int = 576
     """Prompt tokens of one image part (576: LLaVA-1.5's 24 x 24 patches)."""
+    trace: str | None = None
+    """A file to write one JSON line per engine step to (``{port}`` in it: the bound port);
+    None: no trace (see ``SimEngine.trace_step``)."""
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 1:
@@ -265,6 +269,10 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.closed = False
+        self.arrived = self.finished = 0
+        """Engine requests added and finished so far (the step trace's counts)."""
+        self.trace: TextIO | None = None
+        """Where ``trace_step`` writes (``SimServerConfig.trace``); None: nowhere."""
 
     # -- state --
 
@@ -307,6 +315,9 @@ class SimEngine:
             # prompt, the others hit its blocks in the same step.
             self.scheduler.add(request, parsed.priority, job.arrival)
             self._jobs[request] = (job, choice)
+        self.arrived += len(requests)
+        if self.trace is not None:
+            self.trace.write(f'{{"ev":"a","t":{job.arrival:.5f},"n":{len(requests)}}}\n')
         self._wake.set()
         return job
 
@@ -336,6 +347,9 @@ class SimEngine:
         for job in {job for job, _ in self._jobs.values()}:
             self.cancel(job)
             job.events.put_nowait((0, _ABORTED))
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -353,6 +367,8 @@ class SimEngine:
                 await asyncio.sleep(delay)
             now = loop.time()
             self.release(out, now)
+            if self.trace is not None:
+                self.trace_step(out, starts, now)
             starts = max(ends, now)
 
     def step(self, now: float) -> StepOutput:
@@ -363,6 +379,22 @@ class SimEngine:
         self.step_time_s += self.config.step_seconds(out.prefill_tokens)
         self.prefill_tokens += out.prefill_tokens
         return out
+
+    def trace_step(self, out: StepOutput, started: float, now: float) -> None:
+        """One JSON line for a step that ran from ``started`` to ``now`` (the event loop's
+        clock, monotonic, so a picker's trace on the same host lines up with it): running and
+        waiting requests and KV blocks used after it, its prompt and decode tokens, the requests
+        added and finished so far. An idle engine writes nothing: a gap between one line's
+        ``t`` and the next one's ``t0`` is time with nothing to run."""
+        assert self.trace is not None
+        scheduler = self.scheduler
+        computed = sum(out.scheduled.values())
+        self.trace.write(
+            f'{{"t0":{started:.5f},"t":{now:.5f},"run":{scheduler.num_running},'
+            f'"wait":{scheduler.num_waiting},"kv":{scheduler.used_blocks},'
+            f'"kvt":{self.config.total_blocks},"pre":{out.prefill_tokens},'
+            f'"dec":{computed - out.prefill_tokens},"arr":{self.arrived},'
+            f'"fin":{self.finished},"pmt":{len(out.preempted)}}}\n')
 
     def release(self, out: StepOutput, now: float) -> None:
         """The step has ended: hand each emitted token to its job, finish what finished."""
@@ -391,6 +423,7 @@ class SimEngine:
             if entry is None:
                 continue  # cancelled during the step, and counted as aborted then
             job, choice = entry
+            self.finished += 1
             job.unfinished -= 1
             job.done = job.unfinished == 0
             if request.output_tokens == 0:  # an embedding: its prompt was its whole work
@@ -443,6 +476,9 @@ class SimServer:
         site = web.TCPSite(self.runner, self.config.host, self.config.port)
         await site.start()
         self.port = self.runner.addresses[0][1]
+        if self.config.trace:
+            path = self.config.trace.replace("{port}", str(self.port))
+            self.engine.trace = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
 
     async def stop(self) -> None:
         """Abort what is in flight and stop listening."""
@@ -673,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-enable-prefix-caching turns it off)")
     p.add_argument("--image-tokens", type=int, default=d.image_tokens,
                    help="prompt tokens of one image part (default %(default)s, LLaVA-1.5's)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write one JSON line per engine step to FILE ({port} in it: the bound "
+                        "port): running, waiting, KV blocks, prompt and decode tokens")
     return p
 
 
@@ -685,7 +724,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
                            enable_prefix_caching=args.enable_prefix_caching,
-                           image_tokens=args.image_tokens)
+                           image_tokens=args.image_tokens, trace=args.trace)
 
 
 async def serve(config: SimServerConfig) -> None:

@@ -1,0 +1,577 @@
+"""Where the default gate's tokens go, through real Envoy (issue 27, points 1 and 4).
+
+It answers: *when fairway delivers fewer of the pool's tokens than FCFS pass-through, in which
+moments did an engine have room and nothing to run while the picker held requests, and why?*
+The same traffic runs through pass-through (``scheduling.policy: fcfs``: every request goes at
+once, the engines' queues decide) and through the fairway default, each on a fresh
+``picker.stack`` (real Envoy, the picker, two simulated vLLM servers), with the servers' step
+trace (``python -m picker.sim.server --trace``: running and waiting requests, KV blocks, prompt
+and decode tokens per step) and the picker's (``picker serve --trace``: its count, the scraped
+figures, the queue's head and why ``has_room`` holds it, every 5 ms). Then the pool simulator
+runs the same traffic in both modes, so its ratio stands beside the gateway's.
+
+A *held-room step* is an engine step (or an idle gap) that starts with nothing waiting in the
+engine and free KV blocks for the picker's next held prompt while the picker holds requests.
+Its lost tokens are what the endpoint's pass-through run decoded a step more (its mean running
+requests, less those running now). Each is put down to one cause, in this order:
+
+* ``dispatch to engine``: the picker has sent more requests to the endpoint than have reached
+  its engine (the time through Envoy and the server's HTTP stack);
+* ``completion seen late``: the picker's own count holds the prompt off, and the engine has
+  finished more requests than the picker has seen end (the meter stream's lag);
+* ``scrape lag``: the scraped KV use holds it off (a scrape older than what it reports);
+* ``waiting threshold``: the scraped waiting queue, less completions seen, is at
+  ``capacity.maxWaiting`` while the engine's is empty;
+* ``own count``: the picker's own count (tokens it saw, with every completion seen) is above
+  the engine's blocks;
+* ``rule or fair order``: ``has_room`` says yes and the picker still holds (a rule of the gate,
+  or no pump since the room appeared).
+
+Time runs ``SCALE`` times slower than the issue's shape (steps and prefill ``SCALE`` times
+longer, rates ÷ ``SCALE``), as ``bench.isolation_envoy`` does, so that two shared cores carry
+the stack; ratios keep their meaning.
+
+Run: ``python -m bench.efficiency --out bench/results`` (about 4 minutes: four gateway runs of
+35 s plus start and drain; ``--only 8k`` for one size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.gateway.common import (
+    GatewayRun,
+    Sample,
+    Sampler,
+    loadavg,
+    measured,
+    picker_overrides,
+    pool_numbers,
+)
+from bench.isolation import PREFILL_S_PER_TOKEN, _numbers
+from bench.isolation_envoy import _mode_config, _sim_config, server_args
+from picker.sim.load import LoadResult, run_traffic
+from picker.sim.pool import PoolSpec, simulate
+from picker.sim.traffic import Traffic, load_traffic
+from picker.stack.launcher import Stack, merge_sections
+
+SCALE = 1.0
+DURATION_S = 30.0
+WARMUP_S = 5.0
+TIMEOUT_S = 120.0
+"""Seconds a client waits for its answer (and the picker holds a request): longer than the run,
+so that no request is given up inside it (a pass-through engine would spend its prefill on
+requests whose clients have gone). The run is cut ``CUT_S`` after sending stops instead."""
+CUT_S = 1.0
+BLOCK = 16
+
+CAUSES = ("dispatch to engine", "completion seen late", "scrape lag", "waiting threshold",
+          "own count", "rule or fair order")
+MODES = {"pass-through": ("fcfs", {}), "default": ("vtc", {})}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    spec: PoolSpec
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+
+
+SHAPES = (
+    Shape("8k", PoolSpec(kv_budget_tokens=8192, prefill_s_per_token=PREFILL_S_PER_TOKEN),
+          (600, 900), (150, 250)),
+    Shape("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192,
+                          prefill_s_per_token=PREFILL_S_PER_TOKEN), (3000, 6000), (300, 500)),
+)
+
+
+def shape_traffic(shape: Shape, scale: float, seed: int = 27) -> Traffic:
+    """The issue's traffic: a heavy tenant open-loop at 30 requests/s, a light one at 3, both
+    streamed with ``max_tokens`` and ``ignore_eos``; rates ÷ ``scale``."""
+    kind = {"api": "completions", "prompt_tokens": list(shape.prompt),
+            "output_tokens": list(shape.output), "stream_fraction": 1.0, "include_usage": True}
+    return load_traffic({"duration_s": DURATION_S, "seed": seed, "timeout_s": TIMEOUT_S,
+                         "tenants": [{"name": "light", "rate": 3.0 / scale, **kind},
+                                     {"name": "flood", "rate": 30.0 / scale, **kind}]})
+
+
+# -- reading the traces ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One process's trace: its periodic lines and its events' times by kind and endpoint."""
+
+    lines: list[dict[str, Any]]
+    events: dict[tuple[str, str], list[float]]
+
+    def count(self, kind: str, address: str, t: float) -> int:
+        """Events of ``kind`` at ``address`` up to ``t``."""
+        return bisect.bisect_right(self.events.get((kind, address), []), t)
+
+
+def read_trace(path: Path, address: str = "") -> Trace:
+    """A trace file: lines with an ``ev`` key are events (``address``: theirs when they name
+    none, an engine's)."""
+    lines, events = [], {}
+    for item in read_lines(path):
+        if "ev" in item:
+            events.setdefault((item["ev"], item.get("a", address)), []).extend(
+                [item["t"]] * item.get("n", 1))
+        else:
+            lines.append(item)
+    for times in events.values():
+        times.sort()
+    return Trace(lines, events)
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a process stopped mid-write
+            continue
+    return out
+
+
+def engine_summary(steps: Sequence[dict[str, Any]], t1: float, t2: float,
+                   spec: PoolSpec) -> dict[str, float]:
+    """One engine's steps inside [t1, t2]: time-weighted running, waiting, KV use; prompt and
+    decode tokens a nominal step; the share of the time it was idle; how much longer its steps
+    lasted than the server's model of them (``step_s`` + prompt tokens × their cost: the time
+    its event loop woke late, the CPU busy elsewhere); decode tokens per second of modelled
+    step time (what the engine would have delivered had no step run late)."""
+    step_s = spec.step_s
+    inside = [s for s in steps if t1 <= s["t0"] and s["t"] <= t2]
+    span = t2 - t1
+    if not inside or span <= 0:
+        return {}
+    busy = sum(s["t"] - s["t0"] for s in inside)
+
+    def weighted(key: str) -> float:
+        return sum(s[key] * (s["t"] - s["t0"]) for s in inside) / span
+
+    return {"running": weighted("run"), "waiting": weighted("wait"),
+            "kv_use": sum(s["kv"] / s["kvt"] * (s["t"] - s["t0"]) for s in inside) / span,
+            "prefill_per_step": sum(s["pre"] for s in inside) / (span / step_s),
+            "decode_per_step": sum(s["dec"] for s in inside) / (span / step_s),
+            "idle_share": max(0.0, 1.0 - busy / span),
+            "step_overrun_ms": 1000 * statistics.fmean(
+                s["t"] - s["t0"] - step_s - s["pre"] * spec.prefill_s_per_token for s in inside),
+            "decode_per_model_s": sum(s["dec"] for s in inside) / sum(
+                step_s + s["pre"] * spec.prefill_s_per_token for s in inside),
+            "preempted": float(sum(s.get("pmt", 0) for s in inside))}
+
+
+def _view_at(times: list[float], lines: Sequence[dict[str, Any]],
+             t: float) -> dict[str, Any] | None:
+    i = bisect.bisect_right(times, t) - 1
+    return lines[i] if i >= 0 else None
+
+
+def cause_of(sent: int, arrived: int, finished: int, settled: int, why: str) -> str:
+    """Why the picker held its queue while an engine had room: requests the picker had
+    ``sent`` there and the engine had seen ``arrived``, requests the engine had ``finished``
+    and the picker had ``settled``, and ``why`` the picker's view (``picker.core.holds``) kept
+    its head off that endpoint."""
+    if sent > arrived:
+        return "dispatch to engine"
+    if why == "room":
+        return "rule or fair order"
+    if why == "waiting":
+        return "waiting threshold"
+    if finished > settled:
+        return "completion seen late"
+    if why == "scraped_kv":
+        return "scrape lag"
+    return "own count"
+
+
+def held_room(engine: Trace, picker: Trace, address: str, window: tuple[float, float],
+              step_s: float, full_running: float) -> dict[str, Any]:
+    """The held-room steps of one engine inside ``window``: the engine's seconds and the tokens
+    lost (``full_running`` less the requests running, a nominal step) by cause. An idle gap
+    between two steps counts as steps with nothing running."""
+    t1, t2 = window
+    steps, views = engine.lines, picker.lines
+    times = [v["t"] for v in views]
+    ends = _finish_times(steps)
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    lost = dict.fromkeys(CAUSES, 0.0)
+    intervals: list[tuple[float, float, str]] = []
+    for before, step in itertools.pairwise(steps):
+        # The gap before the step (engine idle), then the step itself, both as the engine stood
+        # after ``before``.
+        for start, end, running in ((before["t"], step["t0"], 0), (step["t0"], step["t"],
+                                                                    before["run"])):
+            if end <= start or start < t1 or end > t2:
+                continue
+            view = _view_at(times, views, start)
+            if view is None or not view["q"] or not view["head"] or before["wait"]:
+                continue
+            free = (before["kvt"] - before["kv"]) * BLOCK
+            if free < view["head"]:
+                continue
+            endpoint = next((e for e in view["eps"] if e["a"] == address), None)
+            if endpoint is None:
+                continue
+            cause = cause_of(picker.count("d", address, start), engine.count("a", address, start),
+                             bisect.bisect_right(ends, start),
+                             picker.count("s", address, start), endpoint["why"])
+            seconds[cause] += end - start
+            lost[cause] += max(0.0, full_running - running) * (end - start) / step_s
+            if intervals and intervals[-1][2] == cause and abs(intervals[-1][1] - start) < 1e-6:
+                intervals[-1] = (intervals[-1][0], end, cause)
+            else:
+                intervals.append((start, end, cause))
+    return {"seconds": seconds, "lost_tokens": lost, "intervals": intervals}
+
+
+def picker_summary(views: Sequence[dict[str, Any]], t1: float, t2: float) -> dict[str, Any]:
+    """Mean queue, and how often the head was held for each reason, per endpoint."""
+    inside = [v for v in views if t1 <= v["t"] <= t2]
+    if not inside:
+        return {}
+    reasons: dict[str, dict[str, int]] = {}
+    for v in inside:
+        for e in v["eps"]:
+            if e["why"] is not None:
+                got = reasons.setdefault(e["a"], {})
+                got[e["why"]] = got.get(e["why"], 0) + 1
+    held = sum(1 for v in inside if v["q"])
+    return {"mean_queued": statistics.fmean(v["q"] for v in inside),
+            "held_share": held / len(inside),
+            "reasons": {a: {k: n / max(1, held) for k, n in r.items()}
+                        for a, r in reasons.items()},
+            "mean_inflight_tokens": {e["a"]: statistics.fmean(
+                x["it"] for v in inside for x in v["eps"] if x["a"] == e["a"])
+                for e in inside[0]["eps"]},
+            "mean_scrape_age_ms": 1000 * statistics.fmean(
+                x["age"] for v in inside for x in v["eps"] if x["age"] is not None)}
+
+
+def _finish_times(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """The end of the step each finished request finished in, in order."""
+    out: list[float] = []
+    for step in steps:
+        out.extend([step["t"]] * (step["fin"] - len(out)))
+    return out
+
+
+def lag(earlier: Sequence[float], later: Sequence[float],
+        window: tuple[float, float]) -> float | None:
+    """Mean seconds from the n-th of ``earlier`` to the n-th of ``later``, for the n-th of
+    ``earlier`` inside ``window`` (the picker's n-th dispatch to an endpoint and its engine's
+    n-th arrival; the engine's n-th finished request and the picker's n-th settlement)."""
+    pairs = [b - a for a, b in zip(earlier, later, strict=False) if window[0] <= a <= window[1]]
+    return statistics.fmean(pairs) if pairs else None
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+def run_mode(shape: Shape, mode: str, spec: PoolSpec, traffic: Traffic, scale: float,
+             workdir: Path) -> dict[str, Any]:
+    policy, extra = MODES[mode]
+    config = merge_sections(picker_overrides(traffic, {}, "0s"),
+                            _mode_config(policy, extra, spec, traffic, scale))
+    label = f"{shape.name}-{mode}"
+    where = workdir / label
+    where.mkdir(parents=True, exist_ok=True)
+    stack = Stack(where / "stack", policy=policy, endpoints=spec.endpoints,
+                  server_args=[*server_args(spec), "--trace", str(where / "engine-{port}.jsonl")],
+                  picker_config=config, picker_args=["--trace", str(where / "picker.jsonl")])
+    load_before = loadavg()
+    print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
+    resources: dict[str, Any] = {}
+    with stack, measured(resources, lambda: [stack]):
+        samples, t0 = asyncio.run(_drive_cut(stack, traffic, 0.25, traffic.duration_s + CUT_S))
+    run = GatewayRun(label, policy, traffic.duration_s, (WARMUP_S, traffic.duration_s),
+                     LoadResult([], {}, 0.0), samples, resources)
+    pool = pool_numbers(run)
+    picker = read_trace(where / "picker.jsonl")
+    engines = {}
+    for path in sorted(where.glob("engine-*.jsonl")):
+        address = f"127.0.0.1:{path.stem.split('-')[1]}"
+        engines[address] = read_trace(path, address)
+    window = (t0 + WARMUP_S, t0 + traffic.duration_s)
+    return {"tokens_per_s": pool["server_output_tokens_per_s"], "pool": pool,
+            "loadavg_before": load_before, "loadavg_after": loadavg(),
+            "cpu_busy_fraction": resources.get("cpu_busy_fraction"),
+            "cpu_s": {k.split("/")[-1]: v for k, v in resources.get("cpu_s", {}).items()},
+            "window": window, "picker": picker, "engines": engines, "config": config}
+
+
+async def _drive_cut(stack: Stack, traffic: Traffic, interval: float,
+                     cut_s: float) -> tuple[list[Sample], float]:
+    """``traffic`` through ``stack``, its metrics sampled every ``interval``, cut ``cut_s``
+    after the start (requests still open are cancelled): the samples and the start on the
+    monotonic clock the traces use."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    sampler = Sampler(stack, t0, interval)
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        sampling = asyncio.create_task(sampler.run(session, stop))
+        load = asyncio.create_task(run_traffic(traffic, stack.gateway_url))
+        await asyncio.wait({load}, timeout=cut_s)
+        stop.set()
+        await sampling
+        await sampler.take(session)  # the counters at the cut
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+    return sampler.samples, t0
+
+
+def analyse(shape: Shape, spec: PoolSpec, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    step_s = spec.step_s
+    out: dict[str, Any] = {"modes": {}}
+    for mode, run in runs.items():
+        t1, t2 = run["window"]
+        picker: Trace = run["picker"]
+        engines: dict[str, Trace] = run["engines"]
+        out["modes"][mode] = {
+            "tokens_per_s": run["tokens_per_s"], "loadavg": run["loadavg_after"],
+            "cpu_busy_fraction": run["cpu_busy_fraction"],
+            "engines": {a: engine_summary(e.lines, t1, t2, spec) for a, e in engines.items()},
+            "cpu_s": run["cpu_s"],
+            "picker": picker_summary(picker.lines, t1, t2),
+            "dispatch_latency_ms": {a: _ms(lag(picker.events.get(("d", a), []),
+                                               e.events.get(("a", a), []), (t1, t2)))
+                                    for a, e in engines.items()},
+            "completion_lag_ms": {a: _ms(lag(_finish_times(e.lines),
+                                             picker.events.get(("s", a), []), (t1, t2)))
+                                  for a, e in engines.items()}}
+    passthrough, default = out["modes"]["pass-through"], out["modes"]["default"]
+    # Pass-through's engines, as full as their queues kept them: the running a step there.
+    full = statistics.fmean(e.get("running", 0.0) for e in passthrough["engines"].values())
+    run = runs["default"]
+    lost = dict.fromkeys(CAUSES, 0.0)
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    intervals: dict[str, list[tuple[float, float, str]]] = {}
+    for address, engine in run["engines"].items():
+        got = held_room(engine, run["picker"], address, run["window"], step_s, full)
+        intervals[address] = got["intervals"]
+        for cause in CAUSES:
+            lost[cause] += got["lost_tokens"][cause]
+            seconds[cause] += got["seconds"][cause]
+    span = run["window"][1] - run["window"][0]
+    measured = (passthrough["tokens_per_s"] - default["tokens_per_s"]) * span
+    out["breakdown"] = {"lost_tokens": lost, "engine_seconds": seconds,
+                        "measured_lost_tokens": measured, "full_running": full,
+                        "window_s": span}
+    out["intervals"] = intervals
+    out["ratio"] = default["tokens_per_s"] / passthrough["tokens_per_s"] \
+        if passthrough["tokens_per_s"] else None
+    modelled = [sum(e.get("decode_per_model_s", 0.0) for e in m["engines"].values())
+                for m in (default, passthrough)]
+    out["ratio_model_time"] = modelled[0] / modelled[1] if modelled[1] else None
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def simulator_ratio(spec: PoolSpec, traffic: Traffic, scale: float,
+                    runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The same traffic and configs in the pool simulator: tokens/s per mode and the ratio."""
+    got = {}
+    for mode, run in runs.items():
+        started = time.process_time()
+        sim = simulate(_sim_config(traffic, run["config"], spec), traffic, spec,
+                       warmup_s=WARMUP_S, drain_s=traffic.timeout_s)
+        got[mode] = _numbers(sim, time.process_time() - started)["tokens_per_s"]
+    return {"tokens_per_s": got, "ratio": got["default"] / got["pass-through"]
+            if got["pass-through"] else None}
+
+
+def run_shape(shape: Shape, scale: float, workdir: Path, sim_spec: PoolSpec | None = None
+              ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    spec = replace(shape.spec, step_s=shape.spec.step_s * scale,
+                   prefill_s_per_token=shape.spec.prefill_s_per_token * scale)
+    traffic = shape_traffic(shape, scale)
+    runs = {mode: run_mode(shape, mode, spec, traffic, scale, workdir) for mode in MODES}
+    result = analyse(shape, spec, runs)
+    result["spec"] = {k: v for k, v in spec.__dict__.items()}
+    result["simulator"] = simulator_ratio(sim_spec or spec, traffic, scale, runs)
+    return result, runs
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def write_report(data: dict[str, Any], out: Path) -> None:
+    scale = data["scale"]
+    lines = ["# Where the default gate's tokens go (issue 27)", "",
+             "Generated by `python -m bench.efficiency`. Each size runs the same traffic through "
+             "FCFS pass-through and the fairway default, each on a fresh stack (real Envoy, the "
+             "picker over TLS, two simulated vLLM servers, engines fcfs), with the servers' step "
+             "trace and the picker's trace on; then through the pool simulator. Traffic: a "
+             "heavy tenant open-loop at 30 requests/s and a light one at 3, streamed, "
+             f"`max_tokens` with `ignore_eos`, {DURATION_S:g} s, tokens counted from "
+             f"{WARMUP_S:g} s to the end of sending; time {scale:g}× slower (steps "
+             f"{10 * scale:g} ms, prefill {scale:g}× longer, rates ÷ {scale:g}), as "
+             "`bench.isolation_envoy` runs, so that two shared cores carry the stack.", "",
+             "| size | mode | tokens/s | ÷ pass-through (Envoy) | same, per modelled step time "
+             "| ÷ pass-through (simulator) | step overrun ms | picker CPU s | engine running "
+             "| engine waiting | KV use | prompt tok/step | decode tok/step "
+             "| engine idle | picker queue | dispatch→engine ms | completion seen after ms "
+             "| load avg |", "|" + "---|" * 18]
+    for name, size in data["sizes"].items():
+        sim = size["simulator"]
+        for mode, m in size["modes"].items():
+            engines = list(m["engines"].values())
+
+            def mean(key: str, engines: list[dict[str, float]] = engines) -> float | None:
+                got = [e[key] for e in engines if key in e]
+                return statistics.fmean(got) if got else None
+
+            lat = [v for v in m["dispatch_latency_ms"].values() if v is not None]
+            lag = [v for v in m["completion_lag_ms"].values() if v is not None]
+            ratio = size["ratio"] if mode == "default" else 1.0
+            sim_ratio = sim["ratio"] if mode == "default" else 1.0
+            model_ratio = size["ratio_model_time"] if mode == "default" else 1.0
+            cpu = m.get("cpu_s", {}).get("picker")
+            lines.append(
+                f"| {name} | {mode} | {m['tokens_per_s']:.0f} | {_f(ratio, '.3f')} | "
+                f"{_f(model_ratio, '.3f')} | {_f(sim_ratio, '.3f')} | "
+                f"{_f(mean('step_overrun_ms'), '.2f')} | {_f(cpu, '.1f')} | "
+                f"{_f(mean('running'), '.1f')} | "
+                f"{_f(mean('waiting'), '.1f')} | {_f(mean('kv_use'), '.0%')} | "
+                f"{_f(mean('prefill_per_step'), '.0f')} | {_f(mean('decode_per_step'), '.1f')} | "
+                f"{_f(mean('idle_share'), '.1%')} | "
+                f"{_f(m['picker'].get('mean_queued'), '.1f')} | "
+                f"{_f(statistics.fmean(lat) if lat else None, '.1f')} | "
+                f"{_f(statistics.fmean(lag) if lag else None, '.1f')} | "
+                f"{' '.join(str(x) for x in m['loadavg'])} |")
+    lines += ["", "## Held-room steps: the default's engines had room and nothing waiting while "
+              "the picker held requests", "",
+              "Lost tokens: per such step, pass-through's mean running requests less the "
+              "default's, a nominal step. 'Measured' is the window's token difference between "
+              "the two runs.", "",
+              "| size | cause | engine seconds | lost tokens | share of the held-room loss | "
+              "share of the measured loss |", "|---|---|---|---|---|---|"]
+    for name, size in data["sizes"].items():
+        b = size["breakdown"]
+        total = sum(b["lost_tokens"].values())
+        measured = b["measured_lost_tokens"]
+        for cause in CAUSES:
+            lost = b["lost_tokens"][cause]
+            lines.append(f"| {name} | {cause} | {b['engine_seconds'][cause]:.2f} | {lost:.0f} | "
+                         f"{_f(lost / total if total else None, '.0%')} | "
+                         f"{_f(lost / measured if measured > 0 else None, '.0%')} |")
+        lines.append(f"| {name} | **all** | {sum(b['engine_seconds'].values()):.2f} | "
+                     f"{total:.0f} | 100% | {_f(total / measured if measured > 0 else None, '.0%')}"
+                     f" (measured {measured:.0f}) |")
+    lines += ["", "## Why the picker held its head, by endpoint (share of held samples)", ""]
+    for name, size in data["sizes"].items():
+        reasons = size["modes"]["default"]["picker"].get("reasons", {})
+        for address, got in reasons.items():
+            text = ", ".join(f"{k} {v:.0%}" for k, v in sorted(got.items(), key=lambda kv: -kv[1]))
+            lines.append(f"- {name}, {address}: {text}")
+    if data.get("plot"):
+        lines += ["", f"![engines and picker over time]({data['plot']})"]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def plot(data: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]],
+         out: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    colours = dict(zip(CAUSES, ("tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:gray",
+                                "tab:green"), strict=True))
+    names = list(runs)
+    fig, axes = plt.subplots(len(names), 2, figsize=(13, 3.4 * len(names)), squeeze=False)
+    for row, name in zip(axes, names, strict=True):
+        size_runs = runs[name]
+        spec = data["sizes"][name]["spec"]
+        ax, pace = row
+        for mode, style in (("pass-through", ":"), ("default", "-")):
+            run = size_runs[mode]
+            address = sorted(run["engines"])[0]
+            m0 = run["window"][0]
+            steps = [s for s in run["engines"][address].lines if m0 <= s["t0"] <= m0 + 8.0]
+            ax.plot([s["t"] - m0 for s in steps], [s["run"] for s in steps], style, lw=1,
+                    label=f"{mode}: engine running")
+            # Each step's time beyond the server's model of it, a moving mean of 25 steps.
+            over = [1000 * (s["t"] - s["t0"] - spec["step_s"]
+                            - s["pre"] * spec["prefill_s_per_token"]) for s in steps]
+            smooth = [statistics.fmean(over[max(0, i - 24):i + 1]) for i in range(len(over))]
+            pace.plot([s["t"] - m0 for s in steps], smooth, style, lw=1, label=mode)
+            if mode == "default":
+                for start, end, cause in data["sizes"][name]["intervals"].get(address, []):
+                    if m0 <= start and end <= m0 + 8.0:
+                        ax.axvspan(start - m0, end - m0, color=colours[cause], alpha=0.3, lw=0)
+        for cause, colour in colours.items():
+            ax.plot([], [], color=colour, alpha=0.4, lw=6, label=f"held room: {cause}")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{name}: one endpoint's running requests, 8 s after the warm-up")
+        ax.set_xlabel("seconds")
+        ax.legend(fontsize=6, loc="lower right", ncol=2)
+        pace.set_title(f"{name}: how much longer each step ran than modelled (25-step mean)")
+        pace.set_xlabel("seconds")
+        pace.set_ylabel("ms")
+        pace.set_ylim(bottom=0)
+        pace.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out.name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--only", action="append", help="run only this size (8k, 64k)")
+    parser.add_argument("--scale", type=float, default=SCALE)
+    parser.add_argument("--keep", help="keep the runs' traces in this directory")
+    args = parser.parse_args()
+    shapes = [s for s in SHAPES if not args.only or s.name in args.only]
+    data: dict[str, Any] = {"scale": args.scale, "sizes": {}}
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fairway-efficiency-") as tmp:
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        for shape in shapes:
+            print(f"{shape.name}:", flush=True)
+            data["sizes"][shape.name], runs[shape.name] = run_shape(shape, args.scale, workdir)
+            size = data["sizes"][shape.name]
+            print(f"  ratio through Envoy {_f(size['ratio'], '.3f')}, simulator "
+                  f"{_f(size['simulator']['ratio'], '.3f')}", flush=True)
+        data["plot"] = plot(data, runs, out / "efficiency.png")
+    (out / "efficiency.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    write_report(data, out / "efficiency.md")
+    print(f"wrote {out / 'efficiency.md'}")
+
+
+if __name__ == "__main__":
+    main()
