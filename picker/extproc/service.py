@@ -413,6 +413,10 @@ class _Exchange:
         self.model: str | None = None
         self.tenant = config.tenancy.default_tenant
         self.lane: str | None = None
+        self.lane_asked: str | None = None
+        """The lane header (or objective) as the request sent it; None: it asked for none, so
+        the metering record says so (a replay under another config gives it that config's lane
+        for its tenant, not this one's)."""
         self.body = bytearray()
         self.subset: frozenset[str] | None = None
         self.ticket: Ticket | None = None
@@ -533,7 +537,8 @@ class _Exchange:
                 # last): a request naming two tenants or lanes is refused, not guessed at.
                 raise BadRequest(f"header {repeated!r} is sent more than once")
             self.tenant = self.dispatcher.identity.tenant(self.headers)
-            self.lane = self.dispatcher.choose_lane(self.tenant, self._lane_asked())
+            self.lane_asked = self._lane_asked()
+            self.lane = self.dispatcher.choose_lane(self.tenant, self.lane_asked)
             if self.shed is not None and self.kind is not None and self.shed(self.tenant):
                 raise MeterBacklog("the endpoint picker is behind metering responses; retry "
                                    "shortly")
@@ -664,7 +669,7 @@ class _Exchange:
         self.model = inference.model
         sessions = self.config.routing.sessions
         self.ticket = await self.dispatcher.admit(
-            self.tenant, inference, self.subset, self.lane, self.request_id,
+            self.tenant, inference, self.subset, self.lane_asked, self.request_id,
             output_seen=not (self.logged or self.response_unseen),
             # The session header is a hint scoped by the tenant resolved above; it goes on to
             # the engine unchanged (the application may read it there).

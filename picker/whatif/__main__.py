@@ -13,19 +13,23 @@ was measured (a TTFT far below the log's asks for ``--prefill-ms-per-1k-tokens``
 
 The pool is what the log shows unless given: the endpoints that served (count), the engines'
 step from the streamed requests' time per output token (median), the KV budget from the config
-(``capacity.kvBudgetTokens``). Exit status: 0; 1 when a candidate was refused (the others are
+(``capacity.kvBudgetTokens``), or when that is ``auto`` (the picker learned it from the engines)
+estimated from the log: what an engine held (prompt + output so far of its running requests)
+while requests waited in the picker's queue for room (``KvOccupancy``). ``--coarse K``: the fast
+mode (``picker.whatif.coarse``). Exit status: 0; 1 when a candidate was refused (the others are
 still replayed); 2 when the log or the baseline cannot be used.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import itertools
 import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from picker.config.schema import PickerConfig, load_config
 from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.sim.pool import PoolSpec
+from picker.whatif.coarse import step_scale
 from picker.whatif.log import (
     Arrival,
     BadField,
@@ -52,6 +57,8 @@ DEFAULT_KV_BUDGET = 8192
 DEFAULT_STEP_S = 0.01
 MAX_ENDPOINTS = 4096
 """Distinct endpoints remembered while scanning (memory stays bounded on a hostile log)."""
+MAX_OUTPUT_LENGTHS = 65_536
+"""Distinct output lengths counted (``LogFigures.outputs``), likewise."""
 
 
 TENANT_POLICY_KEYS = ("weight", "lane", "allowedLanes", "budgets", "overBudget", "limits")
@@ -152,6 +159,88 @@ def load_candidate(path: Path, base: dict[str, Any]) -> PickerConfig:
     return _load(merged, path)
 
 
+SATURATED_QUEUE_MS = 100.0
+"""A served request that waited this long in the picker's queue shows the pool out of room."""
+MIN_SATURATED = 10
+"""Requests that must show it before the log's peak in-flight tokens is taken as the budget."""
+
+
+class KvOccupancy:
+    """An estimate of each endpoint's KV cache from its served requests: while a request
+    streams (first token to finish; a non-streamed one from its dispatch) it holds its prompt
+    and a growing output, on average prompt + half its output. Summed over an endpoint's
+    requests that is its engine's occupancy over time, and while the pool was full (requests
+    waited in the queue for room) an engine holds about its whole cache: the estimate is the
+    occupancy each endpoint held half its non-idle time (the time-weighted median, in blocks of
+    16), median over endpoints: on bench.whatif's logs (engines of 2,048 tokens) it read 1,968
+    to 2,064.
+
+    The log is in finish order: each endpoint's events (a heap) are swept in time order once no
+    record still to be read can come before them (``window_s`` behind the latest finish), so
+    memory is what that window holds, plus a histogram per endpoint."""
+
+    BLOCK = 16
+    QUANTILE = 0.5
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.events: dict[str, list[tuple[float, float]]] = {}
+        self.state: dict[str, list[float]] = {}
+        """Per endpoint: [tokens held, time of the last event]."""
+        self.held_for: dict[str, dict[int, float]] = {}
+        """Per endpoint: seconds spent holding each number of blocks (idle time not kept)."""
+        self.saturated = 0
+        """Served requests that waited ``SATURATED_QUEUE_MS`` or more."""
+
+    def add(self, endpoint: str, start: float, finished: float, tokens: float,
+            queue_ms: float) -> None:
+        events = self.events.get(endpoint)
+        if events is None:
+            if len(self.events) >= MAX_ENDPOINTS:
+                return
+            events = self.events[endpoint] = []
+            self.state[endpoint] = [0.0, start]
+            self.held_for[endpoint] = {}
+        if queue_ms >= SATURATED_QUEUE_MS:
+            self.saturated += 1
+        heapq.heappush(events, (start, tokens))
+        heapq.heappush(events, (max(finished, start), -tokens))
+        self._sweep(endpoint, finished - self.window_s)
+
+    def _sweep(self, endpoint: str, until: float) -> None:
+        events, state, held_for = self.events[endpoint], self.state[endpoint], \
+            self.held_for[endpoint]
+        held, last = state
+        while events and events[0][0] <= until:
+            at, change = heapq.heappop(events)
+            blocks = round(held / self.BLOCK)
+            if blocks > 0 and at > last:
+                held_for[blocks] = held_for.get(blocks, 0.0) + (at - last)
+            held, last = held + change, at
+        state[0], state[1] = held, last
+
+    def budget(self) -> int | None:
+        """The estimate, once the queue showed the pool full; else None."""
+        if self.saturated < MIN_SATURATED:
+            return None
+        estimates = []
+        for endpoint, held_for in self.held_for.items():
+            self._sweep(endpoint, math.inf)
+            total = sum(held_for.values())
+            if total <= 0:
+                continue
+            seen = 0.0
+            for blocks in sorted(held_for):
+                seen += held_for[blocks]
+                if seen >= self.QUANTILE * total:
+                    estimates.append(blocks * self.BLOCK)
+                    break
+        if not estimates:
+            return None
+        estimates.sort()
+        return estimates[len(estimates) // 2]
+
+
 @dataclass
 class LogFigures:
     """What the log says of the pool that served it."""
@@ -163,6 +252,12 @@ class LogFigures:
     recorded: ReplayResult
     """What the log measured, per tenant and lane (the lane each request ran in), summed as a
     replay is: set beside the baseline's replay, it shows how far the replay is from the log."""
+    kv_budget_tokens: int | None = None
+    """Each engine's KV cache as the log shows it, when the pool was seen full (``KvOccupancy``)."""
+    saturated: int = 0
+    """Served requests that waited ``SATURATED_QUEUE_MS`` or more for room."""
+    outputs: dict[int, int] = field(default_factory=dict)
+    """Served requests by output length (``picker.whatif.coarse.step_scale``)."""
 
 
 def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], start: float) -> None:
@@ -185,12 +280,14 @@ def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], star
 
 def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
                  since: float | None = None, until: float | None = None,
-                 bucket_s: float = 60.0) -> LogFigures:
+                 bucket_s: float = 60.0, reorder_window_s: float = 600.0) -> LogFigures:
     """One streaming pass over the log (its first ``size`` bytes) for the pool's figures and
     what the log measured (arrivals in ``[since, until)``); bad lines are left to the replay's
     pass to report."""
     endpoints: set[str] = set()
     per_token = Quantiles()
+    kv = KvOccupancy(reorder_window_s)
+    outputs: dict[int, int] = {}
     recorded = ReplayResult(bucket_s=bucket_s, step_s=1.0)
     first = last = None
     read = 0
@@ -210,6 +307,17 @@ def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
                     first = since if since is not None else arrival.arrived
                 last = arrival.finished if last is None else max(last, arrival.finished)
                 _recorded(recorded, arrival, data, first)
+                queue_ms, served_by = data.get("queue_ms"), data.get("endpoint")
+                ttft_ms = data.get("ttft_ms")
+                length = arrival.output_tokens or 0
+                if isinstance(served_by, str) and (length in outputs
+                                                   or len(outputs) < MAX_OUTPUT_LENGTHS):
+                    outputs[length] = outputs.get(length, 0) + 1
+                if isinstance(served_by, str) and isinstance(queue_ms, (int, float)):
+                    began = ttft_ms if arrival.stream and isinstance(ttft_ms, (int, float)) \
+                        else queue_ms
+                    kv.add(served_by, arrival.arrived + began / 1000, arrival.finished,
+                           arrival.prompt_tokens + (arrival.output_tokens or 0) / 2, queue_ms)
             endpoint = data.get("endpoint")
             if isinstance(endpoint, str) and len(endpoints) < MAX_ENDPOINTS:
                 endpoints.add(endpoint)
@@ -221,7 +329,8 @@ def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
                 per_token.add((e2e - ttft) / 1000 / (completion - 1))
     if first is not None and last is not None:
         recorded.ticks = max(1, math.ceil(last - first))  # seconds: its tokens/s are the log's
-    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count, recorded)
+    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count, recorded,
+                      kv.budget(), kv.saturated, outputs)
 
 
 def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerConfig
@@ -247,6 +356,11 @@ def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerCon
     elif isinstance(configured, int):
         kv = configured
         notes.append(f"KV budget {kv:,} tokens (capacity.kvBudgetTokens)")
+    elif figures.kv_budget_tokens is not None:
+        kv = figures.kv_budget_tokens
+        notes.append(f"KV budget {kv:,} tokens (estimated from the log: what the endpoints held "
+                     f"while {figures.saturated:,} requests waited for room; "
+                     "--kv-budget-tokens)")
     else:
         kv = DEFAULT_KV_BUDGET
         notes.append(f"KV budget {kv:,} tokens (assumed: learned live; --kv-budget-tokens)")
@@ -269,7 +383,7 @@ def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerCon
 
 
 def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namespace,
-         skips: Skips, quiet: bool) -> ReplayResult:
+         skips: Skips, quiet: bool, outputs: dict[int, int] | None = None) -> ReplayResult:
     def report(message: str) -> None:
         if not quiet:
             print(message, file=sys.stderr)
@@ -281,7 +395,8 @@ def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namesp
         raise LookupError("no usable record in the log")
     start = args.since if args.since is not None else first.arrived
     return replay(config, spec, itertools.chain([first], arrivals), start=start,
-                  client_timeout_s=args.client_timeout, bucket_s=args.bucket)
+                  client_timeout_s=args.client_timeout, bucket_s=args.bucket,
+                  coarse=args.coarse, coarse_scale=step_scale(outputs or {}, args.coarse))
 
 
 def _time_option(text: str) -> float:
@@ -316,10 +431,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a record may finish after a later arrival (default 600)")
     parser.add_argument("--bucket", type=float, default=60.0,
                         help="seconds per bucket of the service-over-time plot (default 60)")
+    parser.add_argument("--coarse", type=int, default=1, metavar="K",
+                        help="fast mode: engine steps K times as long, each emitting up to K "
+                             "tokens a request (picker.whatif.coarse; default 1: exact)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", type=Path, help="write a PNG of service over time here")
     args = parser.parse_args(argv)
-    for name in ("endpoints", "kv_budget_tokens"):
+    for name in ("endpoints", "kv_budget_tokens", "coarse"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -348,11 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)
     args.size = args.log.stat().st_size  # a live log grows: replay each config on these bytes
     figures = scan_figures(args.log, args.size, since=args.since, until=args.until,
-                           bucket_s=args.bucket)
+                           bucket_s=args.bucket, reorder_window_s=args.reorder_window)
     spec, notes = pool_spec(args, figures, baseline)
     skips = Skips()
     try:
-        base = _run(args.log, baseline, spec, args, skips, quiet=False)
+        base = _run(args.log, baseline, spec, args, skips, quiet=False,
+                    outputs=figures.outputs)
     except LookupError as exc:
         print(f"whatif: {args.log}: {exc} ({skips.summary()})", file=sys.stderr)
         return 2
@@ -362,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, ReplayResult] = {}
     for name, config in candidates.items():
         try:
-            results[name] = _run(args.log, config, spec, args, Skips(), quiet=True)
+            results[name] = _run(args.log, config, spec, args, Skips(), quiet=True,
+                                 outputs=figures.outputs)
         except ConfigError as exc:
             refused += 1
             print(f"whatif: candidate {name} is refused, not replayed: {exc}", file=sys.stderr)

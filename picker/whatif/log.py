@@ -11,12 +11,16 @@ not JSON (a truncated or corrupt line), a field missing or of the wrong type, ar
 records already replayed (out of order by more than the window), or outside ``--since``/``--until``
 (counted, not reported). Records written before the replay fields (``arrived_at``, ``max_tokens``,
 ``stream``, ``lane_asked``) still load: the arrival is their finish less ``e2e_ms``, the rest
-unknown (``Skips.inferred`` counts them).
+unknown (``Skips.inferred`` counts them). A request that never reached an engine (it timed out
+in the queue, or was cancelled there) is metered with ``prompt_tokens`` 0: nothing was charged.
+Its prompt is taken as the mean prompt of its tenant's served requests read so far (else of all
+tenants', else 1), since under another config it may be served (``Skips.prompt_guessed``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import json
 import math
@@ -68,6 +72,8 @@ class Skips:
     inferred: int = 0
     """Records without the replay fields (written before them): arrival from ``timestamp`` less
     ``e2e_ms``, ``stream`` taken as true, ``max_tokens`` unknown."""
+    prompt_guessed: int = 0
+    """Requests never served (metered with 0 prompt tokens) given their tenant's mean prompt."""
     messages: list[str] = field(default_factory=list)
     """The first ``REPORTED_PER_KIND`` messages of each kind."""
     _reported: dict[str, int] = field(default_factory=dict, repr=False)
@@ -100,13 +106,44 @@ class Skips:
         if self.inferred:
             text += (f"; {self.inferred:,} older records without arrival/max_tokens/stream "
                      "(arrival inferred from timestamp - e2e_ms, stream assumed)")
+        if self.prompt_guessed:
+            text += (f"; {self.prompt_guessed:,} never served, their prompt taken as their "
+                     "tenant's mean")
         return text
 
     def as_dict(self) -> dict[str, int]:
         return {"lines": self.lines, "used": self.used, "skipped": self.skipped,
                 "not_json": self.not_json, "bad_field": self.bad_field,
                 "out_of_order": self.out_of_order, "outside_window": self.outside_window,
-                "inferred": self.inferred}
+                "inferred": self.inferred, "prompt_guessed": self.prompt_guessed}
+
+
+MAX_TENANT_MEANS = 100_000
+"""Tenants whose mean prompt is kept (memory stays bounded on a log of endless tenant ids)."""
+
+
+class PromptMeans:
+    """Each tenant's mean prompt so far, and all tenants': the prompt of a request the log
+    metered at 0 tokens because it never reached an engine."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[int]] = {}
+        self.total = [0, 0]
+
+    def add(self, tenant: str, prompt: int) -> None:
+        self.total[0] += prompt
+        self.total[1] += 1
+        seen = self.sums.get(tenant)
+        if seen is None:
+            if len(self.sums) >= MAX_TENANT_MEANS:
+                return
+            seen = self.sums[tenant] = [0, 0]
+        seen[0] += prompt
+        seen[1] += 1
+
+    def guess(self, tenant: str) -> int:
+        total, count = self.sums.get(tenant) or self.total
+        return max(1, round(total / count)) if count else 1
 
 
 class BadField(ValueError):
@@ -228,6 +265,7 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
     ``report`` gets each message as it is noted (as well as ``skips.messages``).
     """
     pending: list[tuple[float, int, Arrival]] = []
+    prompts = PromptMeans()
     latest_finish = -math.inf
     released = -math.inf
     """The last arrival handed out: an arrival before it can no longer be replayed."""
@@ -270,6 +308,11 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
                 skips.outside_window += 1
                 continue
             skips.inferred += inferred
+            if arrival.output_tokens is None and arrival.prompt_tokens == 0:
+                arrival = dataclasses.replace(arrival, prompt_tokens=prompts.guess(arrival.tenant))
+                skips.prompt_guessed += 1
+            elif arrival.prompt_tokens:
+                prompts.add(arrival.tenant, arrival.prompt_tokens)
             heapq.heappush(pending, (arrival.arrived, number, arrival))
             horizon = latest_finish - reorder_window_s
             while pending and pending[0][0] <= horizon:

@@ -22,6 +22,7 @@ network, Envoy, the body's token estimate).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -31,10 +32,13 @@ from typing import Any, cast
 from picker.config.schema import PickerConfig
 from picker.core.admission import INSUFFICIENT_QUOTA, OVER_BUDGET, Refused
 from picker.core.gate import Turnaway
+from picker.core.request import Usage
 from picker.errors import RequestError
 from picker.sim.load import PlannedRequest
 from picker.sim.pool import PoolRecord, PoolSpec, SimPassage, _Pool
 from picker.sim.traffic import TenantTraffic, Traffic
+from picker.sim.vllm import StepOutput
+from picker.whatif.coarse import CoarseScheduler
 from picker.whatif.log import Arrival
 
 LANE_NOT_ALLOWED = "lane_not_allowed"
@@ -228,7 +232,8 @@ class ReplayPool(_Pool):
     time; each request, when it ends, goes to ``result`` and is dropped."""
 
     def __init__(self, config: PickerConfig, spec: PoolSpec, result: ReplayResult, *,
-                 client_timeout_s: float) -> None:
+                 client_timeout_s: float, coarse: int = 1, fine_step_s: float | None = None
+                 ) -> None:
         # The simulator draws traffic from a Traffic; the replay's comes from the log, so this
         # one only carries the client timeout (its tenant sends nothing: a backlog never started).
         traffic = Traffic(duration_s=1.0, tenants=(TenantTraffic("~replay", backlog=1),),
@@ -237,6 +242,11 @@ class ReplayPool(_Pool):
         self.result = result
         self.default_output = config.capacity.default_output_tokens
         self.known = frozenset(t.id for t in config.tenants)
+        self.coarse = coarse
+        self.fine_step_s = spec.step_s if fine_step_s is None else fine_step_s
+        if coarse > 1:  # the fast mode (``picker.whatif.coarse``); ``spec``'s step is k fine
+            self.engines = {address: CoarseScheduler(engine.config, coarse)
+                            for address, engine in self.engines.items()}
 
     def send(self, arrival: Arrival) -> None:
         """``arrival`` reaches the picker now."""
@@ -247,10 +257,11 @@ class ReplayPool(_Pool):
         output = arrival.output_tokens
         if output is None:
             output = arrival.max_tokens if arrival.max_tokens is not None else self.default_output
-        planned = PlannedRequest(tenant, arrival.line, "poisson", self.now,
-                                 arrival.prompt_tokens, output, arrival.stream)
-        record = ReplayRecord(tenant, "replay", self.now, arrival.prompt_tokens, output,
-                              arrival.stream)
+        # An engine takes no empty prompt (a record metered at 0 tokens that reached one).
+        prompt = arrival.prompt_tokens or 1
+        planned = PlannedRequest(tenant, arrival.line, "poisson", self.now, prompt, output,
+                                 arrival.stream)
+        record = ReplayRecord(tenant, "replay", self.now, prompt, output, arrival.stream)
         lane = gate.choose_lane(tenant, arrival.lane_asked)
         if lane is None:  # the picker answers 403 to a lane the tenant may not ask for
             record.lane = arrival.lane_asked or ""
@@ -258,7 +269,7 @@ class ReplayPool(_Pool):
             return
         passage = gate.admit(
             functools.partial(SimPassage, planned=planned, record=record), tenant, lane,
-            model=arrival.model, prompt_tokens=arrival.prompt_tokens,
+            model=arrival.model, prompt_tokens=prompt,
             max_tokens=arrival.max_tokens, stream=arrival.stream, now=self.now,
             output_seen=not self.spec.output_seen_at_end)
         if isinstance(passage, (Refused, Turnaway)):
@@ -276,6 +287,31 @@ class ReplayPool(_Pool):
         assert isinstance(record, ReplayRecord)
         self.result.add(record)
 
+    def report(self, out: StepOutput) -> int:
+        """As the simulator's, but in the fast mode each request's tokens of the step at once,
+        its first one stamped a fine step after the step's start."""
+        if self.coarse == 1:
+            return super().report(out)
+        gate, end, first = self.gate, self.now + self.spec.step_s, self.now + self.fine_step_s
+        emitted: dict[Any, int] = out.emitted  # type: ignore[attr-defined]
+        charge = not self.spec.output_seen_at_end
+        delivered = 0
+        for seq in out.tokens:
+            passage: Any = seq.id
+            if passage.outcome is not None:
+                continue  # cancelled by its client while the step ran
+            count = emitted[seq]
+            delivered += count
+            if passage.record.first_token_s is None:
+                passage.record.first_token_s = first
+            if passage.stream and charge:
+                gate.charge_output(passage, count, end)
+        for seq in out.finished:
+            finished = cast(SimPassage, seq.id)
+            gate.complete(finished, Usage(seq.prompt_tokens, seq.generated,
+                                          seq.cached_tokens or 0), "ok", end)
+        return delivered
+
     def idle(self) -> bool:
         """Nothing held, running or due: time may jump to the next arrival."""
         return not self.gate.passages and not self.in_flight and not self.refused and all(
@@ -285,16 +321,25 @@ class ReplayPool(_Pool):
 
 def replay(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *, start: float,
            client_timeout_s: float = 120.0, drain_s: float | None = None,
-           bucket_s: float = 60.0,
+           bucket_s: float = 60.0, coarse: int = 1, coarse_scale: float = 1.0,
            expired: Callable[[], bool] | None = None) -> ReplayResult:
     """Replay ``arrivals`` (in arrival order; ``start``: the unix time of the replay's 0) under
     ``config`` on ``spec``'s pool. After the last arrival the replay runs until every request has
     ended, or ``drain_s`` more (default: the client timeout plus the queue's ``maxWait``).
 
     ``expired`` is asked every ``EXPIRY_CHECK_STEPS`` steps; once it answers True the replay
-    stops with TimeoutError (the operator bounds a dry run's time; no clock is read here)."""
+    stops with TimeoutError (the operator bounds a dry run's time; no clock is read here).
+
+    ``coarse``: 1, exact; k > 1, the fast mode (``picker.whatif.coarse``): steps of k ×
+    ``spec.step_s`` (times ``coarse_scale``: ``picker.whatif.coarse.step_scale``) in which a
+    request emits up to k tokens."""
+    fine_step_s = spec.step_s
+    if coarse > 1:
+        spec = dataclasses.replace(spec, step_s=spec.step_s * coarse * coarse_scale,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens * coarse)
     result = ReplayResult(bucket_s=bucket_s, engines=spec.endpoints, step_s=spec.step_s)
-    pool = ReplayPool(config, spec, result, client_timeout_s=client_timeout_s)
+    pool = ReplayPool(config, spec, result, client_timeout_s=client_timeout_s, coarse=coarse,
+                      fine_step_s=fine_step_s)
     drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
     step_s = spec.step_s
     scrape_every = max(1, round(spec.scrape_interval_s / step_s))
