@@ -11,8 +11,9 @@ real engine produced for it (a request that never reached an engine produces its
 
 Memory is bounded: a request's figures are added to its tenant's and lane's sums when it ends
 and the request is dropped (quantiles in log-spaced bins 1 % wide), and the engines' step log,
-which the simulator keeps for ``PoolRun.ttft_parts``, is cleared every step. Stretches where the
-pool is idle and nothing arrives are skipped in one jump, not stepped through.
+which the simulator keeps for ``PoolRun.ttft_parts``, is not kept (``ReplayPool.step_engines``).
+Stretches where the pool is idle and nothing arrives are skipped in one jump, not stepped
+through. ``coarse`` > 1 is the fast mode (``picker.whatif.coarse``).
 
 What it does not replay: requests the picker refused before its queue (401, 404, 429 at
 admission...) are not in the metering log (``picker.metering``), so a config that would admit
@@ -287,6 +288,32 @@ class ReplayPool(_Pool):
         assert isinstance(record, ReplayRecord)
         self.result.add(record)
 
+    def step_engines(self, counting: bool) -> tuple[int, int]:
+        """The simulator's ``step_engines`` without what only ``PoolRun.ttft_parts`` reads (the
+        step log, each request's first engine step: work per token a replay never uses); it
+        also counts the engines busy this tick. Returns output tokens reported and engines
+        busy."""
+        produced = busy = 0
+        in_flight, spec = self.in_flight, self.spec
+        for address, engine in self.engines.items():
+            flight = in_flight.get(address)
+            if flight is not None:
+                out, ticks = flight
+                busy += 1
+            else:
+                if engine.running or engine.num_waiting:
+                    busy += 1
+                out = engine.step(self.now)
+                ticks = spec.step_ticks(out.prefill_tokens) if out.prefill_tokens else 1
+            if ticks > 1:
+                in_flight[address] = (out, ticks - 1)
+                continue
+            if flight is not None:
+                del in_flight[address]
+            if out.tokens or out.finished:
+                produced += self.report(out)
+        return produced, busy
+
     def report(self, out: StepOutput) -> int:
         """As the simulator's, but in the fast mode each request's tokens of the step at once,
         its first one stamped a fine step after the step's start."""
@@ -368,13 +395,9 @@ def replay(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *,
             pool.scrape()
         pool.gate.pump(now)
         pool.engine_refusals()
-        produced, _ = pool.step_engines(True)
+        produced, busy = pool.step_engines(True)
         result.output_tokens += produced
-        result.busy_engine_ticks += sum(
-            1 for address, engine in pool.engines.items()
-            if engine.num_running or address in pool.in_flight)
-        for steps in pool.step_log.values():
-            steps.clear()
+        result.busy_engine_ticks += busy
         step += 1
         if expired is not None and step % EXPIRY_CHECK_STEPS == 0 and expired():
             raise TimeoutError(f"the replay ran out of time after {step * step_s:,.0f} "
