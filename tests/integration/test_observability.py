@@ -7,9 +7,10 @@
 * The Grafana dashboard (``dashboards/fairway.json``; Grafana itself cannot be had here): every
   panel's PromQL, with the dashboard's variables substituted, parses in a real Prometheus and
   returns series once that Prometheus has scraped a real picker (real Envoy, the picker, two
-  simulated vLLM servers) that served traffic from three tenants with two lanes, a budget, a
-  demotion, a refused request and two config reloads (one refused), so every metric family has
-  samples. Every metric the dashboard and the rules name is one the picker exports, and the
+  simulated vLLM servers, which it scrapes too, as a cluster's PodMonitor would) that served
+  traffic from three tenants with two lanes, a budget, a demotion, a refused request and two
+  config reloads (one refused), so every metric family has samples. Every metric the dashboard
+  and the rules name is one the picker (``fairway_``) or the engines (``vllm:``) export, and the
   dashboard's variables have values.
 * ``manifests/gateway/envoy.yaml`` is what ``scripts/gen_gateway_envoy.py`` writes, is
   ``picker.stack.envoy.envoy_config`` but for its placeholder addresses, and Envoy accepts it;
@@ -64,6 +65,8 @@ NAMESPACE = "fairway-test"
 POOL = "llm-pool"
 """The ``pool`` target label, which the chart's ServiceMonitor adds (the picker serves one pool)."""
 JOB = "fairway"
+ENGINE_JOB = "vllm"
+"""The job of the engines' scrape (the prefix cache panel reads their own counters)."""
 
 LANES = [{"name": "online"}, {"name": "batch", "minShare": 0.2}]
 TENANTS = [
@@ -101,7 +104,8 @@ def _substitute(expr: str) -> str:
     expr = expr.replace("$__rate_interval", "1m").replace("${__rate_interval}", "1m")
     for name in QUERY_VARIABLES:
         expr = re.sub(rf"\$\{{{name}(?::\w+)?\}}|\${name}\b", ".*", expr)
-    assert "$" not in expr, f"a variable is left in {expr!r}"
+    # $1 is label_replace's capture group, which Grafana leaves alone (no variable is named so).
+    assert not re.search(r"\$(?!\d)", expr), f"a variable is left in {expr!r}"
     return expr
 
 
@@ -110,6 +114,7 @@ def _variables() -> dict[str, dict[str, Any]]:
 
 
 SELECTOR = re.compile(r"\b((?:fairway_|scrape_duration_seconds)\w*)(\{[^}]*\})?")
+ENGINE_METRIC = re.compile(r"\bvllm:\w+")
 
 
 def _selectors(expr: str) -> list[tuple[str, str]]:
@@ -141,6 +146,8 @@ class Prometheus:
 
     workdir: Path
     target: str
+    engines: list[str]
+    """The simulated vLLM servers' addresses, scraped as job ``ENGINE_JOB``."""
     port: int = 0
     process: subprocess.Popen | None = None
 
@@ -155,7 +162,10 @@ class Prometheus:
             "rule_files": [str(RULES)],
             "scrape_configs": [{"job_name": JOB, "static_configs": [
                 {"targets": [self.target], "labels": {"namespace": NAMESPACE,
-                                                      "pool": POOL}}]}],
+                                                      "pool": POOL}}]},
+                               {"job_name": ENGINE_JOB, "static_configs": [
+                                   {"targets": self.engines,
+                                    "labels": {"namespace": NAMESPACE}}]}],
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
@@ -208,7 +218,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     server = Prometheus(tmp_path_factory.mktemp("prometheus"),
-                        target=f"127.0.0.1:{stack.metrics_port}")
+                        target=f"127.0.0.1:{stack.metrics_port}",
+                        engines=list(stack.endpoint_addresses))
     try:
         server.start()
         yield server
@@ -405,6 +416,23 @@ def test_metrics_named_are_exported(observed: float, prometheus: Prometheus) -> 
     named = {name for expr in [e for _, e in TARGETS] + rules
              for name, _ in _selectors(expr) if name.startswith("fairway_")}
     assert named - exported == set()
+
+
+def test_engine_metrics_named_are_scraped(observed: float, prometheus: Prometheus) -> None:
+    """Every vllm: metric the dashboard names is one the engines exported (the simulated server
+    names them as vLLM V1 does), and the picker knows those engines by the address Prometheus
+    gives as their instance (the hit-rate panel joins the two on it)."""
+    named = {m.group(0) for _, expr in TARGETS for m in ENGINE_METRIC.finditer(expr)}
+    assert {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"} <= named
+    status, body = prometheus.api("series", **{"match[]": '{__name__=~"vllm:.*"}',
+                                               "start": f"{observed:.3f}",
+                                               "end": f"{time.time():.3f}"})
+    assert status == 200, body
+    assert named - {series["__name__"] for series in body["data"]} == set()
+    instances = {series["instance"] for series in body["data"]}
+    status, body = prometheus.api("query", query="fairway_endpoint_inflight_tokens")
+    assert status == 200, body
+    assert {r["metric"]["endpoint"] for r in body["data"]["result"]} == instances
 
 
 @pytest.mark.parametrize(("title", "expr"), TARGETS, ids=[t for t, _ in TARGETS])
