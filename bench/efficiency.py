@@ -176,8 +176,9 @@ def engine_summary(steps: Sequence[dict[str, Any]], t1: float, t2: float,
             "idle_share": max(0.0, 1.0 - busy / span),
             "step_overrun_ms": 1000 * statistics.fmean(
                 s["t"] - s["t0"] - step_s - s["pre"] * spec.prefill_s_per_token for s in inside),
-            "decode_per_model_s": sum(s["dec"] for s in inside) / sum(
-                step_s + s["pre"] * spec.prefill_s_per_token for s in inside),
+            # Idle time counts as it was (an engine with nothing to run loses it either way).
+            "decode_per_model_s": sum(s["dec"] for s in inside) / (span - busy + sum(
+                step_s + s["pre"] * spec.prefill_s_per_token for s in inside)),
             "preempted": float(sum(s.get("pmt", 0) for s in inside))}
 
 
@@ -392,28 +393,44 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def simulator_ratio(spec: PoolSpec, traffic: Traffic, scale: float,
-                    runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def simulator_ratio(spec: PoolSpec, traffic: Traffic, runs: dict[str, dict[str, Any]]
+                    ) -> dict[str, Any]:
     """The same traffic and configs in the pool simulator: tokens/s per mode and the ratio."""
     got = {}
     for mode, run in runs.items():
         started = time.process_time()
         sim = simulate(_sim_config(traffic, run["config"], spec), traffic, spec,
-                       warmup_s=WARMUP_S, drain_s=traffic.timeout_s)
+                       warmup_s=WARMUP_S, duration_s=traffic.duration_s, drain_s=0.0)
         got[mode] = _numbers(sim, time.process_time() - started)["tokens_per_s"]
     return {"tokens_per_s": got, "ratio": got["default"] / got["pass-through"]
-            if got["pass-through"] else None}
+            if got["pass-through"] else None,
+            "dispatch_latency_s": spec.dispatch_latency_s,
+            "completion_lag_s": spec.completion_lag_s}
 
 
-def run_shape(shape: Shape, scale: float, workdir: Path, sim_spec: PoolSpec | None = None
+def measured_latencies(mode: dict[str, Any]) -> tuple[float, float]:
+    """The default run's mean dispatch-to-engine latency and completion lag, seconds."""
+    lat = [v for v in mode["dispatch_latency_ms"].values() if v is not None]
+    lag_ = [v for v in mode["completion_lag_ms"].values() if v is not None]
+    return (statistics.fmean(lat) / 1000 if lat else 0.0,
+            statistics.fmean(lag_) / 1000 if lag_ else 0.0)
+
+
+def run_shape(shape: Shape, scale: float, workdir: Path, sim_spec: PoolSpec | None = None,
+              order: Sequence[str] = tuple(MODES), label: str = ""
               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     spec = replace(shape.spec, step_s=shape.spec.step_s * scale,
                    prefill_s_per_token=shape.spec.prefill_s_per_token * scale)
     traffic = shape_traffic(shape, scale)
-    runs = {mode: run_mode(shape, mode, spec, traffic, scale, workdir) for mode in MODES}
+    runs = {mode: run_mode(shape, mode, spec, traffic, scale, workdir / label) for mode in order}
     result = analyse(shape, spec, runs)
     result["spec"] = {k: v for k, v in spec.__dict__.items()}
-    result["simulator"] = simulator_ratio(sim_spec or spec, traffic, scale, runs)
+    result["order"] = list(order)
+    result["simulator"] = simulator_ratio(sim_spec or spec, traffic, runs)
+    latency, completion = measured_latencies(result["modes"]["default"])
+    result["simulator_latencies"] = simulator_ratio(
+        replace(sim_spec or spec, dispatch_latency_s=latency, completion_lag_s=completion),
+        traffic, runs)
     return result, runs
 
 
@@ -432,15 +449,29 @@ def write_report(data: dict[str, Any], out: Path) -> None:
              "picker over TLS, two simulated vLLM servers, engines fcfs), with the servers' step "
              "trace and the picker's trace on; then through the pool simulator. Traffic: a "
              "heavy tenant open-loop at 30 requests/s and a light one at 3, streamed, "
-             f"`max_tokens` with `ignore_eos`, {DURATION_S:g} s, tokens counted from "
-             f"{WARMUP_S:g} s to the end of sending; time {scale:g}× slower (steps "
-             f"{10 * scale:g} ms, prefill {scale:g}× longer, rates ÷ {scale:g}), as "
-             "`bench.isolation_envoy` runs, so that two shared cores carry the stack.", "",
+             f"`max_tokens` with `ignore_eos`, {DURATION_S:g} s (clients wait {TIMEOUT_S:g} s, so "
+             "none gives up inside the run; the run is cut when sending stops), tokens counted "
+             f"from {WARMUP_S:g} s to the end of sending; "
+             + ("the issue's own time scale (steps 10 ms)" if scale == 1 else
+                f"time {scale:g}× slower (steps {10 * scale:g} ms, prefill {scale:g}× longer, "
+                f"rates ÷ {scale:g}), as `bench.isolation_envoy` runs") + ". "
+             "A '#2' row runs the two modes in the other order.", "",
+             "Columns: *÷ pass-through (Envoy)*: the servers' output tokens/s; *per modelled "
+             "step time*: decode tokens per second of the time the servers' steps would have "
+             "taken by their own model (`--step-ms` + prompt tokens × their cost, idle time as "
+             "it was), i.e. without the time each simulated engine's event loop woke late "
+             "(*step overrun*: the mean of that per step; two cores carry every process and "
+             "other runs, and a GPU's steps do not slow when its host's CPU is busy); "
+             "*simulator*: the pool simulator on the same traffic and configs; *with the "
+             "measured latencies*: the same with `PoolSpec.dispatch_latency_s` and "
+             "`completion_lag_s` set to the default run's mean dispatch→engine and "
+             "completion-seen-after times.", "",
              "| size | mode | tokens/s | ÷ pass-through (Envoy) | same, per modelled step time "
-             "| ÷ pass-through (simulator) | step overrun ms | picker CPU s | engine running "
+             "| ÷ pass-through (simulator) | same, with the measured latencies "
+             "| step overrun ms | picker CPU s | engine running "
              "| engine waiting | KV use | prompt tok/step | decode tok/step "
              "| engine idle | picker queue | dispatch→engine ms | completion seen after ms "
-             "| load avg |", "|" + "---|" * 18]
+             "| load avg |", "|" + "---|" * 19]
     for name, size in data["sizes"].items():
         sim = size["simulator"]
         for mode, m in size["modes"].items():
@@ -455,10 +486,11 @@ def write_report(data: dict[str, Any], out: Path) -> None:
             ratio = size["ratio"] if mode == "default" else 1.0
             sim_ratio = sim["ratio"] if mode == "default" else 1.0
             model_ratio = size["ratio_model_time"] if mode == "default" else 1.0
+            sim_late = size["simulator_latencies"]["ratio"] if mode == "default" else 1.0
             cpu = m.get("cpu_s", {}).get("picker")
             lines.append(
                 f"| {name} | {mode} | {m['tokens_per_s']:.0f} | {_f(ratio, '.3f')} | "
-                f"{_f(model_ratio, '.3f')} | {_f(sim_ratio, '.3f')} | "
+                f"{_f(model_ratio, '.3f')} | {_f(sim_ratio, '.3f')} | {_f(sim_late, '.3f')} | "
                 f"{_f(mean('step_overrun_ms'), '.2f')} | {_f(cpu, '.1f')} | "
                 f"{_f(mean('running'), '.1f')} | "
                 f"{_f(mean('waiting'), '.1f')} | {_f(mean('kv_use'), '.0%')} | "
@@ -553,6 +585,9 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="run only this size (8k, 64k)")
     parser.add_argument("--scale", type=float, default=SCALE)
     parser.add_argument("--keep", help="keep the runs' traces in this directory")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each size this many times, the modes' order reversed each "
+                             "time (the machine's load drifts)")
     args = parser.parse_args()
     shapes = [s for s in SHAPES if not args.only or s.name in args.only]
     data: dict[str, Any] = {"scale": args.scale, "sizes": {}}
@@ -561,12 +596,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fairway-efficiency-") as tmp:
         workdir = Path(args.keep) if args.keep else Path(tmp)
-        for shape in shapes:
-            print(f"{shape.name}:", flush=True)
-            data["sizes"][shape.name], runs[shape.name] = run_shape(shape, args.scale, workdir)
-            size = data["sizes"][shape.name]
-            print(f"  ratio through Envoy {_f(size['ratio'], '.3f')}, simulator "
-                  f"{_f(size['simulator']['ratio'], '.3f')}", flush=True)
+        for shape, n in ((s, n) for s in shapes for n in range(args.repeat)):
+            name = shape.name if n == 0 else f"{shape.name} #{n + 1}"
+            order = tuple(MODES) if n % 2 == 0 else tuple(reversed(MODES))
+            print(f"{name}: {', '.join(order)}", flush=True)
+            data["sizes"][name], runs[name] = run_shape(shape, args.scale, workdir, order=order,
+                                                        label=name.replace(" #", "-"))
+            size = data["sizes"][name]
+            print(f"  ratio through Envoy {_f(size['ratio'], '.3f')}, per modelled step time "
+                  f"{_f(size['ratio_model_time'], '.3f')}; simulator "
+                  f"{_f(size['simulator']['ratio'], '.3f')}, with the measured latencies "
+                  f"{_f(size['simulator_latencies']['ratio'], '.3f')}", flush=True)
         data["plot"] = plot(data, runs, out / "efficiency.png")
     (out / "efficiency.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     write_report(data, out / "efficiency.md")

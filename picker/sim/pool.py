@@ -29,7 +29,11 @@ tool latency), unless that is at or after ``duration_s``; a call that fails ends
 backlog tenant's next unit starts when the previous unit ends. Requests drawn as counts (every
 workload without ``system_prompt_tokens``, ``chat``, ``rag`` or ``agent``) run exactly as before.
 
-What it does not model: network and Envoy latency, the body parsing and tokenizer estimate
+Network and Envoy latency: ``dispatch_latency_s`` delays each dispatch's arrival at its engine
+and ``completion_lag_s`` the gate's seeing a finished request end (both 0 by default; the
+efficiency benchmark, ``bench.efficiency``, measures them through Envoy).
+
+What it does not model: the body parsing and tokenizer estimate
 (the prompt estimate is the engine's count), and retries.
 """
 
@@ -104,12 +108,21 @@ class PoolSpec:
     """The gateway's access-log response path (manifests/gateway/envoy-access-log.yaml): the
     picker sees a request's output only once it has ended, so no first token ends a prefill
     and no stream grows between scrapes; False: the meter stream shows every token."""
+    dispatch_latency_s: float = 0.0
+    """Seconds from the gate's dispatch to the engine's adding the request (through Envoy and
+    the server's HTTP stack), rounded to whole ticks of ``step_s``; 0: at once, as before."""
+    completion_lag_s: float = 0.0
+    """Seconds from the step a request finished in to the gate's seeing it end (the response's
+    end through Envoy and the meter stream), rounded to whole ticks of ``step_s``; its room is
+    the gate's again only then. 0: at that step's end, as before."""
 
     def __post_init__(self) -> None:
         if not self.step_s > 0:
             raise ValueError("step_s must be > 0")
         if not self.prefill_s_per_token >= 0:
             raise ValueError("prefill_s_per_token must be >= 0")
+        if not (self.dispatch_latency_s >= 0 and self.completion_lag_s >= 0):
+            raise ValueError("dispatch_latency_s and completion_lag_s must be >= 0")
 
     def step_ticks(self, prefill_tokens: int) -> int:
         """Ticks of ``step_s`` a step computing ``prefill_tokens`` prompt tokens keeps its engine
@@ -120,6 +133,10 @@ class PoolSpec:
 
     def addresses(self) -> list[str]:
         return [f"10.0.0.{i + 1}:8000" for i in range(self.endpoints)]
+
+    def ticks(self, seconds: float) -> int:
+        """Whole ticks of ``step_s`` nearest to ``seconds``."""
+        return round(seconds / self.step_s)
 
 
 @dataclass
@@ -337,6 +354,11 @@ class _Pool:
         self.dispatches = itertools.count()
         self.refused: list[SimPassage] = []
         """Dispatched to an engine that refused them (settled after the gate's turn)."""
+        self.to_engine: list[tuple[float, int, SimPassage]] = []
+        """(when it reaches its engine, order, passage), a heap (``dispatch_latency_s``)."""
+        self.to_gate: list[tuple[float, int, SimPassage, Usage]] = []
+        """(when the gate sees it end, order, passage, usage), a heap (``completion_lag_s``)."""
+        self.lag_order = itertools.count()
         self.now = 0.0
 
     def _gate(self, config: PickerConfig, budgets: dict[str, int]) -> Gate:
@@ -423,7 +445,11 @@ class _Pool:
                          output_tokens=planned.max_tokens, token_ids=planned.token_ids,
                          output_ids=output_ids)
         passage.seq = seq
-        self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
+        latency = self.spec.ticks(self.spec.dispatch_latency_s) * self.spec.step_s
+        if latency:
+            heapq.heappush(self.to_engine, (now + latency, next(self.lag_order), passage))
+        else:
+            self.engines[endpoint.address].add(seq, passage.engine_priority or 0, now)
         heapq.heappush(self.deadlines, (passage.arrived_at + self.traffic.timeout_s,
                                         next(self.dispatches), passage))
 
@@ -505,6 +531,20 @@ class _Pool:
         follow_ups = self.follow_ups
         while follow_ups and follow_ups[0][0] <= now:
             self._send(heapq.heappop(follow_ups)[2])
+
+    def in_transit(self) -> None:
+        """Dispatches that reach their engine now, and completions the gate sees now; a request
+        its client gave up on meanwhile is left out (the gate has settled it)."""
+        due = self.now + 1e-9
+        while self.to_engine and self.to_engine[0][0] <= due:
+            passage = heapq.heappop(self.to_engine)[2]
+            if passage.outcome is None and passage.seq is not None \
+                    and passage.endpoint is not None:
+                self.engines[passage.endpoint.address].add(
+                    passage.seq, passage.engine_priority or 0, self.now)
+        while self.to_gate and self.to_gate[0][0] <= due:
+            _, _, passage, usage = heapq.heappop(self.to_gate)
+            self.gates[passage.picker].complete(passage, usage, "ok", self.now)
 
     def engine_refusals(self) -> None:
         refused, self.refused = self.refused, []
@@ -590,12 +630,15 @@ class _Pool:
                 passage.record.first_token_s = now
             if passage.stream and not self.spec.output_seen_at_end:
                 gates[passage.picker].charge_output(passage, 1, now)
+        lag = self.spec.ticks(self.spec.completion_lag_s) * self.spec.step_s
         for seq in out.finished:
             finished = cast(SimPassage, seq.id)
             # The engine's own cached count, as the server reports it in usage.
-            gates[finished.picker].complete(
-                finished, Usage(seq.prompt_tokens, seq.generated, seq.cached_tokens or 0), "ok",
-                now)
+            usage = Usage(seq.prompt_tokens, seq.generated, seq.cached_tokens or 0)
+            if lag:
+                heapq.heappush(self.to_gate, (now + lag, next(self.lag_order), finished, usage))
+            else:
+                gates[finished.picker].complete(finished, usage, "ok", now)
         return delivered
 
 
@@ -628,6 +671,7 @@ def simulate(config: PickerConfig, traffic: Traffic, spec: PoolSpec, *,
                 pool.exchange()
             pool.receive()
         pool.arrivals()
+        pool.in_transit()
         pool.timeouts()
         if step % scrape_every == 0:
             pool.scrape()
