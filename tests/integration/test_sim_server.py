@@ -697,3 +697,22 @@ async def test_cli_subprocess_prints_listening_and_stops_on_sigterm(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_step_trace(http: aiohttp.ClientSession, tmp_path: Any) -> None:
+    """``--trace``: the request's arrival, then one line per step (its prompt step first, then
+    one decode token a step), the last with the request finished; written at the server's
+    stop, at the bound port's file."""
+    async with sim(trace=str(tmp_path / "engine-{port}.jsonl")) as server:
+        status, _ = await post(http, server, COMPLETION_PATH,
+                               {"prompt": words(40), "max_tokens": 3, "ignore_eos": True})
+        port = server.port
+    assert status == 200
+    lines = [json.loads(line) for line in
+             (tmp_path / f"engine-{port}.jsonl").read_text().splitlines()]
+    assert lines[0]["ev"] == "a" and lines[0]["n"] == 1
+    steps = lines[1:]
+    assert [s["pre"] for s in steps] == [40, 0, 0]
+    assert [s["dec"] for s in steps] == [0, 1, 1]
+    assert steps[-1]["fin"] == 1 and steps[-1]["run"] == 0 and steps[-1]["arr"] == 1
+    assert all(s["t"] >= s["t0"] for s in steps)

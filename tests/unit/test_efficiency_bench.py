@@ -3,6 +3,7 @@ picker.core.holds, which names the condition of has_room that holds a request.""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +79,27 @@ def test_hold_reason_names_the_condition() -> None:
     assert hold_reason(endpoint, 0.5, rules, 300) == WAITING
     endpoint.completed_since_scrape = 1  # one finished since the scrape: one fewer waits
     assert hold_reason(endpoint, 0.5, rules, 300) == ROOM
+
+
+def test_picker_trace_line_and_events() -> None:
+    from types import SimpleNamespace
+
+    from picker.config.schema import PickerConfig
+    from picker.config.strict import load
+    from picker.dispatch import Dispatcher
+    from picker.dispatch.trace import PickerTrace
+
+    dispatcher = Dispatcher(load(PickerConfig, {"endpoints": [{"address": A}]}),
+                            clock=lambda: 5.0)
+    trace = PickerTrace(dispatcher, Path("unused"))
+    ticket: Any = SimpleNamespace(endpoint=SimpleNamespace(address=A))
+    trace.dispatched(ticket, 4.0)
+    trace.settled(ticket, 4.5)
+    line = trace.line()
+    # Nothing queued: no head, no reason; the counts of what was sent and seen end there.
+    assert line["t"] == 5.0 and line["q"] == 0 and line["head"] is None
+    (endpoint,) = line["eps"]
+    assert endpoint["a"] == A and endpoint["why"] is None
+    assert endpoint["d"] == 1 and endpoint["s"] == 1
+    assert trace.events == ['{"ev":"d","t":4.00000,"a":"127.0.0.1:1"}\n',
+                            '{"ev":"s","t":4.50000,"a":"127.0.0.1:1"}\n']
