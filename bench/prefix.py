@@ -236,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         page = args.out / "prefix.md"
-        # bench.peer quotes its prefix section there between markers: keep it.
+        # bench.peer and bench.prefix_sessions write their sections there between markers:
+        # keep them.
         old = page.read_text() if page.exists() else ""
-        start, end = "<!-- bench.peer:", "<!-- /bench.peer -->"
-        kept = old[old.index(start):old.index(end) + len(end)] \
-            if start in old and end in old else ""
-        page.write_text(text + "\n" + (f"\n{kept}\n" if kept else ""))
+        kept = [old[old.index(start):old.index(end) + len(end)]
+                for start, end in (("<!-- bench.peer:", "<!-- /bench.peer -->"),
+                                   ("<!-- bench.prefix_sessions:",
+                                    "<!-- /bench.prefix_sessions -->"))
+                if start in old and end in old]
+        page.write_text(text + "\n" + "".join(f"\n{k}\n" for k in kept))
         (args.out / "prefix.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

@@ -599,12 +599,18 @@ class Sessions:
     endpoint its previous call went to (its context is in that engine's prefix cache) when that
     endpoint has room, before prefix affinity and load are looked at; otherwise the normal
     choice (never an endpoint where the request does not fit). A call of a session that already
-    had a call dispatched (a program in progress) goes before its tenant's new programs: the
-    fair queue still picks which tenant goes next, by its counters, so a tenant's share of
-    tokens does not grow with its calls; only the order inside its own queue changes. The
-    header is passed to the model server unchanged. Each picker replica keeps its own table.
-    Measured in the pool simulator on agent programs of 1, 10 and 30 calls per task
-    (bench/results/prefix.md, "sessions")."""
+    had a call dispatched (a program in progress) goes before its tenant's new programs, the
+    oldest program first: the fair queue still picks which tenant goes next, by its counters,
+    so a tenant's share of tokens does not grow with its calls; only the order inside its own
+    queue changes (once a tenant's oldest request has waited ``queue.newestFirstAfter``, its
+    newest goes first whatever its program). The header is passed to the model server
+    unchanged. Each picker replica keeps its own table. Measured in the pool simulator on agent
+    programs of 1, 10 and 30 calls per task, every tenant backlogged
+    (bench/results/prefix.md, "programs and sessions"): computed-token shares 34.0 / 34.3 /
+    31.6 % with sessions on as off; the 10-call tenant's tasks done 81 -> 97 of 179, the
+    30-call tenant's 1 -> 7 of 57; the pool's tokens/s 1,889 -> 1,820 and the 1-call tenant's
+    TTFT p95 11 -> 30 s (its oldest-program-first calls carry a tenant's largest prompts to
+    the head of its queue, where they wait for room)."""
 
     header: str = "x-session-id"
     """The request header holding the key (lower case). A value longer than 256 characters or
@@ -612,7 +618,8 @@ class Sessions:
     max_sessions: int = field(default=65_536, metadata=_camel("max_sessions", ge=1,
                                                               le=10_000_000))
     """Sessions remembered per picker; past it the least recently used is forgotten (its next
-    call is routed and ordered as a new one). About 250 bytes a session beside its key."""
+    call is routed and ordered as a new one). About 170 bytes a session plus its key (under
+    20 MB at the default with 40-character keys)."""
     idle_timeout: float = field(default=600.0, metadata=_camel("idle_timeout", gt=0,
                                                                duration=True))
     """A session is forgotten this long after its last call."""
@@ -643,8 +650,14 @@ class Routing:
                                                    metadata=_camel("prefix_affinity"))
     """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off)."""
     sessions: Sessions | None = None
-    """Keep a session's or program's calls on one endpoint and its calls in progress before its
-    tenant's new programs (unset: session keys are ignored)."""
+    """Programs and sessions: the key a request carries in ``header`` (set by the gateway or
+    the application) keeps a session's calls on the endpoint of its previous call while that
+    endpoint has room (before prefix affinity and load), and sends a tenant's calls of programs
+    in progress, oldest program first, before its new programs; which tenant goes next is still
+    the fair queue's choice, so more calls buy no more share. Keys are scoped by the tenant the
+    identity resolved and never choose it; the header reaches the model server unchanged; each
+    replica keeps its own bounded table. Measured in bench/results/prefix.md ("programs and
+    sessions"), costs included. Unset: session keys are ignored."""
     fallback_endpoints: int = field(default=0, metadata=_camel("fallback_endpoints", ge=0,
                                                                le=8))
     """Endpoints named after the primary, for the gateway to retry on (header and ``envoy.lb``

@@ -574,8 +574,9 @@ class Gate:
         if session is not None and self.sessions is not None:
             # Scoped by the tenant the identity resolved: a key never reaches another's session.
             passage.session = (tenant, session)
-            request.resumes = self.sessions.rules.resume_first and \
-                self.sessions.in_progress(passage.session, now)
+            started = self.sessions.started(passage.session, now)
+            if started is not None and self.sessions.rules.resume_first:
+                request.resumes, request.program = True, started
         self.passages[request] = passage
         self._waiting.setdefault(passage.lane, {})[request] = passage
         self._place(passage, now)

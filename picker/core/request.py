@@ -33,6 +33,10 @@ class Request:
     """A call of a program in progress (``picker.core.sessions``): it goes before its tenant's
     requests that do not resume one, in the fair queue's order within the tenant. Set before it
     is queued; never changes while it is."""
+    program: int = 0
+    """With ``resumes``: when its program started (the order of its first call's dispatch).
+    The tenant's programs in progress go oldest first, so they finish in the order they
+    started instead of all advancing together."""
     # -- accounting, written by the scheduler only --
     seq: int = field(default=-1, repr=False)
     """Enqueue order, unique per scheduler: FCFS order and the tie-break among equal counters."""

@@ -15,9 +15,9 @@ tenant; superseded entries are dropped by a per-tenant version number (drawn fro
 per lane, so a tenant forgotten and re-created never reuses an old entry's version).
 
 Within a tenant, requests go oldest first, except that calls of programs in progress
-(``Request.resumes``, ``picker.core.sessions``) go before its other requests. The tie-break
-among equal counters stays the seq of the tenant's oldest request, so which tenant goes next is
-the same either way: only the order inside a tenant's own queue changes.
+(``Request.resumes``, ``picker.core.sessions``) go before its other requests, the oldest program
+first. The counters do not see the order, and the tie-break among equal counters stays the seq of
+the tenant's oldest request: only the order inside a tenant's own queue changes.
 
 Idle tenants are forgotten (``forget_idle``) once forgetting cannot change a decision: a tenant
 with nothing queued whose counter is at or below the lift floor would be lifted to the floor on
@@ -33,6 +33,7 @@ only counters still at 0 are forgotten.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Collection
 
@@ -79,12 +80,18 @@ class VirtualTokenCounter:
             self._backlogged += 1
             self._stale.add(tenant)
         if request.resumes:
-            # A program in progress goes before the tenant's new programs, after those in
-            # progress already queued: they are kept together at the front of its queue.
+            # A program in progress goes before the tenant's new programs: they are kept at the
+            # front of its queue, the oldest program first (then arrival order). The scan is
+            # over the tenant's calls in progress queued, one at most per program.
             ahead = self._resuming.get(tenant, 0)
             self._resuming[tenant] = ahead + 1
-            if ahead < len(queue):
-                queue.insert(ahead, request)  # its oldest request, the heap key, is unchanged
+            at, program = ahead, request.program
+            for i, other in enumerate(itertools.islice(queue, ahead)):
+                if other.program > program:
+                    at = i
+                    break
+            if at < len(queue):
+                queue.insert(at, request)  # its oldest request, the heap key, is unchanged
             else:
                 queue.append(request)
         else:
@@ -232,12 +239,13 @@ class VirtualTokenCounter:
 
     def _oldest(self, tenant: str, queue: deque[Request]) -> int:
         """The seq of the tenant's oldest queued request (the tie-break among equal counters):
-        its head, or with programs in progress first (``Request.resumes``), the older of its
-        head and its first new request. Taking requests only makes it younger."""
+        its head, or with programs in progress first (``Request.resumes``), the oldest of those
+        and its first new request. Taking requests only makes it younger."""
         ahead = self._resuming.get(tenant)
-        if ahead is None or ahead >= len(queue):
+        if ahead is None:
             return queue[0].seq
-        return min(queue[0].seq, queue[ahead].seq)
+        oldest = min(r.seq for r in itertools.islice(queue, ahead))
+        return oldest if ahead >= len(queue) else min(oldest, queue[ahead].seq)
 
     def _compact(self) -> None:
         version, queues = self._version, self._queues

@@ -126,9 +126,10 @@ def test_a_tenants_programs_in_progress_go_before_its_new_ones_oldest_first() ->
                           st.integers(1, 50)), min_size=1, max_size=60))
 def test_which_tenant_goes_next_does_not_depend_on_programs_in_progress(
         events: list[tuple[str, bool, int, int]]) -> None:
-    """The same arrivals, dispatches and charges with and without ``resumes`` flags: the
-    fair queue picks the same tenant every time (counters and the oldest-request tie-break
-    are the same); only which of the tenant's requests goes can differ."""
+    """The same arrivals, dispatches and charges with and without ``resumes`` flags: the fair
+    queue picks the same tenant each time, with the same counters, unless two tenants' counters
+    are equal (the tie goes to the tenant with the oldest request queued, and which of a
+    tenant's requests went before can differ): compared up to the first such tie."""
     plain, flagged = VirtualTokenCounter(), VirtualTokenCounter()
     for seq, (tenant, resumes, dispatches, cost) in enumerate(events):
         for policy, flag in ((plain, False), (flagged, resumes)):
@@ -138,12 +139,30 @@ def test_which_tenant_goes_next_does_not_depend_on_programs_in_progress(
             if heads[0] is None:
                 assert heads[1] is None
                 break
-            assert heads[1] is not None and heads[0].tenant == heads[1].tenant
+            assert heads[1] is not None
+            if heads[0].tenant != heads[1].tenant:
+                assert plain.counter(heads[0].tenant) == plain.counter(heads[1].tenant)
+                return
             for policy, head in zip((plain, flagged), heads, strict=True):
                 assert head is not None
                 policy.pop(head, 0.0)
                 policy.charge(head.tenant, float(cost))
         assert plain.counters == flagged.counters and plain.queued() == flagged.queued()
+
+
+def test_programs_in_progress_go_oldest_program_first() -> None:
+    policy = VirtualTokenCounter()
+    arrivals = [("new", False, 0), ("p3", True, 3), ("p1", True, 1), ("p2", True, 2),
+                ("p1-again", True, 1)]
+    for seq, (name, resumes, program) in enumerate(arrivals):
+        request = _request("a", seq, resumes)
+        request.program, request.id = program, name
+        policy.enqueue(request, 0.0)
+    taken = []
+    while (head := policy.peek(0.0)) is not None:
+        taken.append(head.id)
+        policy.pop(head, 0.0)
+    assert taken == ["p1", "p1-again", "p2", "p3", "new"]
 
 
 # -- the gate --
