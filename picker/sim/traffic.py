@@ -187,7 +187,7 @@ class Traffic:
     """Header carrying the tenant id."""
     session_header: str = DEFAULT_SESSION_HEADER
     """Header naming the session or program of a chat or agent tenant's request,
-    ``<tenant>-<n>``; the picker does not read it yet."""
+    ``<tenant>-<n>``; the picker reads it with ``routing.sessions`` (its default header)."""
     seed: int = 0
     """Seeds arrival times, lengths, streaming choices and prompt words (same seed, same run)."""
     max_in_flight: int = field(default=2000, metadata={"ge": 1})
