@@ -16,7 +16,8 @@ that left the queue unserved, one settled. The gate never calls back into the ga
 Invariants (checked in ``tests/unit/test_gate.py``):
 
 * every request in the fair queue may be dispatched: queued plus running stays within its
-  tenant's concurrency cap (the others are parked, first in first out per tenant);
+  tenant's concurrency cap (the others are parked, first in first out per tenant, but for
+  calls of programs in progress, which go first: ``sessions.next_parked``);
 * ``single`` holds exactly the tenants with one request in the fair queue and none parked;
 * an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
   over the requests dispatched there and not yet settled.
@@ -59,7 +60,7 @@ from picker.core.selection import (
     rank,
     takes_backlogged,
 )
-from picker.core.sessions import SessionId, SessionRules, SessionTable, prefer
+from picker.core.sessions import SessionId, SessionRules, SessionTable, next_parked, prefer
 
 FOOTPRINT_EWMA_ALPHA = 0.2
 """How fast a tenant's typical footprint (for the idle-tenant reserve) follows its requests."""
@@ -692,7 +693,7 @@ class Gate:
     def _unpark(self, tenant: str, now: float) -> None:
         parked = self._parked.pop(tenant, None)
         while parked and self._may_queue(tenant):
-            self._enqueue(parked.pop(0), now)
+            self._enqueue(parked.pop(next_parked(parked)), now)
         if parked:
             self._parked[tenant] = parked
             self._single.pop(tenant, None)

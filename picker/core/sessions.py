@@ -29,8 +29,11 @@ Pure: no clock (time is passed in), no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+from picker.core.request import Request
 
 MAX_KEY_CHARS = 256
 """The longest session key kept; a longer value is ignored (the request has no session)."""
@@ -183,3 +186,21 @@ def prefer(ranked: list[E], address: str | None) -> list[E]:
             ranked.insert(0, ranked.pop(i))
             break
     return ranked
+
+
+class _Waiting(Protocol):
+    @property
+    def request(self) -> Request: ...
+
+
+def next_parked(parked: Sequence[_Waiting]) -> int:
+    """Which of a tenant's requests parked at its concurrency cap (oldest first) enters the
+    fair queue next: the first call of the oldest program in progress (``Request.resumes``),
+    else the oldest. O(parked)."""
+    best = 0
+    for i, passage in enumerate(parked):
+        request = passage.request
+        if request.resumes and (not parked[best].request.resumes
+                                or request.program < parked[best].request.program):
+            best = i
+    return best

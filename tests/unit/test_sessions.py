@@ -279,6 +279,21 @@ def test_in_the_gate_a_tenants_program_in_progress_overtakes_its_new_programs_on
     assert order == [b, resumed, new_a]
 
 
+def test_at_its_concurrency_cap_a_tenants_program_in_progress_leaves_the_parking_first() -> None:
+    gate = Gate(GateRules(sessions=ON), Scheduler([LaneSpec("default")]),
+                Admission({"a": TenantRules(max_concurrent=1)}, TenantRules()), now=0.0)
+    gate.set_endpoints({E1: 10_000})
+    first = send(gate, "a", "task-1")
+    assert first.dispatched_at is not None
+    new_program = send(gate, "a", "task-2", now=1.0)
+    resumed = send(gate, "a", "task-1", now=2.0)
+    assert new_program.parked and resumed.parked and resumed.request.resumes
+    gate.complete(first, Usage(500, 10), "ok", 3.0)
+    assert resumed.dispatched_at is not None and new_program.dispatched_at is None
+    gate.complete(resumed, Usage(500, 10), "ok", 4.0)
+    assert new_program.dispatched_at is not None
+
+
 def test_without_resume_first_the_tenants_oldest_goes_first_and_stickiness_stays() -> None:
     gate = make_gate(sessions=SessionRules(resume_first=False), budgets={E1: 1_000})
     send(gate, "a", "task-1", prompt=900)
