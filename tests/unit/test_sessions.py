@@ -413,3 +413,24 @@ def test_a_bad_sessions_section_names_its_path(sections: dict[str, Any], path: s
     with pytest.raises(ConfigError) as caught:
         load_config(sections)
     assert caught.value.path == path
+
+
+# -- the benchmark's own arithmetic (bench/prefix_sessions.py) --
+
+def test_the_bench_measures_backlog_as_the_union_of_waits_and_keeps_other_sections() -> None:
+    from bench.prefix_sessions import END, START, backlogged_fraction, splice
+    from picker.sim.pool import PoolRecord
+
+    def waited(arrival: float, dispatched: float | None, end: float | None = None) -> PoolRecord:
+        record = PoolRecord("t", "open", arrival, 10, 10, True)
+        record.dispatched_s, record.end_s = dispatched, end
+        return record
+
+    # waits 0-2 and 1-3 overlap (3 s), 5-6 (1 s), one never dispatched from 8 to the end (2 s)
+    records = [waited(0, 2), waited(1, 3), waited(5, 6), waited(8, None), waited(4, 4)]
+    assert backlogged_fraction(records, (0.0, 10.0)) == pytest.approx(0.6)
+    page = "# prefix\n\nrows\n\n<!-- bench.peer: x -->\npeer\n<!-- /bench.peer -->\n"
+    once = splice(page, "## programs and sessions\n\nold\n")
+    twice = splice(once, "## programs and sessions\n\nnew\n")
+    assert twice.count(START) == 1 and twice.count(END) == 1
+    assert "new" in twice and "old" not in twice and "<!-- /bench.peer -->" in twice
