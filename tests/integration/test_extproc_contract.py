@@ -661,6 +661,27 @@ async def test_tenant_comes_from_the_trusted_headers_or_the_default(tmp_path: Pa
         assert await picker.metric("fairway_requests_total") == 5
 
 
+async def test_the_metering_record_names_the_lane_asked_not_the_lane_given(
+        tmp_path: Path) -> None:
+    """A what-if replay (``picker.whatif``) gives a request that asked for no lane its tenant's
+    lane under the candidate config: the record must say it asked for none."""
+    log = tmp_path / "metering.jsonl"
+    async with running_picker(tmp_path, lanes=[{"name": "online"}, {"name": "batch"}],
+                              tenants=[{"id": "a", "allowedLanes": ["batch"]}],
+                              metering={"output": str(log)}) as picker:
+        for headers in ({TENANT_HEADER: "a"}, {TENANT_HEADER: "a", "x-fairway-lane": "batch"}):
+            body = chat_body(max_tokens=2)
+            stream = picker.open()
+            routed = await route(stream, body, headers=headers)
+            upstream = await fetch(routed.header, CHAT, body)
+            await relay_response(stream, 200, upstream.content_type, [upstream.data])
+        await picker.eventually("fairway_requests_total", 2, tenant="a", outcome="ok")
+    records = sorted((json.loads(line) for line in log.read_text().splitlines()),
+                     key=lambda r: r["arrived_at"])
+    assert [(r["lane_asked"], r["priority_lane"]) for r in records] == [
+        (None, "online"), ("batch", "batch")]
+
+
 # -- charging --
 
 
