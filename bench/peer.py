@@ -82,7 +82,13 @@ from picker.sim.traffic import DEFAULT_TENANT_HEADER, Traffic, load_traffic
 from picker.stack.envoy import DESTINATION_HEADER, envoy_config
 from picker.stack.launcher import Stack
 from scripts.cluster import ControlPlane
-from scripts.upstream_picker import FAIRNESS_HEADER, RELEASE, UpstreamPool
+from scripts.upstream_picker import (
+    FAIRNESS_HEADER,
+    FAIRNESS_POLICY,
+    FAIRNESS_QUEUE_DEPTH,
+    RELEASE,
+    UpstreamPool,
+)
 
 PEERS = ("fairway", "upstream")
 ENGINE_POLICIES = ("fcfs", "priority")
@@ -106,6 +112,9 @@ class PeerPlan:
 
     quick: bool
     sample_interval: float = 0.25
+    prefix_scale: float = 1.0
+    """The prefix workloads' rates and backlogs times this (``--prefix-scale``: the files' own
+    load overruns the simulated servers on a busy 2-core machine)."""
 
     @property
     def share_duration(self) -> float:
@@ -415,15 +424,19 @@ def exp_flood(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def prefix_traffic(workload: str, timing: PrefixTiming) -> Traffic:
+def prefix_traffic(workload: str, timing: PrefixTiming, scale: float = 1.0) -> Traffic:
     """The workload's file with the block's duration (its sessions and programs starting until
-    ``stop_s``) and ``PREFIX_TIMEOUT_S``."""
+    ``stop_s``), ``PREFIX_TIMEOUT_S``, and each tenant's rate and backlog times ``scale``."""
     data = traffic_data(PREFIX_WORKLOADS[workload], prefix="prefix")
     data["duration_s"] = timing.duration_s
     data["timeout_s"] = PREFIX_TIMEOUT_S
     for tenant in data["tenants"]:
         if timing.stop_s is not None and "stop_s" in tenant:
             tenant["stop_s"] = timing.stop_s
+        if tenant.get("rate"):
+            tenant["rate"] = tenant["rate"] * scale
+        if tenant.get("backlog"):
+            tenant["backlog"] = max(1, round(tenant["backlog"] * scale))
     return load_traffic(data)
 
 
@@ -499,12 +512,13 @@ def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
     """Each prefix workload through the same Envoy and prefix-caching servers, the pickers in
     ``plan.prefix_blocks`` order."""
     out: dict[str, Any] = {"server_args": PREFIX_SERVER_ARGS, "timeout_s": PREFIX_TIMEOUT_S,
+                           "scale": plan.prefix_scale,
                            "blocks_order": list(plan.prefix_blocks),
                            "loadavg_start": loadavg(), "by_workload": {}}
     started = time.monotonic()
     for workload, name in PREFIX_WORKLOADS.items():
         timing = plan.prefix_timing(workload)
-        traffic = prefix_traffic(workload, timing)
+        traffic = prefix_traffic(workload, timing, plan.prefix_scale)
         tenants = [t.name for t in traffic.tenants]
         window = (timing.warmup_s, timing.duration_s)
         rows = []
@@ -802,8 +816,8 @@ def render(data: dict[str, Any]) -> str:
         f"{_fmt(ratio.get('cpu_per_request_meter_stream'))}).",
     ]
     lines += _detail_tables(data)
-    if "prefix" in data:
-        lines += _prefix_tables(data["prefix"])
+    for key in prefix_sections(data):
+        lines += _prefix_tables(data[key])
     return "\n".join(lines) + "\n"
 
 
@@ -866,6 +880,7 @@ def _pct(value: float | None) -> str:
 def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
     """Section 6: the prefix workloads, summary and goals first, then (``detail``) tenants and
     blocks."""
+    scale = data.get("scale", 1.0)
     order = " ".join({PREFIX_AFFINITY: "A", "upstream": "B", PREFIX_PLAIN: "C"}[p]
                      for p in data["blocks_order"])
     timings = "; ".join(
@@ -874,12 +889,16 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
         + f", measured from {t['timing']['warmup_s']:g} s"
         for w, t in data["by_workload"].items())
     lines = [
-        "", "## 6. Workloads that share prefixes (issue 28; `bench/traffic/prefix_*.yaml`)", "",
-        "`python -m bench.peer --only prefix`. The same Envoy and two simulated vLLM servers "
-        "with prefix caching (`" + " ".join(data["server_args"]) + "`: `bench.prefix`'s pool) "
+        "", "## 6. Workloads that share prefixes (issue 28; `bench/traffic/prefix_*.yaml`)"
+        + (f", at {scale:g} of their rates and backlogs" if scale != 1 else ""), "",
+        "`python -m bench.peer --only prefix"
+        + (f" --prefix-scale {scale:g}" if scale != 1 else "")
+        + "`. The same Envoy and two simulated vLLM servers with prefix caching (`"
+        + " ".join(data["server_args"]) + "`: `bench.prefix`'s pool) "
         f"behind each picker: A = {PREFIX_AFFINITY} (`routing.prefixAffinity` at its "
         f"defaults), B = upstream (its default scheduling profile: queue and KV-cache scorers at "
-        f"weight 2, prefix-cache scorer at 3, flow control as above), C = {PREFIX_PLAIN}; blocks "
+        f"weight 2, prefix-cache scorer at 3; flow control with {FAIRNESS_POLICY} at "
+        f"queueDepthThreshold {FAIRNESS_QUEUE_DEPTH}), C = {PREFIX_PLAIN}; blocks "
         f"in the order {order}, each a fresh stack. Blocks are shorter than the files' "
         f"durations, which are sized for the pool simulator: {timings}; requests still running "
         f"at a block's end get {data['timeout_s']:g} s. The whole measure took "
@@ -957,11 +976,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results", help="folder for peer.md and .json")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--prefix-scale", type=float, default=1.0,
+                        help="the prefix workloads' rates and backlogs times this (kept as a "
+                             "section of its own beside the files' own load)")
     parser.add_argument("--only", choices=sorted(MEASURES), action="append",
                         help="run only these measures (repeatable), the others kept from the "
                              "run already in --out (e.g. overhead again on a quiet machine)")
     args = parser.parse_args(argv)
-    plan = PeerPlan(quick=args.quick)
+    plan = PeerPlan(quick=args.quick, prefix_scale=args.prefix_scale)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "peer_quick" if plan.quick else "peer"
@@ -977,6 +999,8 @@ def main(argv: list[str] | None = None) -> int:
                          "upstream_release": RELEASE, "ladder": list(plan.ladder)})
             for measure, run in MEASURES.items():
                 if not args.only or measure in args.only:
+                    if measure == "prefix" and plan.prefix_scale != 1:
+                        measure = f"prefix at {plan.prefix_scale:g}"
                     data[measure] = run(peers, plan, workdir)
                     data.setdefault("generated", {})[measure] = time.strftime(
                         "%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -986,11 +1010,12 @@ def main(argv: list[str] | None = None) -> int:
         text = render(data)
     else:  # e.g. a first --quick --only prefix: that section alone
         text = "\n".join(["# fairway beside upstream's endpoint picker",
-                          *_prefix_tables(data["prefix"])]) + "\n"
+                          *(line for key in prefix_sections(data)
+                            for line in _prefix_tables(data[key]))]) + "\n"
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(text)
-    if "prefix" in data and not plan.quick:
-        quote_in_prefix_md(out / "prefix.md", data["prefix"])
+    if prefix_sections(data) and not plan.quick:
+        quote_in_prefix_md(out / "prefix.md", [data[k] for k in prefix_sections(data)])
     print(text)
     return 0
 
@@ -1001,13 +1026,23 @@ QUOTE_END = "<!-- /bench.peer -->"
 it when it writes that file anew)."""
 
 
-def quote_in_prefix_md(path: Path, prefix: dict[str, Any]) -> None:
+def prefix_sections(data: dict[str, Any]) -> list[str]:
+    """The keys of measure 6's runs in ``data``: ``prefix`` (the files' load) and ``prefix at
+    <scale>``."""
+    return sorted((k for k in data if k == "prefix" or k.startswith("prefix at ")),
+                  key=lambda k: k != "prefix")
+
+
+def quote_in_prefix_md(path: Path, sections: Sequence[dict[str, Any]]) -> None:
     """Put section 6's summary and goals into ``prefix.md`` between the markers (replacing an
     earlier quote), so the pool simulator's page shows the real processes' figures beside it."""
+    body: list[str] = []
+    for prefix in sections:
+        tables = _prefix_tables(prefix, detail=False)
+        body += ["", tables[1].replace("## 6.", "###"), *tables[2:]]
     quote = "\n".join([QUOTE_START, "## Beside upstream's endpoint picker (real processes)", "",
                        "From `bench/results/peer.md` section 6 (per-tenant completion times and "
-                       "cost shares, and every block, are there).", "",
-                       *_prefix_tables(prefix, detail=False)[3:], QUOTE_END])
+                       "cost shares, and every block, are there).", *body, QUOTE_END])
     text = path.read_text() if path.exists() else ""
     if QUOTE_START in text and QUOTE_END in text:
         head, rest = text.split(QUOTE_START, 1)
