@@ -196,8 +196,8 @@ def test_the_quote_in_prefix_md_is_replaced_not_repeated(tmp_path: Path) -> None
                                                "stop_s": None},
                                     "tenants": [], "blocks": [block]}}}
     data["summary"] = prefix_summary(data)
-    quote_in_prefix_md(page, data)
-    quote_in_prefix_md(page, data)
+    quote_in_prefix_md(page, [data])
+    quote_in_prefix_md(page, [data])
     text = page.read_text()
     assert text.startswith("# Workloads that share prefixes\n\nthe simulator's tables\n")
     assert text.count(QUOTE_START) == 1 and text.count(QUOTE_END) == 1
