@@ -147,6 +147,11 @@ class SimServerConfig:
     """vLLM V1's automatic prefix caching (on by default, as in vLLM V1)."""
     image_tokens: int = 576
     """Prompt tokens of one image part (576: LLaVA-1.5's 24 x 24 patches)."""
+    catch_up_s: float = 0.0
+    """A step whose end the event loop noticed late is followed by steps that start at once,
+    until the engine is back on its modelled timeline, when it is at most this late (a GPU's
+    steps do not slow when its host's CPU is busy; a shared benchmark machine's event loop
+    wakes late); 0: each step starts when the last one's end was noticed."""
     trace: str | None = None
     """A file to write one JSON line per engine step to (``{port}`` in it: the bound port);
     None: no trace (see ``SimEngine.trace_step``)."""
@@ -170,6 +175,8 @@ class SimServerConfig:
             raise ValueError("prefill_ms_per_1k_tokens must be >= 0")
         if self.image_tokens < 0:
             raise ValueError("image_tokens must be >= 0")
+        if not self.catch_up_s >= 0:
+            raise ValueError("catch_up_s must be >= 0")
         if self.kv_budget_tokens < self.block_size:
             raise ValueError("kv_budget_tokens must hold at least one block of block_size tokens")
 
@@ -365,11 +372,15 @@ class SimEngine:
             delay = ends - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)  # catching up: the handlers still get their turn
             now = loop.time()
             self.release(out, now)
             if self.trace is not None:
                 self.trace_step(out, starts, now)
-            starts = max(ends, now)
+            # Late by more than the catch-up allows (or not catching up): the next step starts
+            # now, and the time lost is lost.
+            starts = max(ends, now - self.config.catch_up_s)
 
     def step(self, now: float) -> StepOutput:
         """Start one engine iteration: the vLLM scheduler decides and computes it at once; its
@@ -709,6 +720,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-enable-prefix-caching turns it off)")
     p.add_argument("--image-tokens", type=int, default=d.image_tokens,
                    help="prompt tokens of one image part (default %(default)s, LLaVA-1.5's)")
+    p.add_argument("--catch-up-ms", type=float, default=d.catch_up_s * 1000,
+                   help="steps noticed late by up to this much are followed by steps started "
+                        "at once until the engine is back on its modelled timeline (default "
+                        "%(default)g: none; benchmarks on a busy machine)")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="write one JSON line per engine step to FILE ({port} in it: the bound "
                         "port): running, waiting, KV blocks, prompt and decode tokens")
@@ -724,7 +739,8 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
                            enable_prefix_caching=args.enable_prefix_caching,
-                           image_tokens=args.image_tokens, trace=args.trace)
+                           image_tokens=args.image_tokens, trace=args.trace,
+                           catch_up_s=args.catch_up_ms / 1000)
 
 
 async def serve(config: SimServerConfig) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import socket
@@ -716,3 +717,26 @@ async def test_step_trace(http: aiohttp.ClientSession, tmp_path: Any) -> None:
     assert [s["dec"] for s in steps] == [0, 1, 1]
     assert steps[-1]["fin"] == 1 and steps[-1]["run"] == 0 and steps[-1]["arr"] == 1
     assert all(s["t"] >= s["t0"] for s in steps)
+
+
+async def test_catch_up_keeps_the_modelled_timeline(http: aiohttp.ClientSession,
+                                                    tmp_path: Any) -> None:
+    """``--catch-up-ms``: however late the event loop notices a step's end (here it is blocked
+    for 30 ms mid-request), each step starts where the last one ended on the model's timeline,
+    so the engine makes its steps at the modelled pace."""
+    async def block() -> None:
+        await asyncio.sleep(0.01)
+        time.sleep(0.03)  # the event loop stalls, as on a busy machine
+
+    async with sim(trace=str(tmp_path / "t-{port}.jsonl"), catch_up_s=1.0) as server:
+        stall = asyncio.create_task(block())
+        status, _ = await post(http, server, COMPLETION_PATH,
+                               {"prompt": words(8), "max_tokens": 20, "ignore_eos": True})
+        await stall
+        port = server.port
+    assert status == 200
+    steps = [json.loads(line) for line in (tmp_path / f"t-{port}.jsonl").read_text().splitlines()
+             if '"ev"' not in line]
+    assert len(steps) == 20
+    starts = [s["t0"] for s in steps]
+    assert [round(b - a, 4) for a, b in itertools.pairwise(starts)] == [0.002] * 19

@@ -16,7 +16,7 @@ A = "127.0.0.1:1"
 
 
 def step(t0: float, run: int, wait: int = 0, kv: int = 100, fin: int = 0) -> dict[str, Any]:
-    return {"t0": t0, "t": t0 + 0.01, "run": run, "wait": wait, "kv": kv, "kvt": 512,
+    return {"t0": t0, "s0": t0, "t": t0 + 0.01, "run": run, "wait": wait, "kv": kv, "kvt": 512,
             "pre": 0, "dec": run, "arr": 0, "fin": fin}
 
 
