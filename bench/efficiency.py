@@ -23,16 +23,23 @@ requests, less those running now). Each is put down to one cause, in this order:
 * ``waiting threshold``: the scraped waiting queue, less completions seen, is at
   ``capacity.maxWaiting`` while the engine's is empty;
 * ``own count``: the picker's own count (tokens it saw, with every completion seen) is above
-  the engine's blocks;
+  the engine's blocks (a non-streamed request's output estimate counts there; this traffic
+  streams every request, so the estimate holds nothing here);
 * ``rule or fair order``: ``has_room`` says yes and the picker still holds (a rule of the gate,
   or no pump since the room appeared).
 
-Time runs ``SCALE`` times slower than the issue's shape (steps and prefill ``SCALE`` times
-longer, rates ÷ ``SCALE``), as ``bench.isolation_envoy`` does, so that two shared cores carry
-the stack; ratios keep their meaning.
+The servers run with ``--catch-up-ms`` (``CATCH_UP_MS``): a step their event loop noticed late
+is made up by the next ones, as a GPU's pace does not depend on its host's CPU; without it the
+steps ran 2-10 ms late on a 10 ms step on two shared cores, by a different amount per mode and
+run, and that, not the gate, decided the ratio.
 
-Run: ``python -m bench.efficiency --out bench/results`` (about 4 minutes: four gateway runs of
-35 s plus start and drain; ``--only 8k`` for one size).
+The issue's own time scale by default (steps 10 ms, 30 and 3 requests/s); ``--scale N`` runs
+time N times slower (steps and prefill N times longer, rates ÷ N), as ``bench.isolation_envoy``
+does; ratios keep their meaning.
+
+Run: ``python -m bench.efficiency --out bench/results`` (about 3 minutes: four gateway runs of
+31 s plus their stacks' start; ``--only 8k`` for one size, ``--repeat 2`` for each size twice,
+the modes' order reversed the second time).
 """
 
 from __future__ import annotations
