@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.workers < 1:
         parser.error("--workers must be 1 or more")
+    if args.trace is not None and args.workers > 1:
+        parser.error("--trace needs --workers 1 (one process writes the file)")
     try:
         settings = ServeSettings(
             config_path=args.config, host=args.host, grpc_port=args.grpc_port,
