@@ -140,7 +140,8 @@ def _gateway_numbers(run: GatewayRun) -> dict[str, Any]:
 
 def _ratios(results: dict[str, dict[str, Any]]) -> None:
     alone = results["light alone"]["light_ttft_p95_ms"]
-    fcfs = results["fcfs pass-through"]["tokens_per_s"]
+    fcfs = results["fcfs pass-through"]["tokens_per_s"] if "fcfs pass-through" in results \
+        else None
     for numbers in results.values():
         p95 = numbers["light_ttft_p95_ms"]
         numbers["ttft_ratio"] = p95 / alone if p95 and alone else None
@@ -259,12 +260,16 @@ def main() -> None:
     parser.add_argument("--mode", action="append", choices=[m for m in MODES
                                                             if m not in BASELINES],
                         help="run only this picker mode besides the baselines (repeatable)")
+    parser.add_argument("--skip-fcfs", action="store_true",
+                        help="leave FCFS pass-through out (ten minutes from 64k up; its tokens "
+                             "only give the ÷ FCFS column)")
     parser.add_argument("--report", default="isolation_envoy",
                         help="the report's file name, without .md or .json")
     parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream", help="how Envoy hands responses to the picker")
     args = parser.parse_args()
-    modes = BASELINES + tuple(args.mode or (m for m in MODES if m not in BASELINES))
+    baselines = ("light alone",) if args.skip_fcfs else BASELINES
+    modes = baselines + tuple(args.mode or (m for m in MODES if m not in BASELINES))
     sizes = [s for s in SIZES if isinstance(s.traffic, dict)
              and (not args.only or s.name.split()[0] in args.only)]
     plan = Plan(quick=False, goals=frozenset(), response_path=args.response_path)
