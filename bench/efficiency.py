@@ -51,6 +51,7 @@ import contextlib
 import itertools
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -71,9 +72,10 @@ from bench.gateway.common import (
 )
 from bench.isolation import PREFILL_S_PER_TOKEN, _numbers
 from bench.isolation_envoy import _mode_config, _sim_config, server_args
-from picker.sim.load import LoadResult, run_traffic
+from picker.sim.load import LoadResult, RequestRecord, percentile, run_traffic
 from picker.sim.pool import PoolSpec, simulate
 from picker.sim.traffic import Traffic, load_traffic
+from picker.stack.envoy import RESPONSE_PATHS
 from picker.stack.launcher import Stack, merge_sections
 
 SCALE = 1.0
@@ -92,7 +94,8 @@ BLOCK = 16
 
 CAUSES = ("dispatch to engine", "completion seen late", "scrape lag", "waiting threshold",
           "own count", "rule or fair order")
-MODES = {"pass-through": ("fcfs", {}), "default": ("vtc", {})}
+MODES: dict[str, tuple[str, dict[str, Any]]] = {"pass-through": ("fcfs", {}),
+                                                "default": ("vtc", {})}
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,155 @@ SHAPES = (
 )
 
 
-def shape_traffic(shape: Shape, scale: float, seed: int = 27) -> Traffic:
+# -- the goal matrix (issue 27's "Goals": the default against pass-through through Envoy) ---------
+
+LOOPS = ("open", "closed")
+ENGINES = ("fcfs", "priority")
+ENDPOINTS = (2, 4)
+FIRST_SEED = 27
+"""The traffic seed of the first (or only) run of a cell; ``--seeds N`` adds the next N-1."""
+CLOSED_HEAVY_PER_ENDPOINT = 32
+"""Closed loop: the heavy tenant keeps this many requests open per endpoint (64 on 2, 128 on
+4). An engine runs about 9 at a time at 8k and 14 at 64k, so at least twice the pool's
+capacity is always outstanding: the pool stays above capacity, as the open-loop flood does."""
+CLOSED_LIGHT = 2
+"""Closed loop: the light tenant keeps this many requests open."""
+GOAL = 0.98
+STRETCH = 1.00
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the goal matrix: a size, the load's loop, the engines' scheduling policy,
+    the endpoints, a traffic seed and the response path. Both variants run it."""
+
+    shape: Shape
+    loop: str = "open"
+    engines: str = "fcfs"
+    endpoints: int = 2
+    seed: int = FIRST_SEED
+    response_path: str = "meter-stream"
+
+    @property
+    def group(self) -> str:
+        """The cell without its seed; the size alone for the issue's first row (so that the
+        bench's default invocation names its rows as before)."""
+        parts = [self.shape.name]
+        if self.loop != "open":
+            parts.append(f"{self.loop} loop")
+        if self.engines != "fcfs":
+            parts.append(f"{self.engines} engines")
+        if self.endpoints != 2:
+            parts.append(f"{self.endpoints} endpoints")
+        if self.response_path != "meter-stream":
+            parts.append(self.response_path)
+        return ", ".join(parts)
+
+    @property
+    def name(self) -> str:
+        return self.group if self.seed == FIRST_SEED else f"{self.group}, seed {self.seed}"
+
+
+def expand_matrix(shapes: Sequence[Shape], loops: Sequence[str] = ("open",),
+                  engines: Sequence[str] = ("fcfs",), endpoints: Sequence[int] = (2,),
+                  seeds: int = 1, paths: Sequence[str] = ("meter-stream",)
+                  ) -> list[tuple[Cell, tuple[str, ...]]]:
+    """Every combination, each with the order its two variants run in: the k-th seed of a
+    cell runs pass-through first when k is even, the default first when odd (the machine's
+    load drifts). As the issue's goal has it, the inline and access-log paths run one seed
+    each when the meter stream is in the matrix too (all ``seeds`` when it is not)."""
+    cells = []
+    for shape, loop, engine, n, path in itertools.product(shapes, loops, engines, endpoints,
+                                                          paths):
+        count = 1 if path != "meter-stream" and "meter-stream" in paths else seeds
+        for k in range(count):
+            order = tuple(MODES) if k % 2 == 0 else tuple(reversed(MODES))
+            cells.append((Cell(shape, loop, engine, n, FIRST_SEED + k, path), order))
+    return cells
+
+
+def cell_spec(cell: Cell, scale: float) -> PoolSpec:
+    """The engines of ``cell`` at ``scale``: its endpoints and scheduling policy; with the
+    access-log path the simulator sees a streamed answer's tokens at its end, as the picker
+    does."""
+    spec = cell.shape.spec
+    return replace(spec, endpoints=cell.endpoints, engine_policy=cell.engines,
+                   step_s=spec.step_s * scale, prefill_s_per_token=spec.prefill_s_per_token * scale,
+                   output_seen_at_end=cell.response_path == "access-log")
+
+
+def shape_traffic(shape: Shape, scale: float, seed: int = FIRST_SEED, loop: str = "open",
+                  endpoints: int = 2, duration_s: float = DURATION_S) -> Traffic:
     """The issue's traffic: a heavy tenant open-loop at 30 requests/s, a light one at 3, both
-    streamed with ``max_tokens`` and ``ignore_eos``; rates ÷ ``scale``."""
+    streamed with ``max_tokens`` and ``ignore_eos``; rates ÷ ``scale``. Closed loop: the heavy
+    tenant keeps ``CLOSED_HEAVY_PER_ENDPOINT`` × ``endpoints`` requests open, the light one
+    ``CLOSED_LIGHT``. ``seed`` draws the arrivals, prompts and output lengths."""
     kind = {"api": "completions", "prompt_tokens": list(shape.prompt),
             "output_tokens": list(shape.output), "stream_fraction": 1.0, "include_usage": True}
-    return load_traffic({"duration_s": DURATION_S, "seed": seed, "timeout_s": TIMEOUT_S,
-                         "tenants": [{"name": "light", "rate": 3.0 / scale, **kind},
-                                     {"name": "flood", "rate": 30.0 / scale, **kind}]})
+    if loop == "closed":
+        light: dict[str, Any] = {"backlog": CLOSED_LIGHT}
+        heavy: dict[str, Any] = {"backlog": CLOSED_HEAVY_PER_ENDPOINT * endpoints}
+    else:
+        light, heavy = {"rate": 3.0 / scale}, {"rate": 30.0 / scale}
+    return load_traffic({"duration_s": duration_s, "seed": seed, "timeout_s": TIMEOUT_S,
+                         "tenants": [{"name": "light", **light, **kind},
+                                     {"name": "flood", **heavy, **kind}]})
+
+
+def light_p95(records: Sequence[RequestRecord], window: tuple[float, float],
+              cut_s: float) -> dict[str, Any]:
+    """The light tenant's time to first token, its requests sent inside ``window`` (seconds
+    from the load's start): p50 and p95 in ms. A request without a first token counts its wait
+    to its end, or to the cut (``cut_s``) when still open there: a lower bound that still
+    counts against the percentiles (``bounds`` says how many)."""
+    values, bounds = [], 0
+    for r in records:
+        if r.tenant != "light" or not window[0] <= r.start_s <= window[1]:
+            continue
+        if r.ttft_s is not None:
+            values.append(r.ttft_s)
+        else:
+            values.append((cut_s if r.end_s is None else r.end_s) - r.start_s)
+            bounds += 1
+    p50, p95 = percentile(values, 50), percentile(values, 95)
+    return {"samples": len(values), "bounds": bounds,
+            "p50_ms": None if p50 is None else round(1000 * p50, 1),
+            "p95_ms": None if p95 is None else round(1000 * p95, 1)}
+
+
+def goal_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run of a cell: pool tokens default ÷ pass-through against the goal (≥ ``GOAL``) and
+    the stretch (≥ ``STRETCH``), the light tenant's p95 under each variant, the load average
+    after each."""
+    rows = []
+    for name, size in data["sizes"].items():
+        modes = size["modes"]
+        ratio = size["ratio"]
+        rows.append({"name": name, "cell": size.get("cell", {}), "order": size.get("order"),
+                     "ratio": ratio,
+                     "goal": ratio is not None and ratio >= GOAL,
+                     "stretch": ratio is not None and ratio >= STRETCH,
+                     "tokens_per_s": {m: modes[m]["tokens_per_s"] for m in modes},
+                     "light_p95_ms": {m: modes[m].get("light", {}).get("p95_ms") for m in modes},
+                     "loadavg": {m: modes[m]["loadavg"] for m in modes}})
+    return rows
+
+
+def goal_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell (its seeds and repeats together): runs, the ratio's min and mean, how many runs
+    meet the goal and the stretch."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row["cell"].get("group", row["name"].split(" #")[0]), []).append(row)
+    out = []
+    for group, got in groups.items():
+        ratios = [r["ratio"] for r in got if r["ratio"] is not None]
+        out.append({"group": group, "runs": len(got),
+                    "min": min(ratios) if ratios else None,
+                    "mean": statistics.fmean(ratios) if ratios else None,
+                    "goal_met": sum(r["goal"] for r in got),
+                    "stretch_met": sum(r["stretch"] for r in got)})
+    return out
 
 
 # -- reading the traces ---------------------------------------------------------------------------
@@ -308,50 +452,59 @@ def lag(earlier: Sequence[float], later: Sequence[float],
 
 
 def run_mode(shape: Shape, mode: str, spec: PoolSpec, traffic: Traffic, scale: float,
-             workdir: Path, catch_up_ms: float = CATCH_UP_MS) -> dict[str, Any]:
+             workdir: Path, catch_up_ms: float = CATCH_UP_MS, response_path: str = "meter-stream",
+             trace: bool = True) -> dict[str, Any]:
     policy, extra = MODES[mode]
+    if mode == "default" and spec.engine_policy == "priority":
+        # As bench.isolation_envoy: the picker tells priority engines whom to run first;
+        # pass-through sends no priority (the engines then run their queue first come).
+        extra = merge_sections(extra, {"scheduling": {"enginePolicy": "priority"}})
     config = merge_sections(picker_overrides(traffic, {}, "0s"),
                             _mode_config(policy, extra, spec, traffic, scale))
     label = f"{shape.name}-{mode}"
     where = workdir / label
     where.mkdir(parents=True, exist_ok=True)
+    traces = (["--trace", str(where / "engine-{port}.jsonl")],
+              ["--trace", str(where / "picker.jsonl")]) if trace else ([], [])
     stack = Stack(where / "stack", policy=policy, endpoints=spec.endpoints,
-                  server_args=[*server_args(spec), "--trace", str(where / "engine-{port}.jsonl"),
-                               "--catch-up-ms", f"{catch_up_ms:g}"],
-                  picker_config=config, picker_args=["--trace", str(where / "picker.jsonl")])
+                  server_args=[*server_args(spec), *traces[0], "--catch-up-ms", f"{catch_up_ms:g}"],
+                  picker_config=config, picker_args=traces[1], response_path=response_path)
     load_before = loadavg()
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
+    records: list[RequestRecord] = []
     with stack, measured(resources, lambda: [stack]):
-        samples, t0 = asyncio.run(_drive_cut(stack, traffic, 0.25, traffic.duration_s + CUT_S))
+        samples, t0 = asyncio.run(_drive_cut(stack, traffic, 0.25, traffic.duration_s + CUT_S,
+                                             records))
     run = GatewayRun(label, policy, traffic.duration_s, (WARMUP_S, traffic.duration_s),
                      LoadResult([], {}, 0.0), samples, resources)
     pool = pool_numbers(run)
+    light = light_p95(records, (WARMUP_S, traffic.duration_s), traffic.duration_s + CUT_S)
     picker = read_trace(where / "picker.jsonl")
     engines = {}
     for path in sorted(where.glob("engine-*.jsonl")):
         address = f"127.0.0.1:{path.stem.split('-')[1]}"
         engines[address] = read_trace(path, address)
     window = (t0 + WARMUP_S, t0 + traffic.duration_s)
-    return {"tokens_per_s": pool["server_output_tokens_per_s"], "pool": pool,
+    return {"tokens_per_s": pool["server_output_tokens_per_s"], "pool": pool, "light": light,
             "loadavg_before": load_before, "loadavg_after": loadavg(),
             "cpu_busy_fraction": resources.get("cpu_busy_fraction"),
             "cpu_s": {k.split("/")[-1]: v for k, v in resources.get("cpu_s", {}).items()},
             "window": window, "picker": picker, "engines": engines, "config": config}
 
 
-async def _drive_cut(stack: Stack, traffic: Traffic, interval: float,
-                     cut_s: float) -> tuple[list[Sample], float]:
+async def _drive_cut(stack: Stack, traffic: Traffic, interval: float, cut_s: float,
+                     records: list[RequestRecord] | None = None) -> tuple[list[Sample], float]:
     """``traffic`` through ``stack``, its metrics sampled every ``interval``, cut ``cut_s``
-    after the start (requests still open are cancelled): the samples and the start on the
-    monotonic clock the traces use."""
+    after the start (requests still open are cancelled; ``records`` keeps every request's
+    record as it stood): the samples and the start on the monotonic clock the traces use."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     sampler = Sampler(stack, t0, interval)
     stop = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         sampling = asyncio.create_task(sampler.run(session, stop))
-        load = asyncio.create_task(run_traffic(traffic, stack.gateway_url))
+        load = asyncio.create_task(run_traffic(traffic, stack.gateway_url, records=records))
         await asyncio.wait({load}, timeout=cut_s)
         stop.set()
         await sampling
@@ -371,6 +524,7 @@ def analyse(shape: Shape, spec: PoolSpec, runs: dict[str, dict[str, Any]]) -> di
         engines: dict[str, Trace] = run["engines"]
         out["modes"][mode] = {
             "tokens_per_s": run["tokens_per_s"], "loadavg": run["loadavg_after"],
+            "loadavg_before": run["loadavg_before"], "light": run["light"],
             "cpu_busy_fraction": run["cpu_busy_fraction"],
             "engines": {a: engine_summary(e.lines, t1, t2, spec) for a, e in engines.items()},
             "cpu_s": run["cpu_s"],
@@ -382,6 +536,12 @@ def analyse(shape: Shape, spec: PoolSpec, runs: dict[str, dict[str, Any]]) -> di
                                              picker.events.get(("s", a), []), (t1, t2)))
                                   for a, e in engines.items()}}
     passthrough, default = out["modes"]["pass-through"], out["modes"]["default"]
+    out["ratio"] = default["tokens_per_s"] / passthrough["tokens_per_s"] \
+        if passthrough["tokens_per_s"] else None
+    out["traced"] = all(run["engines"] and run["picker"].lines for run in runs.values())
+    if not out["traced"]:
+        out["ratio_model_time"] = None
+        return out
     # Pass-through's engines, as full as their queues kept them: the running a step there.
     full = statistics.fmean(e.get("running", 0.0) for e in passthrough["engines"].values())
     run = runs["default"]
@@ -400,8 +560,6 @@ def analyse(shape: Shape, spec: PoolSpec, runs: dict[str, dict[str, Any]]) -> di
                         "measured_lost_tokens": measured, "full_running": full,
                         "window_s": span}
     out["intervals"] = intervals
-    out["ratio"] = default["tokens_per_s"] / passthrough["tokens_per_s"] \
-        if passthrough["tokens_per_s"] else None
     modelled = [sum(e.get("decode_per_model_s", 0.0) for e in m["engines"].values())
                 for m in (default, passthrough)]
     out["ratio_model_time"] = modelled[0] / modelled[1] if modelled[1] else None
@@ -437,21 +595,33 @@ def measured_latencies(mode: dict[str, Any]) -> tuple[float, float]:
 
 def run_shape(shape: Shape, scale: float, workdir: Path, sim_spec: PoolSpec | None = None,
               order: Sequence[str] = tuple(MODES), label: str = "",
-              catch_up_ms: float = CATCH_UP_MS
+              catch_up_ms: float = CATCH_UP_MS, cell: Cell | None = None,
+              duration_s: float = DURATION_S, trace: bool = True, sim: bool = True
               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    spec = replace(shape.spec, step_s=shape.spec.step_s * scale,
-                   prefill_s_per_token=shape.spec.prefill_s_per_token * scale)
-    traffic = shape_traffic(shape, scale)
-    runs = {mode: run_mode(shape, mode, spec, traffic, scale, workdir / label, catch_up_ms)
+    """Both variants of ``cell`` (the issue's first row of ``shape`` by default) on fresh
+    stacks in ``order``; then, unless ``sim`` is off, the pool simulator on the same traffic.
+    Without ``trace`` the servers and the picker write no trace: no breakdown, less CPU."""
+    cell = cell or Cell(shape)
+    spec = cell_spec(cell, scale)
+    traffic = shape_traffic(shape, scale, cell.seed, cell.loop, cell.endpoints, duration_s)
+    runs = {mode: run_mode(shape, mode, spec, traffic, scale, workdir / label, catch_up_ms,
+                           cell.response_path, trace)
             for mode in order}
     result = analyse(shape, spec, runs)
     result["spec"] = {k: v for k, v in spec.__dict__.items()}
     result["order"] = list(order)
-    result["simulator"] = simulator_ratio(sim_spec or spec, traffic, runs)
-    latency, completion = measured_latencies(result["modes"]["default"])
-    result["simulator_latencies"] = simulator_ratio(
-        replace(sim_spec or spec, dispatch_latency_s=latency, completion_lag_s=completion),
-        traffic, runs)
+    result["cell"] = {"group": cell.group, "size": shape.name, "loop": cell.loop,
+                      "engines": cell.engines, "endpoints": cell.endpoints, "seed": cell.seed,
+                      "response_path": cell.response_path, "duration_s": duration_s}
+    none: dict[str, Any] = {"ratio": None}
+    result["simulator"] = simulator_ratio(sim_spec or spec, traffic, runs) if sim else none
+    if sim and result["traced"]:
+        latency, completion = measured_latencies(result["modes"]["default"])
+        result["simulator_latencies"] = simulator_ratio(
+            replace(sim_spec or spec, dispatch_latency_s=latency, completion_lag_s=completion),
+            traffic, runs)
+    else:
+        result["simulator_latencies"] = none
     return result, runs
 
 
@@ -463,11 +633,23 @@ def _f(value: float | None, spec: str = ".2f") -> str:
 
 
 def write_report(data: dict[str, Any], out: Path) -> None:
+    lines = ["# Where the default gate's tokens go (issue 27)", ""]
+    traced = {n: z for n, z in data["sizes"].items() if z.get("traced", True)}
+    if traced:
+        lines += breakdown_report({**data, "sizes": traced})
+    lines += ["", *goals_report(data)]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def breakdown_report(data: dict[str, Any]) -> list[str]:
+    """The traced runs: engines and picker side by side, the held-room steps and their causes,
+    why the picker held its head."""
     scale = data["scale"]
-    lines = ["# Where the default gate's tokens go (issue 27)", "",
+    lines = [
              "Generated by `python -m bench.efficiency`. Each size runs the same traffic through "
              "FCFS pass-through and the fairway default, each on a fresh stack (real Envoy, the "
-             "picker over TLS, two simulated vLLM servers, engines fcfs), with the servers' step "
+             "picker over TLS, two simulated vLLM servers, engines fcfs, open loop, unless the "
+             "row's name says otherwise), with the servers' step "
              "trace and the picker's trace on; then through the pool simulator. Traffic: a "
              "heavy tenant open-loop at 30 requests/s and a light one at 3, streamed, "
              f"`max_tokens` with `ignore_eos`, {DURATION_S:g} s (clients wait {TIMEOUT_S:g} s, so "
@@ -549,7 +731,46 @@ def write_report(data: dict[str, Any], out: Path) -> None:
             lines.append(f"- {name}, {address}: {text}")
     if data.get("plot"):
         lines += ["", f"![engines and picker over time]({data['plot']})"]
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+def goals_report(data: dict[str, Any]) -> list[str]:
+    """Issue 27's goal table: per run of a cell, pool tokens default ÷ pass-through against
+    the goal, the light tenant's p95 under each variant, the load average."""
+    rows = goal_rows(data)
+    durations = sorted({r["cell"].get("duration_s", DURATION_S) for r in rows})
+    lines = ["## Goals: the default against FCFS pass-through, through real Envoy", "",
+             f"Goal: pool tokens default ÷ pass-through ≥ {GOAL:g} (stretch {STRETCH:.2f}), "
+             "both variants of a row in one run, each on a fresh stack, their order alternated "
+             "between seeds. Open loop: heavy 30 requests/s, light 3 (÷ scale); closed loop: "
+             f"heavy {CLOSED_HEAVY_PER_ENDPOINT} requests open per endpoint, light "
+             f"{CLOSED_LIGHT}. Sending lasts {'/'.join(f'{d:g}' for d in durations)} s, tokens "
+             f"and the light tenant's TTFT (requests sent from {WARMUP_S:g} s to the end of "
+             "sending; one without a first token at the cut counts its wait so far) are "
+             "counted inside it. Traffic seed: arrivals, prompts and output lengths. Load "
+             "average: the 1/5/15-minute figures after each variant.", "",
+             "| cell | seed | order | pass-through tok/s | default tok/s | default ÷ "
+             f"pass-through | ≥ {GOAL:g} | ≥ {STRETCH:.2f} | light p95 ms, pass-through | light "
+             "p95 ms, default | load avg after pass-through / default |",
+             "|" + "---|" * 11]
+    for r in rows:
+        cell = r["cell"]
+        first = (r["order"] or ["pass-through"])[0]
+        tok, p95, load = r["tokens_per_s"], r["light_p95_ms"], r["loadavg"]
+        lines.append(
+            f"| {cell.get('group', r['name'])}{r['name'][len(r['name'].split(' #')[0]):]} | "
+            f"{cell.get('seed', FIRST_SEED)} | {first} first | "
+            f"{tok['pass-through']:.0f} | {tok['default']:.0f} | {_f(r['ratio'], '.3f')} | "
+            f"{'yes' if r['goal'] else '**no**'} | {'yes' if r['stretch'] else 'no'} | "
+            f"{_f(p95['pass-through'], '.0f')} | {_f(p95['default'], '.0f')} | "
+            f"{' '.join(str(x) for x in load['pass-through'])} / "
+            f"{' '.join(str(x) for x in load['default'])} |")
+    lines += ["", "| cell | runs | ratio min | ratio mean | runs ≥ goal | runs ≥ stretch |",
+              "|---|---|---|---|---|---|"]
+    for g in goal_summary(rows):
+        lines.append(f"| {g['group']} | {g['runs']} | {_f(g['min'], '.3f')} | "
+                     f"{_f(g['mean'], '.3f')} | {g['goal_met']} | {g['stretch_met']} |")
+    return lines
 
 
 def reading(data: dict[str, Any]) -> list[str]:
@@ -652,6 +873,10 @@ def plot(data: dict[str, Any], runs: dict[str, dict[str, dict[str, Any]]],
     return out.name
 
 
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
@@ -661,29 +886,72 @@ def main() -> None:
     parser.add_argument("--catch-up-ms", type=float, default=CATCH_UP_MS,
                         help="the servers' --catch-up-ms (0: a late step's time is lost)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run each size this many times, the modes' order reversed each "
+                        help="run each cell this many times, the modes' order reversed each "
                              "time (the machine's load drifts)")
+    parser.add_argument("--loop", default="open", metavar="A[,B]",
+                        help=f"open (30 and 3 requests/s) or closed (heavy "
+                             f"{CLOSED_HEAVY_PER_ENDPOINT} open per endpoint, light "
+                             f"{CLOSED_LIGHT}); comma list with --matrix")
+    parser.add_argument("--engines", default="fcfs", metavar="A[,B]",
+                        help="the servers' --scheduling-policy: fcfs or priority (the default "
+                             "variant then sets scheduling.enginePolicy: priority)")
+    parser.add_argument("--endpoints", default="2", metavar="A[,B]",
+                        help="simulated servers: 2 or 4")
+    parser.add_argument("--response-path", default="meter-stream", metavar="A[,B]",
+                        help=f"one of {', '.join(RESPONSE_PATHS)}")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help=f"traffic seeds {FIRST_SEED}.. per cell (arrivals, prompts, "
+                             "outputs); the variants' order alternates between them")
+    parser.add_argument("--matrix", action="store_true",
+                        help="run every combination of the comma lists (the issue's goal "
+                             "matrix; the inline and access-log paths one seed each)")
+    parser.add_argument("--duration", type=float, default=DURATION_S,
+                        help="seconds of sending per run (the issue's 30)")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="no step or picker traces: no breakdown, less CPU")
+    parser.add_argument("--no-sim", action="store_true", help="skip the pool simulator")
     args = parser.parse_args()
     shapes = [s for s in SHAPES if not args.only or s.name in args.only]
-    data: dict[str, Any] = {"scale": args.scale, "catch_up_ms": args.catch_up_ms, "sizes": {}}
+    choices = {"loop": LOOPS, "engines": ENGINES, "response_path": RESPONSE_PATHS,
+               "endpoints": tuple(str(n) for n in ENDPOINTS)}
+    given = {}
+    for key, allowed in choices.items():
+        given[key] = [v.strip() for v in getattr(args, key).split(",") if v.strip()]
+        bad = [v for v in given[key] if v not in allowed]
+        if bad or not given[key] or (len(given[key]) > 1 and not args.matrix):
+            parser.error(f"--{key.replace('_', '-')}: one of {', '.join(allowed)}"
+                         + ("" if args.matrix else " (a comma list needs --matrix)"))
+    cells = expand_matrix(shapes, given["loop"], given["engines"],
+                          [int(n) for n in given["endpoints"]], args.seeds,
+                          given["response_path"])
+    data: dict[str, Any] = {"scale": args.scale, "catch_up_ms": args.catch_up_ms, "sizes": {},
+                            "command": " ".join(sys.argv[1:])}
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fairway-efficiency-") as tmp:
         workdir = Path(args.keep) if args.keep else Path(tmp)
-        for shape, n in ((s, n) for s in shapes for n in range(args.repeat)):
-            name = shape.name if n == 0 else f"{shape.name} #{n + 1}"
-            order = tuple(MODES) if n % 2 == 0 else tuple(reversed(MODES))
-            print(f"{name}: {', '.join(order)}", flush=True)
-            data["sizes"][name], runs[name] = run_shape(shape, args.scale, workdir, order=order,
-                                                        label=name.replace(" #", "-"),
-                                                        catch_up_ms=args.catch_up_ms)
+        for i, ((cell, order), n) in enumerate(
+                (c, n) for c in cells for n in range(args.repeat)):
+            name = cell.name if n == 0 else f"{cell.name} #{n + 1}"
+            if n % 2:
+                order = tuple(reversed(order))
+            print(f"[{i + 1}/{len(cells) * args.repeat}, {time.monotonic() - started:.0f} s] "
+                  f"{name}: {', '.join(order)}", flush=True)
+            data["sizes"][name], runs[name] = run_shape(
+                cell.shape, args.scale, workdir, order=order, label=_slug(name),
+                catch_up_ms=args.catch_up_ms, cell=cell, duration_s=args.duration,
+                trace=not args.no_trace, sim=not args.no_sim)
             size = data["sizes"][name]
+            light = {m: size["modes"][m]["light"]["p95_ms"] for m in order}
             print(f"  ratio through Envoy {_f(size['ratio'], '.3f')}, per modelled step time "
                   f"{_f(size['ratio_model_time'], '.3f')}; simulator "
                   f"{_f(size['simulator']['ratio'], '.3f')}, with the measured latencies "
-                  f"{_f(size['simulator_latencies']['ratio'], '.3f')}", flush=True)
-        data["plot"] = plot(data, runs, out / "efficiency.png")
+                  f"{_f(size['simulator_latencies']['ratio'], '.3f')}; light p95 ms {light}; "
+                  f"load {loadavg()}", flush=True)
+        traced_runs = {k: v for k, v in runs.items() if data["sizes"][k]["traced"]}
+        data["plot"] = plot(data, traced_runs, out / "efficiency.png") if traced_runs else None
     (out / "efficiency.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     write_report(data, out / "efficiency.md")
     print(f"wrote {out / 'efficiency.md'}")

@@ -516,12 +516,14 @@ def make_session(traffic: Traffic) -> aiohttp.ClientSession:
 
 
 async def run_traffic(traffic: Traffic, target: str, out: Path | None = None, *,
-                      duration_s: float | None = None) -> LoadResult:
+                      duration_s: float | None = None,
+                      records: list[RequestRecord] | None = None) -> LoadResult:
     """Send ``traffic`` to ``target`` (``http://host:port``, with or without ``/v1``).
 
     ``duration_s`` overrides the traffic's duration. When ``out`` is given, ``requests.csv`` and
     ``summary.json`` are written there. Returns every request's record (in issue order) and the
-    summary (``summarize``, plus a ``run`` section describing the run).
+    summary (``summarize``, plus a ``run`` section describing the run). ``records``, when given,
+    receives each record as its request is sent: a caller that cancels the run keeps them.
     """
     duration = traffic.duration_s if duration_s is None else duration_s
     if duration <= 0:
@@ -529,6 +531,8 @@ async def run_traffic(traffic: Traffic, target: str, out: Path | None = None, *,
     plan = plan_open_loop(traffic, duration)
     async with make_session(traffic) as session:
         run = _Run(traffic, target, session, duration, plan)
+        if records is not None:
+            run.records = records
         senders = [asyncio.create_task(run.dispatch(plan))]
         for tenant in traffic.tenants:
             if tenant.backlog is not None:

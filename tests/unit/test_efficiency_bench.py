@@ -8,9 +8,24 @@ from typing import Any
 
 import pytest
 
-from bench.efficiency import Trace, cause_of, held_room, lag
+from bench.efficiency import (
+    FIRST_SEED,
+    SHAPES,
+    Cell,
+    Trace,
+    cause_of,
+    expand_matrix,
+    goal_rows,
+    goal_summary,
+    goals_report,
+    held_room,
+    lag,
+    light_p95,
+    shape_traffic,
+)
 from picker.core.holds import OWN_COUNT, ROOM, SCRAPED_KV, WAITING, hold_reason
 from picker.core.selection import CapacityRules, EndpointState
+from picker.sim.load import RequestRecord
 
 A = "127.0.0.1:1"
 
@@ -103,3 +118,84 @@ def test_picker_trace_line_and_events() -> None:
     assert endpoint["d"] == 1 and endpoint["s"] == 1
     assert trace.events == ['{"ev":"d","t":4.00000,"a":"127.0.0.1:1"}\n',
                             '{"ev":"s","t":4.50000,"a":"127.0.0.1:1"}\n']
+
+
+def test_the_issues_goal_matrix_expands_to_80_cells_with_alternating_orders() -> None:
+    cells = expand_matrix(SHAPES, ("open", "closed"), ("fcfs", "priority"), (2, 4), 3,
+                          ("meter-stream", "inline", "access-log"))
+    # 2 sizes x 2 loops x 2 engine policies x 2 pool sizes: 16 cells, three seeds on the meter
+    # stream, one each on the inline and access-log paths.
+    assert len(cells) == 16 * 3 + 16 * 2
+    assert len({cell for cell, _ in cells}) == len(cells)
+    stream = [(c, o) for c, o in cells if c.response_path == "meter-stream"]
+    assert {c.seed for c, _ in stream} == {FIRST_SEED, FIRST_SEED + 1, FIRST_SEED + 2}
+    assert {c.seed for c, _ in cells if c.response_path != "meter-stream"} == {FIRST_SEED}
+    for cell, order in stream:
+        first = "pass-through" if (cell.seed - FIRST_SEED) % 2 == 0 else "default"
+        assert order[0] == first and set(order) == {"pass-through", "default"}
+    # Without the meter stream in the matrix, a path runs every seed asked for.
+    assert len(expand_matrix(SHAPES[:1], seeds=3, paths=("inline",))) == 3
+
+
+def test_cell_names_keep_the_default_invocations_rows() -> None:
+    assert Cell(SHAPES[0]).name == "8k"
+    cell = Cell(SHAPES[1], "closed", "priority", 4, FIRST_SEED + 2, "access-log")
+    assert cell.name == "64k, closed loop, priority engines, 4 endpoints, access-log, seed 29"
+    assert cell.group == "64k, closed loop, priority engines, 4 endpoints, access-log"
+
+
+def test_closed_loop_traffic_keeps_the_pool_above_capacity() -> None:
+    two = shape_traffic(SHAPES[0], 1.0, loop="closed", endpoints=2, duration_s=10)
+    four = shape_traffic(SHAPES[0], 1.0, loop="closed", endpoints=4)
+    assert [(t.name, t.backlog, t.rate) for t in two.tenants] == [("light", 2, 0.0),
+                                                                  ("flood", 64, 0.0)]
+    assert [t.backlog for t in four.tenants] == [2, 128]
+    assert two.duration_s == 10
+    opened = shape_traffic(SHAPES[0], 2.0, seed=28)
+    assert [t.rate for t in opened.tenants] == [1.5, 15.0] and opened.seed == 28
+
+
+def _record(start: float, ttft: float | None, end: float | None,
+            tenant: str = "light") -> RequestRecord:
+    return RequestRecord(tenant=tenant, seq=0, kind="open", api="completions", stream=True,
+                         scheduled_s=start, start_s=start, ttft_s=ttft, end_s=end,
+                         drawn_prompt_tokens=800, max_tokens=200)
+
+
+def test_light_p95_counts_a_request_without_a_first_token_as_its_wait_so_far() -> None:
+    records = [_record(5.0 + i * 0.1, 0.1, 6.0) for i in range(18)]
+    records += [_record(6.0, None, None),  # open at the cut (11 s): waited 5 s so far
+                _record(7.0, None, 8.0),  # ended without a token after 1 s
+                _record(1.0, 9.0, 10.0),  # sent in the warm-up: not counted
+                _record(6.0, 9.0, 10.0, tenant="flood")]
+    got = light_p95(records, (5.0, 10.0), cut_s=11.0)
+    assert got["samples"] == 20 and got["bounds"] == 2
+    assert got["p50_ms"] == pytest.approx(100.0)
+    assert got["p95_ms"] is not None and got["p95_ms"] >= 1000.0
+
+
+def _size(pt: float, default: float, group: str, seed: int) -> dict[str, Any]:
+    def mode(tokens: float, p95: float) -> dict[str, Any]:
+        return {"tokens_per_s": tokens, "light": {"p95_ms": p95}, "loadavg": [1.0, 2.0, 3.0]}
+
+    return {"ratio": default / pt, "order": ["pass-through", "default"],
+            "cell": {"group": group, "seed": seed},
+            "modes": {"pass-through": mode(pt, 900.0), "default": mode(default, 300.0)}}
+
+
+def test_goal_table_arithmetic() -> None:
+    data = {"sizes": {"8k": _size(1000.0, 990.0, "8k", 27),
+                      "8k, seed 28": _size(1000.0, 970.0, "8k", 28),
+                      "64k": _size(800.0, 808.0, "64k", 27)}}
+    rows = goal_rows(data)
+    assert [(r["goal"], r["stretch"]) for r in rows] == [(True, False), (False, False),
+                                                        (True, True)]
+    assert rows[0]["light_p95_ms"] == {"pass-through": 900.0, "default": 300.0}
+    summary = {g["group"]: g for g in goal_summary(rows)}
+    assert summary["8k"]["runs"] == 2 and summary["8k"]["goal_met"] == 1
+    assert summary["8k"]["min"] == pytest.approx(0.97)
+    assert summary["8k"]["mean"] == pytest.approx(0.98)
+    assert summary["64k"]["stretch_met"] == 1
+    text = "\n".join(goals_report(data))
+    assert "| 8k | 28 | pass-through first | 1000 | 970 | 0.970 | **no** | no | 900 | 300 |" \
+        in text
