@@ -210,14 +210,21 @@ def shape_traffic(shape: Shape, scale: float, seed: int = FIRST_SEED, loop: str 
 
 
 def light_p95(records: Sequence[RequestRecord], window: tuple[float, float],
-              cut_s: float) -> dict[str, Any]:
+              cut_s: float, waiting_inside: bool = False) -> dict[str, Any]:
     """The light tenant's time to first token, its requests sent inside ``window`` (seconds
     from the load's start): p50 and p95 in ms. A request without a first token counts its wait
     to its end, or to the cut (``cut_s``) when still open there: a lower bound that still
-    counts against the percentiles (``bounds`` says how many)."""
+    counts against the percentiles (``bounds`` says how many). ``waiting_inside`` (closed
+    loop, where a light client sends its next request only once one ends and may send none
+    inside the window): also the requests sent before it that were still waiting for their
+    first token when it began."""
     values, bounds = [], 0
     for r in records:
-        if r.tenant != "light" or not window[0] <= r.start_s <= window[1]:
+        if r.tenant != "light" or r.start_s > window[1]:
+            continue
+        first = r.start_s + r.ttft_s if r.ttft_s is not None else (
+            cut_s if r.end_s is None else r.end_s)
+        if r.start_s < window[0] and not (waiting_inside and first >= window[0]):
             continue
         if r.ttft_s is not None:
             values.append(r.ttft_s)
@@ -479,7 +486,8 @@ def run_mode(shape: Shape, mode: str, spec: PoolSpec, traffic: Traffic, scale: f
     run = GatewayRun(label, policy, traffic.duration_s, (WARMUP_S, traffic.duration_s),
                      LoadResult([], {}, 0.0), samples, resources)
     pool = pool_numbers(run)
-    light = light_p95(records, (WARMUP_S, traffic.duration_s), traffic.duration_s + CUT_S)
+    light = light_p95(records, (WARMUP_S, traffic.duration_s), traffic.duration_s + CUT_S,
+                      waiting_inside=any(t.backlog is not None for t in traffic.tenants))
     picker = read_trace(where / "picker.jsonl")
     engines = {}
     for path in sorted(where.glob("engine-*.jsonl")):
@@ -746,7 +754,8 @@ def goals_report(data: dict[str, Any]) -> list[str]:
              f"heavy {CLOSED_HEAVY_PER_ENDPOINT} requests open per endpoint, light "
              f"{CLOSED_LIGHT}. Sending lasts {'/'.join(f'{d:g}' for d in durations)} s, tokens "
              f"and the light tenant's TTFT (requests sent from {WARMUP_S:g} s to the end of "
-             "sending; one without a first token at the cut counts its wait so far) are "
+             "sending, and in closed loop those still waiting for their first token at "
+             f"{WARMUP_S:g} s; one without a first token at the cut counts its wait so far) are "
              "counted inside it. Traffic seed: arrivals, prompts and output lengths. Load "
              "average: the 1/5/15-minute figures after each variant.", "",
              "| cell | seed | order | pass-through tok/s | default tok/s | default ÷ "

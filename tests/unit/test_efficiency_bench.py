@@ -172,6 +172,9 @@ def test_light_p95_counts_a_request_without_a_first_token_as_its_wait_so_far() -
     assert got["samples"] == 20 and got["bounds"] == 2
     assert got["p50_ms"] == pytest.approx(100.0)
     assert got["p95_ms"] is not None and got["p95_ms"] >= 1000.0
+    # Closed loop: also the request sent in the warm-up and still waiting at 5 s (9 s wait).
+    closed = light_p95(records, (5.0, 10.0), cut_s=11.0, waiting_inside=True)
+    assert closed["samples"] == 21 and closed["p95_ms"] > got["p95_ms"]
 
 
 def _size(pt: float, default: float, group: str, seed: int) -> dict[str, Any]:
