@@ -40,6 +40,13 @@ does; ratios keep their meaning.
 Run: ``python -m bench.efficiency --out bench/results`` (about 3 minutes: four gateway runs of
 31 s plus their stacks' start; ``--only 8k`` for one size, ``--repeat 2`` for each size twice,
 the modes' order reversed the second time).
+
+The issue's goal matrix (the default against pass-through; a Goals table in the report):
+``python -m bench.efficiency --matrix --loop open,closed --engines fcfs,priority --endpoints 2,4
+--seeds 3 --response-path meter-stream,inline,access-log --no-trace --out DIR``: 80 cells (2
+sizes × 2 loops × 2 engine policies × 2 pool sizes × 3 seeds on the meter stream, one each on
+the inline and access-log paths), each about 70 s with the simulator on two cores: about
+1 h 40 min (``--duration 20``: about 1 h 10 min; ``--no-sim`` saves a few s a cell).
 """
 
 from __future__ import annotations
