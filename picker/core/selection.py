@@ -5,7 +5,11 @@ request when its prompt fits beside the tokens in flight there (an empty endpoin
 the engine's own waiting queue is under a threshold. Scraped figures count while fresh, less what
 finished since the scrape. Keeping every endpoint just saturated, and no more, is what lets the
 fair queue decide the order instead of the engine's own FCFS queue: a request the engine cannot
-admit yet would wait in its FCFS queue, ahead of whoever the fair queue picks next.
+admit yet would wait in its FCFS queue, ahead of whoever the fair queue picks next. With
+``CapacityRules.engine_queue`` an endpoint without room still takes that many requests into its
+engine's own queue (``queue_slot``), so that the engine refills a finished request's room at its
+next step rather than after a round trip through the picker: the fair queue then orders all but
+those few.
 """
 
 from __future__ import annotations
