@@ -244,7 +244,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
                 f"| {name} | {mode}, {place} | "
                 f"{_cell(ratio)} {_verdict(ratio is not None and ratio <= RATIO_GOAL)} | "
                 f"{_cell(tokens, '.3f')} "
-                f"{_verdict(tokens is not None and tokens >= TOKENS_GOAL)} |")
+                f"{'' if tokens is None else _verdict(tokens >= TOKENS_GOAL)} |")
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
