@@ -50,11 +50,9 @@ demo: setup-demo
 experiments: setup
 	MPLBACKEND=Agg $(PY) -m bench.experiments --out bench/results
 
-# Two workers (pytest-xdist): the tiers that drive load or keep time (integration, e2e, faults)
-# keep one to themselves, one test at a time (tests/conftest.py); the pure and cluster tests run
-# on the other.
+# Two workers (pytest-xdist), a test module whole on one (its stack started once; tests/conftest.py).
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # Style, the import contracts of pyproject.toml (layers; docs/architecture.md) and types.
 lint: setup

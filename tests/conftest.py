@@ -1,16 +1,17 @@
-"""Marks each test by its tier, from the folder it lives in (run one tier with ``-m``), and
-keeps the tiers that drive real load one at a time when ``make test`` runs two workers."""
+"""Marks each test by its tier, from the folder it lives in (run one tier with ``-m``).
+
+``make test`` runs two pytest-xdist workers with ``--dist loadfile``: each test module runs
+whole on one worker, so that its module-scoped stack is started once, while the other worker
+takes other modules. (It ran ``--dist loadgroup`` with every process-tier test marked for one
+group, meant to run those tests one at a time; the marks were never applied to the node ids, so
+tests were spread one by one and a module's fixtures set up on both workers: the gateway
+benchmark's 65 s smoke run twice.) Two modules that start processes may therefore run side by
+side: these tests must hold on a busy machine, with no wall-clock goals (README,
+"Development")."""
 
 from __future__ import annotations
 
 import pytest
-
-LOAD_TIERS = ("e2e", "faults", "integration")
-"""Tiers whose tests drive load through Envoy, pickers and servers, or judge shares, latency and
-timing (the integration tier's load generator and simulated server keep schedules to 0.1 s):
-under pytest-xdist they all run on one worker, one after another, as they were tuned; the other
-worker takes the pure and cluster tests beside them. (An integration test beside the e2e tier
-missed its schedule by 0.2 s in a fresh-ci run.)"""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,5 +25,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.faults)
         elif "cluster" in parts:
             item.add_marker(pytest.mark.cluster)
-        if any(tier in parts for tier in LOAD_TIERS):
-            item.add_marker(pytest.mark.xdist_group("load"))
