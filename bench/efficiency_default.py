@@ -29,19 +29,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bench.efficiency import engine_summary, read_trace
 from bench.gateway.common import (
     GatewayRun,
     Sampler,
+    drive,
     measured,
     picker_overrides,
     pool_numbers,
 )
 from bench.isolation import SIZES, light_ttfts
 from bench.isolation_envoy import server_args
-from picker.sim.load import LoadResult, percentile, run_traffic
+from picker.sim.load import LoadResult, percentile
 from picker.sim.traffic import Traffic, load_traffic
 from picker.stack.launcher import Stack, merge_sections
 
@@ -91,19 +90,8 @@ def variants(engines: str, queues: tuple[int, ...]) -> dict[str, tuple[str, dict
 async def _drive(stack: Stack, traffic: Traffic) -> tuple[LoadResult, Sampler, float]:
     """``traffic`` through ``stack``, its metrics sampled every 0.25 s: the records, the
     samples and the start on the monotonic clock the servers' traces use."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    sampler = Sampler(stack, t0, 0.25)
-    stop = asyncio.Event()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        task = asyncio.create_task(sampler.run(session, stop))
-        try:
-            result = await run_traffic(traffic, stack.gateway_url)
-        finally:
-            stop.set()
-            await task
-        await sampler.take(session)
-    return result, sampler, t0
+    result, sampler = await drive(stack, traffic, 0.25)
+    return result, sampler, sampler.t0
 
 
 def run_variant(label: str, policy: str, traffic: Traffic, config: dict[str, Any],

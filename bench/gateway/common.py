@@ -429,7 +429,7 @@ def make_traffic(name: str, duration: float, backlog_scale: float = 1.0, *,
     return load_traffic(data)
 
 
-async def _drive(stack: Stack, traffic: Traffic, interval: float) -> tuple[LoadResult, Sampler]:
+async def drive(stack: Stack, traffic: Traffic, interval: float) -> tuple[LoadResult, Sampler]:
     loop = asyncio.get_running_loop()
     sampler = Sampler(stack, loop.time(), interval)
     stop = asyncio.Event()
@@ -477,7 +477,7 @@ def run_stack(label: str, policy: str, stack: Stack, traffic: Traffic,
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
     with stack, measured(resources, lambda: [stack]):
-        result, sampler = asyncio.run(_drive(stack, traffic, sample_interval))
+        result, sampler = asyncio.run(drive(stack, traffic, sample_interval))
     return GatewayRun(label, policy, traffic.duration_s, window, result, sampler.samples,
                       resources, sampler.failures)
 
