@@ -15,8 +15,10 @@ The pool is what the log shows unless given: the endpoints that served (count), 
 step from the streamed requests' time per output token (median), the KV budget from the config
 (``capacity.kvBudgetTokens``), or when that is ``auto`` (the picker learned it from the engines)
 estimated from the log: what an engine held (prompt + output so far of its running requests)
-while requests waited in the picker's queue for room (``KvOccupancy``). ``--coarse K``: the fast
-mode (``picker.whatif.coarse``). Exit status: 0; 1 when a candidate was refused (the others are
+while requests waited in the picker's queue for room (``KvOccupancy``). ``--fast``: events per
+request instead of steps per token, for days of traffic (``picker.whatif.fast``: what it gives up
+is measured in bench/results/whatif.md); ``--coarse K``: engine steps of K tokens
+(``picker.whatif.coarse``). Exit status: 0; 1 when a candidate was refused (the others are
 still replayed); 2 when the log or the baseline cannot be used.
 """
 
@@ -40,6 +42,7 @@ from picker.config.strict import safe_load
 from picker.errors import ConfigError
 from picker.sim.pool import PoolSpec
 from picker.whatif.coarse import step_scale
+from picker.whatif.fast import replay_fast, unmodelled
 from picker.whatif.log import (
     Arrival,
     BadField,
@@ -394,6 +397,9 @@ def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namesp
     if first is None:
         raise LookupError("no usable record in the log")
     start = args.since if args.since is not None else first.arrived
+    if args.fast:
+        return replay_fast(config, spec, itertools.chain([first], arrivals), start=start,
+                           client_timeout_s=args.client_timeout, bucket_s=args.bucket)
     return replay(config, spec, itertools.chain([first], arrivals), start=start,
                   client_timeout_s=args.client_timeout, bucket_s=args.bucket,
                   coarse=args.coarse, coarse_scale=step_scale(outputs or {}, args.coarse))
@@ -434,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coarse", type=int, default=1, metavar="K",
                         help="fast mode: engine steps K times as long, each emitting up to K "
                              "tokens a request (picker.whatif.coarse; default 1: exact)")
+    parser.add_argument("--fast", action="store_true",
+                        help="event-driven replay, a few operations a request instead of a "
+                             "step a token (picker.whatif.fast): for days of traffic; the fair "
+                             "order, budgets and caps are the gate's, the engines simplified")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", type=Path, help="write a PNG of service over time here")
     args = parser.parse_args(argv)
@@ -445,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0")
+    if args.fast and args.coarse > 1:
+        parser.error("--fast and --coarse are two modes: give one")
     if args.prefill_ms_per_1k_tokens < 0:
         parser.error("--prefill-ms-per-1k-tokens must be at least 0")
     if not args.log.is_file():
@@ -468,6 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     figures = scan_figures(args.log, args.size, since=args.since, until=args.until,
                            bucket_s=args.bucket, reorder_window_s=args.reorder_window)
     spec, notes = pool_spec(args, figures, baseline)
+    if args.fast:
+        notes.append("fast mode (picker.whatif.fast)")
+        for name, config in [("the baseline", baseline), *candidates.items()]:
+            missing = unmodelled(config)
+            if missing:
+                print(f"whatif: --fast does not model {', '.join(missing)} ({name}): use the "
+                      "exact replay for them", file=sys.stderr)
     skips = Skips()
     try:
         base = _run(args.log, baseline, spec, args, skips, quiet=False,

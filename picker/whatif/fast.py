@@ -1,0 +1,623 @@
+"""The replay's fast mode: events per request, not steps per token (``python -m picker.whatif
+--fast``).
+
+It answers: *how can a day of traffic (millions of records) replay in minutes on one core?* The
+exact replay (``picker.whatif.replay``) steps every engine every ``step_s`` and charges the gate
+once per output token per step, then runs the gate's whole admit / pump / settle path (about
+0.15-0.2 ms a request in CPython, most of it the endpoint ranking, the reserve and prefill rules,
+health and the prefix and session bookkeeping). Here each request costs a handful of operations:
+
+* **The fair order is the picker's own.** The gate is built from the config exactly as the pool
+  simulator builds it (``picker.config.build``), and its core parts decide: ``Gate.choose_lane``
+  (a lane the tenant may not ask for is refused), ``Admission.admit`` / ``start`` / ``finish``
+  (budgets, caps, demotion, per-tenant queue limits), the lanes' fair queues
+  (``Scheduler.enqueue`` / ``peek`` / ``dispatch`` / ``finish``: VTC or the configured policy,
+  weights, lane priority and ``minShare``), the tenant's output estimate
+  (``Gate.expected_output``, learned as the gate learns it), ``queue.maxWait``,
+  ``queue.maxQueued``, concurrency caps (parked as the gate parks them), the adaptive LIFO of a
+  stale backlog (``newestFirstAfter``) and the light tenant's pass by a head that must wait.
+* **Each endpoint is a batch that decodes one token a request a step**, as the simulator's
+  engine does when the gate keeps its cache from overflowing: a request dispatched at ``t``
+  emits its first token at ``t + step_s`` and its last, the ``n``-th, at ``t + n × step_s``, so
+  its finish is known when it starts (an event in a heap), and it is revised only when its
+  client gives up first (``client_timeout_s``). Room is the gate's own rule (``fits``: the
+  prompt beside what the endpoint holds, an empty endpoint takes any, least loaded first), on
+  what it holds now: the prompts, plus every streamed token so far, which grows linearly between
+  events (per endpoint, requests × now − the sum of their dispatch times, over ``step_s``), so
+  no per-token work is needed to know it.
+* **A stream is charged to the fair queue in ``chunks`` equal parts** at evenly spaced times of
+  its decode (1: all at its end; the exact replay: every token), its prompt at dispatch, as the
+  gate charges it. With 2 (the default) the counters move at the stream's middle and end.
+
+What it gives up (measured in ``bench/results/whatif.md``): everything the gate decides from the
+engines' scraped figures (their own queue, ``maxWaiting``, a scraped KV use above its count) and
+the rules that need them or per-token growth: ``growthRoom``, ``maxPrefillTokens``, the idle
+tenant reserve, priority engines and the gate's preemption for them, the engine queue, prefix
+affinity, sessions, shedding lower lanes (a full queue turns the newcomer away), health; chunked
+prefill (a prompt costs one step whatever its size: ``--prefill-ms-per-1k-tokens`` is ignored)
+and the engine's own preemption order (its cost is modelled, as a batch slowed in proportion
+when it outgrows the cache; which request pays is not). The config's use of any of these rules
+is listed by ``unmodelled`` so the CLI can say so.
+
+Memory: the requests in the pool and in the queue, and the sums (``ReplayResult``) only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from picker.config.build import admission_rules, cost_function, gate_rules
+from picker.config.schema import PickerConfig
+from picker.core import LaneSpec, Scheduler
+from picker.core.admission import Admission, Refused, Reservation
+from picker.core.gate import QUEUE_FULL, Gate
+from picker.core.request import Request, Usage
+from picker.sim.pool import PoolSpec
+from picker.whatif.log import Arrival
+from picker.whatif.replay import EXPIRY_CHECK_STEPS, LANE_NOT_ALLOWED, ReplayRecord, ReplayResult
+
+DEFAULT_CHUNKS = 2
+"""Parts a stream's output is charged to the fair queue in (see the module's docstring)."""
+
+_FINISH, _CHARGE, _CANCEL = 0, 1, 2
+SETTLED = 1e-6
+"""Virtual tokens of float slack when a request's last token is judged out."""
+
+
+class _Flow:
+    """One request in the fast replay."""
+
+    __slots__ = ("arrived", "cap", "charged", "demoted", "dispatched", "done", "endpoint",
+                 "first", "lane", "output", "parked", "prompt", "request", "reservation",
+                 "started", "stream", "tenant")
+
+    def __init__(self, tenant: str, lane: str, arrived: float, prompt: int, output: int,
+                 stream: bool, cap: int | None, request: Request, reservation: Reservation,
+                 demoted: bool) -> None:
+        self.tenant, self.lane, self.arrived = tenant, lane, arrived
+        self.prompt, self.output, self.stream, self.cap = prompt, output, stream, cap
+        self.request, self.reservation, self.demoted = request, reservation, demoted
+        self.dispatched = -1.0
+        self.started = 0.0
+        """Its endpoint's virtual clock when it was dispatched."""
+        self.first = 0.0
+        self.endpoint: _Endpoint | None = None
+        self.charged = 0
+        """Output tokens charged to the fair queue so far (a non-stream: its estimate)."""
+        self.parked = False
+        self.done = False
+
+
+class _Endpoint:
+    """One engine as a batch whose every request decodes a token a step, on a virtual clock
+    ``v`` (tokens each request has decoded since the clock's start).
+
+    The engine holds ``h = a + n × v`` tokens (``n`` requests; ``a``: their prompts and half a
+    block each, less the clock at each one's dispatch). While ``h`` is within the KV cache ``kv``
+    the clock runs at one token a step; past it the engine cannot hold every request's next
+    token and preempts some (vLLM recomputes them later), which is modelled as the whole batch
+    slowing to ``kv / h`` of a token a step: then ``h² `` grows linearly in time
+    (``dh/dt = n × kv / (h × step)``). A request of ``n`` output tokens finishes when the clock
+    has advanced ``n`` past its start, so the batch's finish order is fixed at dispatch (a heap
+    of clock targets) and only the next finish's time is revised when the batch changes.
+
+    What the gate counts there is its own: ``g_fixed`` (prompts, a non-stream's estimate) plus
+    its streams' tokens so far, ``g_streams × v − g_started``."""
+
+    __slots__ = ("a", "busy_s", "busy_since", "finishing", "g_fixed", "g_started", "g_streams",
+                 "kv", "n", "pad", "step", "t", "v", "version")
+
+    def __init__(self, kv: float, step: float, block_size: int) -> None:
+        self.kv, self.step, self.pad = kv, step, block_size / 2
+        self.t = self.v = 0.0
+        self.n = 0
+        self.a = 0.0
+        self.g_fixed = self.g_started = 0.0
+        self.g_streams = 0
+        self.finishing: list[tuple[float, int, _Flow]] = []
+        self.version = 0
+        self.busy_since = self.busy_s = 0.0
+
+    def at(self, t: float) -> float:
+        """The clock at ``t`` (not before the last time asked), advanced to it."""
+        dt = t - self.t
+        if dt <= 0.0:
+            return self.v
+        self.t = t
+        n = self.n
+        if not n:
+            return self.v
+        kv, step = self.kv, self.step
+        h = self.a + n * self.v
+        if h < kv:
+            full = (kv - self.a) / n  # the clock where the cache fills
+            if self.v + dt / step <= full:
+                self.v += dt / step
+                return self.v
+            dt -= (full - self.v) * step
+            self.v, h = full, kv
+        self.v += (math.sqrt(h * h + 2.0 * n * kv * dt / step) - h) / n
+        return self.v
+
+    def time_to(self, target: float) -> float:
+        """When the clock reaches ``target`` if the batch stays as it is."""
+        v, t = self.v, self.t
+        if target <= v or not self.n:
+            return t
+        n, kv, step = self.n, self.kv, self.step
+        h = self.a + n * v
+        if h < kv:
+            full = (kv - self.a) / n
+            if target <= full:
+                return t + (target - v) * step
+            t += (full - v) * step
+            h = kv
+        end = self.a + n * target
+        return t + (end * end - h * h) * step / (2.0 * n * kv)
+
+    def used(self, now: float) -> float:
+        """What the gate counts on this endpoint at ``now``."""
+        return self.g_fixed + self.g_streams * self.at(now) - self.g_started
+
+
+def unmodelled(config: PickerConfig) -> list[str]:
+    """The rules ``config`` turns on that the fast mode does not model (empty: none)."""
+    rules = gate_rules(config)
+    capacity = rules.capacity
+    found = []
+    if not rules.holding:
+        found.append("pass-through scheduling (fcfs): modelled as holding")
+    if capacity.growth_room:
+        found.append("capacity.growthRoom")
+    if capacity.max_prefill_tokens:
+        found.append("capacity.maxPrefillTokens")
+    if capacity.engine_queue:
+        found.append("capacity.engineQueue")
+    if rules.idle_tenant_reserve:
+        found.append("the idle-tenant reserve")
+    if rules.engine_policy == "priority":
+        found.append("priority engines and preemption")
+    if rules.affinity is not None:
+        found.append("prefix affinity")
+    if rules.sessions is not None:
+        found.append("sessions")
+    return found
+
+
+def build_gate(config: PickerConfig, spec: PoolSpec) -> Gate:
+    """The gate as the pool simulator builds it (``picker.sim.pool._Pool._gate``): its
+    scheduler, admission and estimates are what the fast replay drives."""
+    scheduler = Scheduler([LaneSpec(lane.name, lane.min_share) for lane in config.lanes],
+                          policy=config.scheduling.policy, cost=cost_function(config))
+    for tenant in config.tenants:
+        scheduler.set_weight(tenant.id, tenant.weight)
+    gate = Gate(gate_rules(config), scheduler, Admission(*admission_rules(config)), now=0.0)
+    gate.set_endpoints({address: spec.kv_budget_tokens for address in spec.addresses()})
+    return gate
+
+
+class FastReplay:
+    """The fast replay's state: the gate's core parts, the endpoints, the events."""
+
+    def __init__(self, config: PickerConfig, spec: PoolSpec, result: ReplayResult, *,
+                 client_timeout_s: float, chunks: int = DEFAULT_CHUNKS) -> None:
+        if chunks < 1:
+            raise ValueError("chunks must be at least 1")
+        self.gate = gate = build_gate(config, spec)
+        self.scheduler, self.admission = gate.scheduler, gate.admission
+        self.result = result
+        self.step_s = spec.step_s
+        self.budget = float(spec.kv_budget_tokens)
+        # The engine's cache in whole blocks, as the simulator's engine has it.
+        kv = spec.kv_budget_tokens // spec.block_size * spec.block_size
+        self.endpoints = [_Endpoint(float(kv), spec.step_s, spec.block_size)
+                          for _ in range(spec.endpoints)]
+        self.client_timeout_s = client_timeout_s
+        self.max_wait = config.queue.max_wait
+        self.max_queued = gate.rules.max_queued
+        self.newest_after = gate.rules.newest_first_after
+        self.default_output = config.capacity.default_output_tokens
+        self.known = frozenset(t.id for t in config.tenants)
+        self.chunks = chunks
+        self.caps = {t: rules.max_concurrent for t, rules in admission_rules(config)[0].items()
+                     if rules.max_concurrent is not None}
+        self.default_cap = admission_rules(config)[1].max_concurrent
+        self.flows: dict[Request, _Flow] = {}
+        """Queued requests (the scheduler's) to their flow."""
+        self.in_queue: dict[tuple[str, str], deque[_Flow]] = {}
+        """Per (tenant, lane), its queued flows, oldest first (the adaptive LIFO's newest)."""
+        self.tenant_queued: dict[str, int] = {}
+        self.single: dict[str, _Flow] = {}
+        """Tenants with exactly one request queued and none parked: the light ones."""
+        self.parked: dict[str, deque[_Flow]] = {}
+        self.running: dict[str, int] = {}
+        self.events: list[tuple[float, int, int, Any]] = []
+        """(when, order, kind, payload): each endpoint's next finish ((endpoint, version)), a
+        stream's charges and a client's deadline (the flow)."""
+        self.order = 0
+        self.deadlines: deque[tuple[float, _Flow]] = deque()
+        """Queued requests by when ``queue.maxWait`` drops them (arrival order is their order)."""
+        self.queued = 0
+        self.handled = 0
+        self.now = 0.0
+        self.last_end = 0.0
+        """When the latest request ended (finished, dropped): the replay's span."""
+
+    # -- arrivals --
+
+    def send(self, arrival: Arrival, now: float) -> None:
+        """``arrival`` reaches the picker at ``now`` (seconds after the replay's start)."""
+        tenant, gate = arrival.tenant, self.gate
+        if tenant not in self.known:
+            seen = self.result.unknown_tenants.setdefault(tenant, [arrival.line, 0])
+            seen[1] += 1
+        output = arrival.output_tokens
+        if output is None:
+            output = arrival.max_tokens if arrival.max_tokens is not None else self.default_output
+        prompt = arrival.prompt_tokens or 1
+        lane = gate.choose_lane(tenant, arrival.lane_asked)
+        if lane is None:
+            self._record(tenant, arrival.lane_asked or "", now, prompt, output, arrival.stream,
+                         LANE_NOT_ALLOWED, now)
+            return
+        max_tokens, stream = arrival.max_tokens, arrival.stream
+        expected = gate.expected_output(tenant, max_tokens, stream, now)
+        decision = self.admission.admit(tenant, lane, prompt, max_tokens, expected, now,
+                                        cap_prompt_tokens=prompt)
+        if isinstance(decision, Refused):
+            self._record(tenant, lane, now, prompt, output, stream, decision.reason, now)
+            return
+        if self.queued + self._parked_count() >= self.max_queued:
+            self.admission.finish(decision.reservation, 0, now)
+            self._record(tenant, decision.lane, now, prompt, output, stream, QUEUE_FULL, now)
+            return
+        clamped = decision.max_output_tokens
+        request = Request(tenant=tenant, prompt_tokens=prompt, lane=decision.lane,
+                          max_output_tokens=clamped or 0, arrival=now)
+        if clamped is not None and output > clamped:
+            output = clamped  # the engine stops at the cap admission sent
+        flow = _Flow(tenant, decision.lane, now, prompt, output, stream, clamped, request,
+                     decision.reservation, decision.demoted)
+        self.deadlines.append((now + self.max_wait, flow))
+        if self._may_queue(tenant):
+            self._enqueue(flow, now)
+            self.pump(now)
+        else:
+            flow.parked = True
+            self.parked.setdefault(tenant, deque()).append(flow)
+            self.single.pop(tenant, None)
+
+    def _parked_count(self) -> int:
+        return sum(map(len, self.parked.values())) if self.parked else 0
+
+    def _cap(self, tenant: str) -> int | None:
+        return self.caps.get(tenant, self.default_cap) if tenant in self.known \
+            else self.default_cap
+
+    def _may_queue(self, tenant: str) -> bool:
+        if tenant in self.parked:
+            return False
+        cap = self._cap(tenant)
+        return cap is None or self.tenant_queued.get(tenant, 0) + self.running.get(tenant, 0) \
+            < cap
+
+    def _enqueue(self, flow: _Flow, now: float) -> None:
+        flow.parked = False
+        self.scheduler.enqueue(flow.request, now)
+        self.flows[flow.request] = flow
+        key = (flow.tenant, flow.lane)
+        queue = self.in_queue.get(key)
+        if queue is None:
+            queue = self.in_queue[key] = deque()
+        queue.append(flow)
+        self.queued += 1
+        count = self.tenant_queued[flow.tenant] = self.tenant_queued.get(flow.tenant, 0) + 1
+        if count == 1 and flow.tenant not in self.parked:
+            self.single[flow.tenant] = flow
+        else:
+            self.single.pop(flow.tenant, None)
+
+    def _unqueue(self, flow: _Flow) -> None:
+        del self.flows[flow.request]
+        key = (flow.tenant, flow.lane)
+        queue = self.in_queue[key]
+        if queue[0] is flow:
+            queue.popleft()
+        elif queue[-1] is flow:
+            queue.pop()
+        else:
+            queue.remove(flow)
+        if not queue:
+            del self.in_queue[key]
+        self.queued -= 1
+        tenant = flow.tenant
+        count = self.tenant_queued[tenant] - 1
+        if count:
+            self.tenant_queued[tenant] = count
+            if count == 1 and tenant not in self.parked:
+                self.single[tenant] = next(
+                    f for (t, _), q in self.in_queue.items() if t == tenant for f in q)
+        else:
+            del self.tenant_queued[tenant]
+            self.single.pop(tenant, None)
+
+    def _unpark(self, tenant: str, now: float) -> None:
+        parked = self.parked.pop(tenant, None)
+        while parked and self._may_queue(tenant):
+            self._enqueue(parked.popleft(), now)
+        if parked:
+            self.parked[tenant] = parked
+            self.single.pop(tenant, None)
+
+    # -- dispatching --
+
+    def _room(self, prompt: int, now: float) -> _Endpoint | None:
+        """The least loaded endpoint where ``prompt`` fits now (``fits``), or None."""
+        best, best_used, budget = None, math.inf, self.budget
+        for endpoint in self.endpoints:
+            used = endpoint.used(now)
+            if used >= budget or (endpoint.n and used + prompt > budget):
+                continue
+            if used < best_used:
+                best, best_used = endpoint, used
+        return best
+
+    def pump(self, now: float) -> None:
+        """Dispatch while the fair queue's next request has room, or a light tenant's does."""
+        scheduler = self.scheduler
+        while self.queued:
+            request = scheduler.peek(now)
+            if request is None:
+                return
+            flow = self.flows[request]
+            if self.newest_after and now - flow.arrived >= self.newest_after:
+                flow = self.in_queue[(flow.tenant, flow.lane)][-1]
+            endpoint = self._room(flow.prompt, now)
+            if endpoint is None:
+                light = self._light(flow, now)
+                if light is None:
+                    return
+                flow, endpoint = light
+            self._dispatch(flow, endpoint, now)
+
+    def _light(self, head: _Flow, now: float) -> tuple[_Flow, _Endpoint] | None:
+        """A light tenant's queued request, in the head's lane or a higher one, that fits."""
+        if not self.single:
+            return None
+        rank = self.gate._lane_rank
+        head_rank = rank.get(head.lane, 0)
+        for flow in self.single.values():
+            if flow is head or rank.get(flow.lane, 0) > head_rank:
+                continue
+            endpoint = self._room(flow.prompt, now)
+            if endpoint is not None:
+                return flow, endpoint
+        return None
+
+    def _dispatch(self, flow: _Flow, endpoint: _Endpoint, now: float) -> None:
+        request = flow.request
+        self.scheduler.dispatch(request, now)
+        self._unqueue(flow)
+        self.admission.start(flow.reservation)
+        tenant = flow.tenant
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+        v = endpoint.at(now)
+        flow.dispatched, flow.endpoint, flow.started = now, endpoint, v
+        if not endpoint.n:
+            endpoint.busy_since = now
+        endpoint.n += 1
+        endpoint.a += flow.prompt + endpoint.pad - v
+        if flow.stream:
+            endpoint.g_fixed += flow.prompt
+            endpoint.g_streams += 1
+            endpoint.g_started += v
+        else:
+            estimate = self.gate.expected_output(tenant, flow.cap, False, now)
+            self.scheduler.charge_estimate(request, estimate)
+            flow.charged = estimate
+            endpoint.g_fixed += flow.prompt + estimate
+        output = flow.output
+        self.order += 1
+        heapq.heappush(endpoint.finishing, (v + max(1, output), self.order, flow))
+        flow.first = endpoint.time_to(v + 1.0)
+        self._reschedule(endpoint)
+        nominal = max(1, output) * self.step_s
+        limit = flow.arrived + self.client_timeout_s
+        if limit < now + 4.0 * nominal:  # it may outlast its client: a cancel to check then
+            self._push(max(now, limit), _CANCEL, flow)
+        if flow.stream and self.chunks > 1 and output > 1:
+            # The stream's first chunks, each charged about when its last token is out.
+            part = output / self.chunks
+            for index in range(1, self.chunks):
+                self._push(now + math.ceil(part * index) * self.step_s, _CHARGE, flow)
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (at, self.order, kind, payload))
+
+    def _reschedule(self, endpoint: _Endpoint) -> None:
+        """The endpoint's next finish, as its batch now stands (earlier ones are void)."""
+        endpoint.version += 1
+        finishing = endpoint.finishing
+        while finishing and finishing[0][2].done:
+            heapq.heappop(finishing)
+        if finishing:
+            self._push(endpoint.time_to(finishing[0][0]), _FINISH,
+                       (endpoint, endpoint.version))
+
+    # -- events --
+
+    def _finished(self, endpoint: _Endpoint, version: int, now: float) -> None:
+        """The endpoint's batch reached its next finish: every request done by now ends."""
+        if version != endpoint.version:
+            return
+        v = endpoint.at(now) + SETTLED
+        finishing = endpoint.finishing
+        while finishing and finishing[0][0] <= v:
+            flow = heapq.heappop(finishing)[2]
+            if not flow.done:
+                self._finish(flow, now, flow.output)
+        self._reschedule(endpoint)
+
+    def _charge(self, flow: _Flow, now: float) -> None:
+        if flow.done or flow.endpoint is None:
+            return
+        tokens = min(flow.output, int(flow.endpoint.at(now) - flow.started + SETTLED))
+        if tokens > flow.charged:
+            self.scheduler.charge_output(flow.request, tokens - flow.charged)
+            flow.charged = tokens
+
+    def _cancel(self, flow: _Flow, now: float) -> None:
+        """Its client gave up: the engine aborts it, the gate settles what it got."""
+        endpoint = flow.endpoint
+        if flow.done or endpoint is None:
+            return
+        generated = min(flow.output, int(endpoint.at(now) - flow.started + SETTLED))
+        self._finish(flow, now, generated)
+        self._reschedule(endpoint)
+
+    def _finish(self, flow: _Flow, now: float, generated: int) -> None:
+        flow.done = True
+        self.last_end = now
+        endpoint = flow.endpoint
+        assert endpoint is not None
+        endpoint.n -= 1
+        endpoint.a -= flow.prompt + endpoint.pad - flow.started
+        if flow.stream:
+            endpoint.g_fixed -= flow.prompt
+            endpoint.g_streams -= 1
+            endpoint.g_started -= flow.started
+        else:
+            endpoint.g_fixed -= flow.prompt + flow.charged
+        if not endpoint.n:
+            endpoint.busy_s += now - endpoint.busy_since
+            # Float drift of the running sums: an idle endpoint holds nothing.
+            endpoint.a = endpoint.g_fixed = endpoint.g_started = 0.0
+        tenant = flow.tenant
+        running = self.running[tenant] - 1
+        if running:
+            self.running[tenant] = running
+        else:
+            del self.running[tenant]
+        self.scheduler.finish(flow.request, Usage(flow.prompt, generated, 0))
+        self.admission.finish(flow.reservation, flow.prompt + generated, now)
+        outcome = "ok" if generated >= flow.output else "cancelled"
+        cap = flow.cap
+        if flow.stream and cap != 0:
+            self.gate.estimates.learn_output(
+                tenant, generated, now, stream=True,
+                complete=outcome == "ok" and (cap is None or generated < cap))
+        elif outcome == "ok" and cap != 0:
+            self.gate.estimates.learn_output(tenant, generated, now)
+        self.result.output_tokens += generated
+        first = flow.first if generated and flow.first <= now else None
+        self.result.add(ReplayRecord(
+            tenant, "replay", flow.arrived, flow.prompt, flow.output, flow.stream,
+            outcome=outcome, dispatched_s=flow.dispatched, first_token_s=first, end_s=now,
+            completion_tokens=generated, lane=flow.lane, demoted=flow.demoted))
+        if tenant in self.parked:
+            self._unpark(tenant, now)
+        self.pump(now)
+
+    def _expire(self, now: float) -> None:
+        """Queued requests past ``queue.maxWait`` are dropped (``queue_timeout``)."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, flow = deadlines.popleft()
+            if flow.dispatched >= 0 or flow.done:
+                continue
+            flow.done = True
+            self.last_end = now
+            if flow.parked:
+                parked = self.parked[flow.tenant]
+                parked.remove(flow)
+                if not parked:
+                    del self.parked[flow.tenant]
+                    if self.tenant_queued.get(flow.tenant) == 1:
+                        self.single[flow.tenant] = next(
+                            f for (t, _), q in self.in_queue.items() if t == flow.tenant
+                            for f in q)
+            else:
+                self.scheduler.cancel(flow.request)
+                self._unqueue(flow)
+            self.admission.finish(flow.reservation, 0, now)
+            self._record(flow.tenant, flow.lane, flow.arrived, flow.prompt, flow.output,
+                         flow.stream, "queue_timeout", now, demoted=flow.demoted)
+            if flow.tenant in self.parked:
+                self._unpark(flow.tenant, now)
+
+    def _record(self, tenant: str, lane: str, arrived: float, prompt: int, output: int,
+                stream: bool, outcome: str, now: float, demoted: bool = False) -> None:
+        self.result.add(ReplayRecord(tenant, "replay", arrived, prompt, output, stream,
+                                     outcome=outcome, end_s=now, lane=lane, demoted=demoted))
+
+    def advance(self, until: float) -> None:
+        """Every event due at or before ``until``, in time order (queue timeouts first at a
+        tie, as the exact replay drops before it pumps)."""
+        events, deadlines = self.events, self.deadlines
+        while True:
+            event_at = events[0][0] if events else math.inf
+            deadline = deadlines[0][0] if deadlines else math.inf
+            if deadline <= event_at and deadline <= until:
+                self.now = deadline
+                self._expire(deadline)
+                continue
+            if event_at > until:
+                return
+            at, _, kind, payload = heapq.heappop(events)
+            self.now = at
+            if kind == _FINISH:
+                self._finished(payload[0], payload[1], at)
+            elif kind == _CHARGE:
+                self._charge(payload, at)
+            else:
+                self._cancel(payload, at)
+            self.handled += 1
+
+    def pending(self) -> bool:
+        return bool(self.events or self.queued or self.parked)
+
+    def busy_s(self, now: float) -> float:
+        return sum(e.busy_s + (now - e.busy_since if e.n else 0.0)
+                   for e in self.endpoints)
+
+
+def replay_fast(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *,
+                start: float, client_timeout_s: float = 120.0, drain_s: float | None = None,
+                bucket_s: float = 60.0, chunks: int = DEFAULT_CHUNKS,
+                expired: Callable[[], bool] | None = None) -> ReplayResult:
+    """Replay ``arrivals`` (in arrival order; ``start``: the unix time of the replay's 0) under
+    ``config`` on ``spec``'s pool, event by event (see the module's docstring). The result has
+    the exact replay's form; its ``ticks`` are ``spec.step_s`` steps of the replay's span."""
+    result = ReplayResult(bucket_s=bucket_s, engines=spec.endpoints, step_s=spec.step_s)
+    pool = FastReplay(config, spec, result, client_timeout_s=client_timeout_s, chunks=chunks)
+    drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
+    last = 0.0
+    source: Iterator[Arrival] = iter(arrivals)
+    for count, arrival in enumerate(source, start=1):
+        now = max(last, arrival.arrived - start)
+        pool.advance(now)
+        pool.now = last = now
+        pool.send(arrival, now)
+        if expired is not None and count % EXPIRY_CHECK_STEPS == 0 and expired():
+            raise TimeoutError(f"the replay ran out of time after {now:,.0f} simulated seconds")
+    pool.advance(last + drain)
+    end = max(last, pool.last_end)
+    for flow in list(pool.flows.values()) + [f for q in pool.parked.values() for f in q] + [
+            entry[2] for endpoint in pool.endpoints for entry in endpoint.finishing]:
+        if not flow.done:
+            flow.done = True
+            result.unfinished += 1
+            pool._record(flow.tenant, flow.lane, flow.arrived, flow.prompt, flow.output,
+                         flow.stream, "unfinished", end, demoted=flow.demoted)
+    result.ticks = max(1, math.ceil(end / spec.step_s - 1e-9))
+    result.busy_engine_ticks = round(pool.busy_s(end) / spec.step_s)
+    return result
+
+
+__all__ = ["DEFAULT_CHUNKS", "FastReplay", "build_gate", "replay_fast",
+           "unmodelled"]
