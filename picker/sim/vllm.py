@@ -277,6 +277,9 @@ class StepOutput:
     """Tokens computed this step that were not a decode, recompute included."""
     recomputed_tokens: int = 0
     """Tokens computed this step whose KV a preemption had discarded."""
+    emitted: dict[SeqRequest, int] = field(default_factory=dict)
+    """Requests that emitted more than one token this step, and how many (only an engine
+    whose ``_extra`` adds tokens: ``picker.whatif.coarse``); every other in ``tokens``, one."""
 
 
 class VllmScheduler:
@@ -369,6 +372,7 @@ class VllmScheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             tokens = min(request.num_tokens - request.computed, budget)
+            tokens += self._extra(request, tokens)
             while not self._allocate(request, tokens, alone=len(self.running) == 1):
                 victim = self._pick_victim()
                 if victim in out.scheduled:
@@ -400,6 +404,7 @@ class VllmScheduler:
             hits = self._cache_hit(request)
             hit_tokens = len(hits) * self.config.block_size
             tokens = min(request.num_tokens - hit_tokens, budget)
+            tokens += self._extra(request, hit_tokens + tokens - request.computed)
             if not self._allocate(request, tokens, alone=not self.running, hits=hits):
                 return  # vLLM breaks here: the requests behind it wait too
             self._record_hit(request, hit_tokens)
@@ -409,10 +414,18 @@ class VllmScheduler:
             out.scheduled[request] = tokens
             budget -= tokens
 
+    def _extra(self, request: SeqRequest, tokens: int) -> int:
+        """Tokens ``request`` decodes this step beyond the one it samples, given it computes
+        ``tokens`` of its own: none in vLLM (a coarse engine's long step overrides it,
+        ``picker.whatif.coarse``)."""
+        return 0
+
     def _compute(self, out: StepOutput) -> None:
         """The model runs the scheduled tokens; caught-up requests sample one token."""
-        for request, tokens in out.scheduled.items():
+        for request, scheduled in out.scheduled.items():
             start = request.computed
+            # Its own tokens; anything scheduled beyond them is ``_extra``'s (0 in vLLM).
+            tokens = min(scheduled, request.num_tokens - start)
             if not request.decoding:
                 out.prefill_tokens += tokens
             recomputed = max(0, min(start + tokens, request.lost) - start)
@@ -421,7 +434,14 @@ class VllmScheduler:
             if request.computed < request.num_tokens:
                 continue  # a prefill chunk: no token yet
             if request.output_tokens > 0:
-                request.generated += 1
+                if scheduled > tokens:  # decoded within the step, each fed back but the last
+                    count = min(1 + scheduled - tokens,
+                                request.output_tokens - request.generated)
+                    request.computed += count - 1
+                    request.generated += count
+                    out.emitted[request] = count
+                else:
+                    request.generated += 1
                 request.decoding = True
                 out.tokens[request] = request.generated
             if request.generated >= request.output_tokens:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from picker.sim.vllm import SeqRequest, StepOutput, VllmConfig, VllmScheduler
+from picker.sim.vllm import SeqRequest, VllmConfig, VllmScheduler
 
 
 def step_scale(outputs: Mapping[int, int], k: int) -> float:
@@ -42,7 +42,8 @@ def step_scale(outputs: Mapping[int, int], k: int) -> float:
 
 class CoarseScheduler(VllmScheduler):
     """``VllmScheduler`` whose steps each emit up to ``k`` tokens per request whose prompt is
-    computed (``emitted``: how many, per request, in the step's output)."""
+    computed (the step's ``emitted``: how many, where more than one). Only ``_extra`` differs:
+    vLLM's order, budget and preemptions are the engine's own."""
 
     def __init__(self, config: VllmConfig, k: int) -> None:
         super().__init__(config)
@@ -56,82 +57,3 @@ class CoarseScheduler(VllmScheduler):
         if request.output_tokens <= 0 or request.computed + tokens < request.num_tokens:
             return 0
         return max(0, min(self.k, request.output_tokens - request.generated) - 1)
-
-    def step(self, now: float) -> StepOutput:
-        self.steps += 1
-        out = StepOutput()
-        out.emitted = {}  # type: ignore[attr-defined]
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        self._compute(out)
-        return out
-
-    def _schedule_running(self, out: StepOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            tokens = min(request.num_tokens - request.computed, budget)
-            extra = self._extra(request, tokens)
-            while not self._allocate(request, tokens + extra, alone=len(self.running) == 1):
-                victim = self._pick_victim()
-                if victim in out.scheduled:
-                    budget += out.scheduled.pop(victim)
-                    index -= 1
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    return budget
-            out.scheduled[request] = tokens + extra
-            budget -= tokens + extra
-            index += 1
-        return budget
-
-    def _schedule_waiting(self, out: StepOutput, budget: int) -> None:
-        while budget > 0 and self.num_waiting:
-            if len(self.running) >= self.config.max_num_seqs:
-                return
-            request = self._peek_waiting()
-            hits = self._cache_hit(request)
-            hit_tokens = len(hits) * self.config.block_size
-            tokens = min(request.num_tokens - hit_tokens, budget)
-            extra = 0
-            if request.output_tokens > 0 and hit_tokens + tokens >= request.num_tokens:
-                extra = max(0, min(self.k, request.output_tokens - request.generated) - 1)
-            if not self._allocate(request, tokens + extra, alone=not self.running, hits=hits):
-                return
-            self._record_hit(request, hit_tokens)
-            self._pop_waiting()
-            request.status = "running"
-            self.running.append(request)
-            out.scheduled[request] = tokens + extra
-            budget -= tokens + extra
-
-    def _compute(self, out: StepOutput) -> None:
-        emitted: dict[SeqRequest, int] = out.emitted  # type: ignore[attr-defined]
-        for request, scheduled in out.scheduled.items():
-            start = request.computed
-            # What it computes of its own tokens; the rest of ``scheduled`` is the tokens it
-            # decodes after them within this long step.
-            tokens = min(scheduled, request.num_tokens - start)
-            if not request.decoding:
-                out.prefill_tokens += tokens
-            recomputed = max(0, min(start + tokens, request.lost) - start)
-            out.recomputed_tokens += recomputed
-            request.computed += tokens
-            if request.computed < request.num_tokens:
-                continue
-            if request.output_tokens > 0:
-                count = min(1 + scheduled - tokens, request.output_tokens - request.generated)
-                # Each token it emits but the last is fed back within the step.
-                request.computed += count - 1
-                request.generated += count
-                request.decoding = True
-                out.tokens[request] = request.generated
-                emitted[request] = count
-            if request.generated >= request.output_tokens:
-                self.running.remove(request)
-                self._free(request)
-                request.status = "finished"
-                out.finished.append(request)
-        self.recomputed_tokens_total += out.recomputed_tokens

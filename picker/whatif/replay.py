@@ -320,14 +320,14 @@ class ReplayPool(_Pool):
         if self.coarse == 1:
             return super().report(out)
         gate, end, first = self.gate, self.now + self.spec.step_s, self.now + self.fine_step_s
-        emitted: dict[Any, int] = out.emitted  # type: ignore[attr-defined]
+        emitted = out.emitted
         charge = not self.spec.output_seen_at_end
         delivered = 0
         for seq in out.tokens:
             passage: Any = seq.id
             if passage.outcome is not None:
                 continue  # cancelled by its client while the step ran
-            count = emitted[seq]
+            count = emitted.get(seq, 1)
             delivered += count
             if passage.record.first_token_s is None:
                 passage.record.first_token_s = first

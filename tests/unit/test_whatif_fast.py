@@ -33,7 +33,7 @@ def test_a_coarse_step_emits_k_tokens_and_holds_their_blocks() -> None:
     emitted = []
     while coarse.has_unfinished():
         out = coarse.step(0.0)
-        emitted.append(out.emitted.get(next(iter(out.scheduled)), 0))  # type: ignore[attr-defined]
+        emitted.append(out.emitted.get(next(iter(out.scheduled)), 1))
         if coarse.running:
             seq = coarse.running[0]
             # Its KV covers what it computed: prompt and every output token but the newest.
