@@ -19,8 +19,12 @@ Invariants (checked in ``tests/unit/test_gate.py``):
   tenant's concurrency cap (the others are parked, first in first out per tenant, but for
   calls of programs in progress, which go first: ``sessions.next_parked``);
 * ``single`` holds exactly the tenants with one request in the fair queue and none parked;
-* an endpoint's ``inflight_tokens``/``projected_tokens``/``inflight_requests`` are the sums
-  over the requests dispatched there and not yet settled.
+* an endpoint's ``inflight_requests`` is the count of the requests dispatched there and not
+  yet settled; its ``inflight_tokens``/``projected_tokens`` are the sums over them of
+  ``reserved_tokens``/``projected_tokens`` less each one's ``prefix_tokens``, plus the tokens of
+  the distinct prompt blocks they hold there (``inflight_blocks``: a block shared by several
+  requests counts once, as the engine's prefix cache stores it once); all three return to 0
+  when everything sent there has ended.
 * an endpoint's ``engine_queued`` is the number of requests dispatched there, not yet settled,
   that are ``engine_queued``: sent where they did not fit (``fits``) and still ``prefilling``
   (a non-streaming one, whose first token is never seen, until it ends); it reaches at most
@@ -46,7 +50,13 @@ from picker.core.estimates import TenantEstimates
 from picker.core.health import HealthRules, on_dispatch, record_failure, record_success
 from picker.core.lanes import Scheduler
 from picker.core.occupancy import Occupancy
-from picker.core.prefix import AffinityRules, PrefixIndex, cached_estimate
+from picker.core.prefix import (
+    AffinityRules,
+    InflightBlocks,
+    PrefixIndex,
+    cached_estimate,
+    covered_tokens,
+)
 from picker.core.request import Request, Usage
 from picker.core.selection import (
     CapacityRules,
@@ -195,6 +205,13 @@ class Passage:
     """The prompt's chained block hashes (``picker.openai.prefix``); empty: no affinity."""
     prefix_chars: int = 0
     """Length of the text those blocks were cut from."""
+    prefix_tokens: int = 0
+    """While dispatched: the tokens of its prompt its blocks cover (``covered_tokens``),
+    counted on its endpoint through ``Gate.inflight_blocks`` (once per distinct block) rather
+    than as its own."""
+    prefix_block_chars: int = 0
+    """The block size its blocks were cut with (the affinity rules' at admission); 0: its
+    blocks, if any, take no part in the room (``Gate.inflight_blocks``)."""
     session: SessionId | None = None
     """(tenant, key) of the session or program it belongs to (``rules.sessions``); None: none."""
     engine_queued: bool = False
@@ -312,6 +329,9 @@ class Gate:
         (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
         self.prefix_index: PrefixIndex | None = None
         """What each endpoint was recently sent (``rules.affinity``); None without affinity."""
+        self.inflight_blocks = InflightBlocks()
+        """Per endpoint, the prompt blocks of the requests running there, each counted once
+        in its room (``_room_held``)."""
         self._set_affinity(rules.affinity)
         self.sessions: SessionTable | None = None
         """Per (tenant, session key), the endpoint of its last call (``rules.sessions``)."""
@@ -414,6 +434,7 @@ class Gate:
                         if e.draining and e.inflight_requests == 0]:
             del self.endpoints[address]
             self._unseen_prefill.pop(address, None)
+            self.inflight_blocks.forget(address)
             if self.prefix_index is not None:
                 self.prefix_index.forget(address)
             if self.sessions is not None:
@@ -570,8 +591,10 @@ class Gate:
             subset=subset, request_id=request_id, reservation=decision.reservation,
             demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None,
             output_seen=output_seen, choices=choices)
-        if self.prefix_index is not None and prefix[0]:
+        if self.prefix_index is not None and prefix[0] and self.rules.affinity is not None:
             passage.prefix_blocks, passage.prefix_chars = prefix
+            if passage.prefix_chars > 0:  # (blocks are cut from text: always, in practice)
+                passage.prefix_block_chars = self.rules.affinity.block_chars
         if session is not None and self.sessions is not None:
             # Scoped by the tenant the identity resolved: a key never reaches another's session.
             passage.session = (tenant, session)
@@ -741,7 +764,8 @@ class Gate:
             size = self._projected(passage, now)
             prompt = passage.request.prompt_tokens
             candidates = [c for c in candidates
-                          if takes_backlogged(c, prompt, size, now, capacity)]
+                          if takes_backlogged(c, prompt, size - self._room_held(passage, c),
+                                              now, capacity)]
         reserve = self._idle_reserve(now, passage.tenant) if candidates else 0.0
         if reserve:
             # Only endpoints that leave the room kept for a light tenant's next request
@@ -807,7 +831,8 @@ class Gate:
         for passage in self._single.values():  # about arrival order; no sort on this hot path
             if passage is head or self._lane_rank.get(passage.lane, 0) > head_rank:
                 continue
-            candidates = [] if passage.request.prompt_tokens > free else self.candidates(
+            candidates = [] if passage.request.prompt_tokens > free and \
+                not passage.prefix_block_chars else self.candidates(
                 passage.subset, now, require_room=True,
                 prompt_tokens=passage.request.prompt_tokens, passage=passage)
             if candidates:
@@ -876,8 +901,15 @@ class Gate:
             def bonus(endpoint: EndpointState) -> float:
                 return scale * index.matched(endpoint.address, blocks)
 
+        held = None
+        if passage is not None and passage.prefix_block_chars:
+
+            def held(endpoint: EndpointState) -> int:
+                return self._room_held(passage, endpoint)
+
         ranked = rank(pool, prompt_tokens, now, self.rules.capacity, self.scorer,
-                      require_room=require_room, lease_tokens=lease_tokens, bonus=bonus)
+                      require_room=require_room, lease_tokens=lease_tokens, bonus=bonus,
+                      held=held)
         if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
                 and not self._backlogged(passage.tenant):
             ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
@@ -918,11 +950,13 @@ class Gate:
             self.scheduler.charge_estimate(request, estimate)
             passage.reserved_tokens += estimate
         if self.rules.capacity.engine_queue and self.rules.holding and not preempting and \
-                not fits(primary, now, self.rules.capacity, request.prompt_tokens):
+                not fits(primary, now, self.rules.capacity,
+                         request.prompt_tokens - self._room_held(passage, primary)):
             # Beyond its room (``queue_slot``): the engine queues it until a request there ends.
             passage.engine_queued = True
             primary.engine_queued += 1
-        primary.inflight_tokens += passage.reserved_tokens
+        blocks = self._hold_blocks(passage, primary)
+        primary.inflight_tokens += passage.reserved_tokens - passage.prefix_tokens + blocks
         primary.inflight_requests += 1
         if passage.stream:
             passage.prefilling = True
@@ -933,7 +967,7 @@ class Gate:
                            self.scheduler.weights)
         on_dispatch(primary.health, now)
         passage.projected_tokens = self._projected(passage, now)
-        primary.projected_tokens += passage.projected_tokens
+        primary.projected_tokens += passage.projected_tokens - passage.prefix_tokens + blocks
         self.listener.dispatched(passage, now)
 
     def _note_prefix(self, passage: Passage, endpoint: EndpointState) -> None:
@@ -950,6 +984,29 @@ class Gate:
             request.prompt_tokens, index.matched(endpoint.address, blocks),
             affinity.block_chars, passage.prefix_chars)
         index.record(endpoint.address, blocks)
+
+    def _room_held(self, passage: Passage, endpoint: EndpointState) -> int:
+        """Tokens of the request's prompt that requests running on ``endpoint`` already hold
+        there (``InflightBlocks``): the engine shares those blocks, so the request needs that
+        much less room there. Blocks the endpoint merely has cached (the prefix index) are
+        not counted: the engine counts them free and a hit takes them back out of its free
+        queue."""
+        if not passage.prefix_block_chars:
+            return 0
+        matched = self.inflight_blocks.held(endpoint.address, passage.prefix_blocks)
+        return covered_tokens(passage.request.prompt_tokens, matched,
+                              passage.prefix_block_chars, passage.prefix_chars)
+
+    def _hold_blocks(self, passage: Passage, endpoint: EndpointState) -> int:
+        """The request now runs on ``endpoint``: its blocks join the endpoint's in-flight
+        blocks; the tokens they add there (those of the blocks nobody there held)."""
+        if not passage.prefix_block_chars:
+            return 0
+        prompt = passage.request.prompt_tokens
+        passage.prefix_tokens = covered_tokens(prompt, len(passage.prefix_blocks),
+                                               passage.prefix_block_chars, passage.prefix_chars)
+        return self.inflight_blocks.hold(endpoint.address, passage.prefix_blocks, prompt,
+                                         passage.prefix_block_chars, passage.prefix_chars)
 
     # -- the request's end --
 
@@ -1077,8 +1134,11 @@ class Gate:
         endpoint = passage.endpoint
         if endpoint is None:
             return
-        endpoint.inflight_tokens -= passage.reserved_tokens
-        endpoint.projected_tokens -= passage.projected_tokens
+        blocks = self.inflight_blocks.release(endpoint.address, passage.prefix_blocks) \
+            if passage.prefix_block_chars else 0
+        freed = passage.reserved_tokens - passage.prefix_tokens + blocks
+        endpoint.inflight_tokens -= freed
+        endpoint.projected_tokens -= passage.projected_tokens - passage.prefix_tokens + blocks
         if passage.prefilling:
             self._prefilled(passage)
         elif passage.engine_queued:  # non-streaming: no first token ended it
@@ -1088,7 +1148,7 @@ class Gate:
                            self.scheduler.weights)
         endpoint.inflight_requests -= 1
         endpoint.completed_since_scrape += 1
-        endpoint.released_since_scrape += passage.reserved_tokens
+        endpoint.released_since_scrape += freed
         if answered:
             record_success(endpoint.health, now, self.rules.health)
 
@@ -1154,9 +1214,15 @@ class Gate:
             return False
         # The gateway retries only when the primary failed (connect failure, reset).
         ejected = self.endpoint_failed(primary.address, "the gateway retried on a fallback", now)
+        # Its blocks leave the primary's in-flight blocks and join the server's.
+        blocks = {primary.address: self.inflight_blocks.release(primary.address,
+                                                                passage.prefix_blocks),
+                  served.address: self._hold_blocks(passage, served)} \
+            if passage.prefix_block_chars else {}
         for endpoint, sign in ((primary, -1), (served, 1)):
-            endpoint.inflight_tokens += sign * passage.reserved_tokens
-            endpoint.projected_tokens += sign * passage.projected_tokens
+            own = blocks.get(endpoint.address, 0) - passage.prefix_tokens
+            endpoint.inflight_tokens += sign * (passage.reserved_tokens + own)
+            endpoint.projected_tokens += sign * (passage.projected_tokens + own)
             endpoint.inflight_requests += sign
             endpoint.engine_queued += sign * passage.engine_queued
             if passage.prefilling:

@@ -101,3 +101,113 @@ def cached_estimate(prompt_tokens: int, matched_blocks: int, block_chars: int,
         return 0
     share = min(1.0, matched_blocks * block_chars / text_chars)
     return max(0, min(prompt_tokens - 1, int(prompt_tokens * share)))
+
+
+def covered_tokens(prompt_tokens: int, blocks: int, block_chars: int, text_chars: int) -> int:
+    """The prompt tokens that its first ``blocks`` blocks cover: their share of the text, at
+    most all but the prompt's last token (vLLM always computes that one, in a block of its own
+    when the prompt ends on a block boundary). Integer arithmetic: ``InflightBlocks.hold``
+    counts block by block what this gives for a run, to the token."""
+    if blocks <= 0 or text_chars <= 0:
+        return 0
+    return max(0, min(prompt_tokens - 1, prompt_tokens * blocks * block_chars // text_chars))
+
+
+class InflightBlocks:
+    """Per endpoint, the prompt blocks of the requests in flight there, each counted once.
+
+    It answers: *of a request's prompt, how many tokens does an endpoint already hold in KV
+    for requests still running there?* vLLM's prefix cache shares a cached block by reference
+    (``ref_cnt``): a request whose leading blocks a running request holds allocates only the
+    blocks after them. A block cached but held by no running request sits in the engine's free
+    queue, which the picker counts as free room (the engine's ``kv_cache_usage_perc`` too):
+    a request that hits it takes it out of that queue, so it costs room like a computed block.
+    So only blocks held in flight are counted once here; the prefix index's memory of what an
+    endpoint received before (``PrefixIndex``) decides where a request goes, not how much room
+    it takes.
+
+    Each block keeps the tokens it was counted with when it entered (the first holder's
+    estimate), and leaves with them when its last holder ends, so an endpoint's count returns
+    to exactly 0 when everything there has ended, whatever the holders' estimates were.
+    Chained hashes make a request's held blocks a leading run (a block is held only with every
+    block before it), so ``held`` bisects. Memory: one entry per distinct block in flight.
+    """
+
+    __slots__ = ("_ledgers",)
+
+    def __init__(self) -> None:
+        self._ledgers: dict[str, dict[int, list[int]]] = {}
+        """Per endpoint, block hash to [holders, tokens counted for it]."""
+
+    def held(self, address: str, blocks: Sequence[int]) -> int:
+        """How many of ``blocks``, from the first, are held by requests in flight on
+        ``address``."""
+        ledger = self._ledgers.get(address)
+        if not ledger or not blocks:
+            return 0
+        if blocks[-1] in ledger:
+            return len(blocks)
+        if blocks[0] not in ledger:
+            return 0
+        low, high = 1, len(blocks) - 1  # blocks[low - 1] held, blocks[high] not
+        while low < high:
+            middle = (low + high) // 2
+            if blocks[middle] in ledger:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def hold(self, address: str, blocks: Sequence[int], prompt_tokens: int, block_chars: int,
+             text_chars: int) -> int:
+        """A request with these blocks runs on ``address`` now: the tokens its blocks add
+        there (those of the blocks nobody there held, by this request's estimate)."""
+        if not blocks:
+            return 0
+        ledger = self._ledgers.setdefault(address, {})
+        if text_chars <= 0:
+            return 0
+        added = 0
+        before = 0  # tokens the blocks before this one cover
+        last = prompt_tokens - 1
+        step = prompt_tokens * block_chars  # covered_tokens inline: this runs per block
+        for count, block in enumerate(blocks, 1):
+            upto = max(0, min(last, step * count // text_chars))
+            entry = ledger.get(block)
+            if entry is None:
+                ledger[block] = [1, upto - before]
+                added += upto - before
+            else:
+                entry[0] += 1
+            before = upto
+        return added
+
+    def release(self, address: str, blocks: Sequence[int]) -> int:
+        """A request with these blocks ended on ``address`` (or moved away): the tokens of
+        the blocks it was the last to hold, no longer counted there."""
+        ledger = self._ledgers.get(address)
+        if ledger is None or not blocks:
+            return 0
+        freed = 0
+        for block in blocks:
+            entry = ledger.get(block)
+            if entry is None:
+                continue  # not recorded (cannot happen unless hashes collide): nothing to free
+            entry[0] -= 1
+            if entry[0] == 0:
+                freed += entry[1]
+                del ledger[block]
+        if not ledger:
+            del self._ledgers[address]
+        return freed
+
+    def tokens(self, address: str) -> int:
+        """Tokens counted for the blocks in flight on ``address``."""
+        return sum(entry[1] for entry in self._ledgers.get(address, {}).values())
+
+    def blocks(self, address: str) -> int:
+        """Distinct blocks in flight on ``address`` (memory accounting)."""
+        return len(self._ledgers.get(address, {}))
+
+    def forget(self, address: str) -> None:
+        self._ledgers.pop(address, None)

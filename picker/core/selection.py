@@ -309,15 +309,28 @@ class LeastLoaded:
 def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: CapacityRules,
          scorer: Scorer, require_room: bool = True,
          lease_tokens: int | None = None,
-         bonus: Callable[[EndpointState], float] | None = None) -> list[EndpointState]:
+         bonus: Callable[[EndpointState], float] | None = None,
+         held: Callable[[EndpointState], int] | None = None) -> list[EndpointState]:
     """Candidates, best first: those with room (``require_room=False``: all in service, i.e.
     neither draining nor ejected). A failing endpoint looks least loaded (nothing in flight
     stays there), so skipping ejected ones is what keeps traffic off a dead server.
     ``bonus``: added to the scorer's score (prefix affinity); it reorders the candidates, it
-    never adds one."""
-    candidates = [e for e in endpoints
-                  if (has_room(e, now, rules, prompt_tokens, lease_tokens) if require_room
-                      else e.in_service(now))]
+    never adds one. ``held``: tokens of the prompt that an endpoint already holds for requests
+    running there (shared prefix blocks, ``picker.core.prefix.InflightBlocks``): the request
+    needs that much less room there."""
+    if held is None:
+        candidates = [e for e in endpoints
+                      if (has_room(e, now, rules, prompt_tokens, lease_tokens) if require_room
+                          else e.in_service(now))]
+    elif require_room:
+        candidates = []
+        for e in endpoints:
+            shared = held(e)
+            if has_room(e, now, rules, prompt_tokens - shared,
+                        None if lease_tokens is None else lease_tokens - shared):
+                candidates.append(e)
+    else:
+        candidates = [e for e in endpoints if e.in_service(now)]
     if len(candidates) < 2:
         return candidates
     if bonus is None:

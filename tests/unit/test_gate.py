@@ -385,8 +385,12 @@ class GateMachine(RuleBasedStateMachine):
         for endpoint in endpoints:
             mine = [p for p in self.running() if p.endpoint is endpoint]
             assert endpoint.inflight_requests == len(mine)
-            assert endpoint.inflight_tokens == sum(p.reserved_tokens for p in mine)
-            assert endpoint.projected_tokens == sum(p.projected_tokens for p in mine)
+            # Shared prompt blocks count once (tests/unit/test_prefix_room.py); none here.
+            blocks = self.gate.inflight_blocks.tokens(endpoint.address)
+            assert endpoint.inflight_tokens == sum(
+                p.reserved_tokens - p.prefix_tokens for p in mine) + blocks
+            assert endpoint.projected_tokens == sum(
+                p.projected_tokens - p.prefix_tokens for p in mine) + blocks
             # Outstanding prefill: streams sent here whose first token has not come back (and,
             # of those whose tokens the picker does not see, that no read has let go).
             for passage in mine:

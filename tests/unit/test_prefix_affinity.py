@@ -219,25 +219,34 @@ def test_load_wins_when_the_affinity_weight_is_low() -> None:
 
 
 def test_a_full_endpoint_is_never_chosen_for_its_prefix() -> None:
+    """A prefix the endpoint has cached, with nothing running there that holds it, is no room:
+    the engine counts such blocks free and a hit takes them back out of its free queue."""
     gate = make_gate()
     turn = send(gate, chat("first question " * 10), 400)
     home = turn.endpoint
     assert home is not None
-    load(gate, home.address, 9_500)  # 9,900 of 10,000: a 600-token prompt does not fit
-    second = send(gate, chat("first question " * 10, "an answer " * 10, "follow-up " * 5), 600)
+    gate.complete(turn, Usage(400, 10), "ok", 0.5)
+    load(gate, home.address, 9_500)  # 9,500 of 10,000: a 600-token prompt does not fit
+    resend = chat("first question " * 10, "an answer " * 10, "follow-up " * 5)
+    second = send(gate, resend, 600, now=1.0)
     assert second.endpoint is not None and second.endpoint is not home
+    gate.complete(second, Usage(600, 10), "ok", 1.5)
     # With nowhere else to go it waits rather than overfill its home.
-    load(gate, second.endpoint.address, 9_000)
-    third = send(gate, chat("first question " * 10, "an answer " * 10, "follow-up " * 5), 600)
+    load(gate, second.endpoint.address, 9_500)
+    third = send(gate, resend, 600, now=2.0)
     assert third.dispatched_at is None
 
 
 def test_affinity_never_reorders_the_fair_queue() -> None:
     gate = make_gate(budgets={E1: 1000})
-    holder = send(gate, chat("hold " * 100), 900, tenant="a")
+    earlier = send(gate, chat("hold " * 100), 900, tenant="a")
+    gate.complete(earlier, Usage(900, 10), "ok", 0.5)  # a's prefix is cached on E1
+    holder = send(gate, chat("unrelated " * 100, system="C's system. " * 20), 900, tenant="c",
+                  now=0.6)
     # b's request waits first, then a's resend of its own prefix: b still goes first.
-    b = send(gate, chat("b's question " * 20, system="B's system. " * 20), 600, tenant="b")
-    a = send(gate, chat("hold " * 100, "more " * 10), 600, tenant="a")
+    b = send(gate, chat("b's question " * 20, system="B's system. " * 20), 600, tenant="b",
+             now=0.7)
+    a = send(gate, chat("hold " * 100, "more " * 10), 600, tenant="a", now=0.8)
     assert b.dispatched_at is None and a.dispatched_at is None
     gate.complete(holder, Usage(900, 10), "ok", 1.0)
     assert b.dispatched_at == 1.0 and a.dispatched_at is None
