@@ -45,6 +45,7 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -93,8 +94,9 @@ class PoolSpec:
     """The engines' ``--scheduling-policy``: ``fcfs`` or ``priority``."""
     enable_prefix_caching: bool = True
     """The engines' automatic prefix caching (``picker.sim.vllm``; on by default, as in vLLM
-    V1). It acts only on requests that carry token ids: the load-generator traffic gives counts,
-    so its runs are the same either way."""
+    V1). A request drawn as counts gets token ids of its own, as the server's tokenizer gives
+    the load client's filler words: no other request hits its blocks, but when it is preempted
+    it finds them still cached and recomputes only the evicted ones, as vLLM does."""
     step_s: float = 0.01
     """Seconds per engine step (the simulated server's ``--step-ms``)."""
     scrape_interval_s: float = 0.05
@@ -359,6 +361,8 @@ class _Pool:
         self.to_gate: list[tuple[float, int, SimPassage, Usage]] = []
         """(when the gate sees it end, order, passage, usage), a heap (``completion_lag_s``)."""
         self.lag_order = itertools.count()
+        self.own_ids = itertools.count(1)
+        """Numbers a request drawn as counts its token ids by (``dispatched``)."""
         self.now = 0.0
 
     def _gate(self, config: PickerConfig, budgets: dict[str, int]) -> Gate:
@@ -440,9 +444,20 @@ class _Pool:
             return
         planned = passage.planned
         # A workload's reply is the simulated server's text, its blocks hashed as the server's.
-        output_ids = None if planned.messages is None else generated_ids(CHAT, planned.max_tokens)
+        output_ids: Sequence[int] | None = None if planned.messages is None \
+            else generated_ids(CHAT, planned.max_tokens)
+        token_ids: Sequence[int] | None = planned.token_ids
+        if token_ids is None:
+            # Drawn as counts: the load client sends that many random filler words, which the
+            # server's tokenizer makes as many ids, no block of them equal to another request's.
+            # Ids of its own (a range: nothing stored), so that vLLM's prefix cache acts as on
+            # the server: a preempted request finds its blocks still cached when rescheduled
+            # and recomputes only what was evicted meanwhile (``own_ids``).
+            base = next(self.own_ids) << 32
+            end = base + planned.prompt_tokens
+            token_ids, output_ids = range(base, end), range(end, end + planned.max_tokens)
         seq = SeqRequest(id=passage, prompt_tokens=planned.prompt_tokens,
-                         output_tokens=planned.max_tokens, token_ids=planned.token_ids,
+                         output_tokens=planned.max_tokens, token_ids=token_ids,
                          output_ids=output_ids)
         passage.seq = seq
         latency = self.spec.ticks(self.spec.dispatch_latency_s) * self.spec.step_s

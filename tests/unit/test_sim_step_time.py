@@ -97,8 +97,10 @@ def _replay(spec: PoolSpec,
 
 def test_a_preempted_request_costs_its_engine_the_recompute() -> None:
     # Two requests that fit the cache as prompts but not at their end: the later is preempted
-    # and recomputes its prompt and the tokens it had generated.
-    spec = PoolSpec(endpoints=1, kv_budget_tokens=1024, step_s=STEP_S, prefill_s_per_token=COST)
+    # and recomputes its prompt and the tokens it had generated (prefix caching off, so that
+    # none of it is found cached: test_sim_recompute.py has the cached case).
+    spec = PoolSpec(endpoints=1, kv_budget_tokens=1024, step_s=STEP_S, prefill_s_per_token=COST,
+                    enable_prefix_caching=False)
     run = _run(_burst(2, 400, 300), spec)
     assert [r.dispatched_s for r in run.records] == [0.0, 0.0]
     assert sum(r.preemptions for r in run.records) >= 1 and run.recomputed_tokens > 0
