@@ -282,11 +282,13 @@ class FastReplay:
             output = clamped  # the engine stops at the cap admission sent
         flow = _Flow(tenant, decision.lane, now, prompt, output, stream, clamped, request,
                      decision.reservation, decision.demoted)
-        self.deadlines.append((now + self.max_wait, flow))
         if self._may_queue(tenant):
             self._enqueue(flow, now)
             self.pump(now)
+            if flow.dispatched < 0:  # it waits: queue.maxWait drops it unless it goes first
+                self.deadlines.append((now + self.max_wait, flow))
         else:
+            self.deadlines.append((now + self.max_wait, flow))
             flow.parked = True
             self.parked.setdefault(tenant, deque()).append(flow)
             self.single.pop(tenant, None)
