@@ -193,7 +193,9 @@ def render(results: dict[str, Any]) -> str:
         "fcfs is the picker's pass-through (every request dispatched at once, "
         "ranked by load, without the affinity bonus), so it runs without affinity; vtc holds "
         "requests in its fair queue while no endpoint has room by its KV budget, which counts "
-        "every request's whole prompt (shared blocks included) and its expected output.",
+        "each request's prompt and output, but a prompt block that requests running on the "
+        "same endpoint share once, as the engine stores it (with affinity on: the picker "
+        "hashes the prompts' blocks only then).",
         "",
     ]
     for workload, data in results.items():

@@ -14,13 +14,18 @@ import pytest
 from bench.gateway.common import GatewayRun, Sample
 from bench.peer import (
     PEERS,
+    PREFIX_AFFINITY,
     QUOTE_END,
     QUOTE_START,
+    PeerPlan,
+    PrefixTiming,
+    _prefix_tables,
     cpu_ms_per_request,
     drift,
     overhead_summary,
     prefix_goals,
     prefix_run,
+    prefix_sections,
     prefix_summary,
     quote_in_prefix_md,
     requests_started,
@@ -202,3 +207,39 @@ def test_the_quote_in_prefix_md_is_replaced_not_repeated(tmp_path: Path) -> None
     assert text.startswith("# Workloads that share prefixes\n\nthe simulator's tables\n")
     assert text.count(QUOTE_START) == 1 and text.count(QUOTE_END) == 1
     assert "| rag | upstream | 10 | 50.0% | 1 | 2 | 1 / 1 | 0.1 |" in text
+
+
+def _prefix_data(ttft_p50_ms: float) -> dict[str, Any]:
+    """Measure 6 with one rag block per picker: fairway's TTFT p50 as given, upstream's 1."""
+    def block(picker: str, p50: float) -> dict[str, Any]:
+        return {"picker": picker, "pool_tokens_per_s": 10.0, "prefix_hit_rate": 0.5,
+                "ttft_ms": {"p50": p50, "p95": 2.0}, "requests": 1, "ok": 1,
+                "picker_cpu_s": 0.1, "tenants": {}, "errors": 0, "wall_s": 10.0,
+                "loadavg": [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]}
+    data: dict[str, Any] = {
+        "server_args": [], "timeout_s": 30.0, "blocks_order": [PREFIX_AFFINITY, "upstream"],
+        "wall_s": 10.0, "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [1.0, 1.0, 1.0],
+        "by_workload": {"rag": {"timing": {"duration_s": 10.0, "warmup_s": 3.0, "stop_s": None},
+                                "tenants": [], "blocks": [block(PREFIX_AFFINITY, ttft_p50_ms),
+                                                          block("upstream", 1.0)]}}}
+    data["summary"] = prefix_summary(data)
+    return data
+
+
+def test_the_goals_line_says_met_only_when_every_goal_is() -> None:
+    assert any("(met: yes):" in line for line in _prefix_tables(_prefix_data(1.0)))
+    missed = _prefix_tables(_prefix_data(5.0))  # TTFT p50 over upstream's: 3 of 4 met
+    assert any("(met: no, 3 of 4):" in line for line in missed)
+    assert not any("met: yes" in line for line in missed)
+
+
+def test_agent_blocks_run_the_agent_programs_alone_until_their_tasks_can_finish() -> None:
+    plan = PeerPlan(quick=False, agent_block_s=120.0)
+    assert list(plan.prefix_workloads) == ["agent programs"]
+    assert plan.prefix_timing("agent programs") == PrefixTiming(120.0, 5.0, stop_s=20.0)
+    assert len(PeerPlan(quick=False).prefix_workloads) == 4
+    data = {"prefix": 1, "prefix at 0.25": 2, "prefix, agent blocks of 120 s": 3, "shares": 4}
+    assert prefix_sections(data) == ["prefix", "prefix at 0.25", "prefix, agent blocks of 120 s"]
+    long = _prefix_data(1.0)
+    long["agent_block_s"] = 120.0
+    assert "agent programs alone in blocks of 120 s" in _prefix_tables(long)[1]
