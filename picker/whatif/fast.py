@@ -53,7 +53,7 @@ from typing import Any
 from picker.config.build import admission_rules, cost_function, gate_rules
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler
-from picker.core.admission import Admission, Refused, Reservation
+from picker.core.admission import Admission, Refused, Reservation, TenantRules
 from picker.core.gate import QUEUE_FULL, Gate
 from picker.core.request import Request, Usage
 from picker.sim.pool import PoolSpec
@@ -76,8 +76,8 @@ class _Flow:
                  "started", "stream", "tenant")
 
     def __init__(self, tenant: str, lane: str, arrived: float, prompt: int, output: int,
-                 stream: bool, cap: int | None, request: Request, reservation: Reservation,
-                 demoted: bool) -> None:
+                 stream: bool, cap: int | None, request: Request,
+                 reservation: Reservation | None, demoted: bool) -> None:
         self.tenant, self.lane, self.arrived = tenant, lane, arrived
         self.prompt, self.output, self.stream, self.cap = prompt, output, stream, cap
         self.request, self.reservation, self.demoted = request, reservation, demoted
@@ -109,7 +109,7 @@ class _Endpoint:
     its streams' tokens so far, ``g_streams × v − g_started``."""
 
     __slots__ = ("a", "busy_s", "busy_since", "finishing", "g_fixed", "g_started", "g_streams",
-                 "kv", "n", "pad", "step", "t", "v", "version")
+                 "kv", "n", "next_at", "pad", "step", "t", "v", "version")
 
     def __init__(self, kv: float, step: float, block_size: int) -> None:
         self.kv, self.step, self.pad = kv, step, block_size / 2
@@ -120,6 +120,8 @@ class _Endpoint:
         self.g_streams = 0
         self.finishing: list[tuple[float, int, _Flow]] = []
         self.version = 0
+        self.next_at = math.inf
+        """When the finish event queued for it is due (inf: none queued)."""
         self.busy_since = self.busy_s = 0.0
 
     def at(self, t: float) -> float:
@@ -162,6 +164,13 @@ class _Endpoint:
     def used(self, now: float) -> float:
         """What the gate counts on this endpoint at ``now``."""
         return self.g_fixed + self.g_streams * self.at(now) - self.g_started
+
+
+def _unbounded(rules: TenantRules) -> bool:
+    """Whether ``Admission`` admits every request under ``rules`` as it comes, reserving
+    nothing that decides anything: no budget, queue or concurrency cap, no size limit."""
+    return not rules.budgets and rules.max_queued is None and rules.max_concurrent is None \
+        and rules.max_input_tokens is None and rules.max_output_tokens is None
 
 
 def unmodelled(config: PickerConfig) -> list[str]:
@@ -226,6 +235,9 @@ class FastReplay:
         self.caps = {t: rules.max_concurrent for t, rules in admission_rules(config)[0].items()
                      if rules.max_concurrent is not None}
         self.default_cap = admission_rules(config)[1].max_concurrent
+        self.free: dict[str, bool] = {}
+        """Per tenant, whether its admission rules set nothing (no budget, cap or limit): its
+        requests skip ``Admission``, which would only count them."""
         self.flows: dict[Request, _Flow] = {}
         """Queued requests (the scheduler's) to their flow."""
         self.in_queue: dict[tuple[str, str], deque[_Flow]] = {}
@@ -265,23 +277,32 @@ class FastReplay:
                          LANE_NOT_ALLOWED, now)
             return
         max_tokens, stream = arrival.max_tokens, arrival.stream
-        expected = gate.expected_output(tenant, max_tokens, stream, now)
-        decision = self.admission.admit(tenant, lane, prompt, max_tokens, expected, now,
-                                        cap_prompt_tokens=prompt)
-        if isinstance(decision, Refused):
-            self._record(tenant, lane, now, prompt, output, stream, decision.reason, now)
-            return
+        free = self.free.get(tenant)
+        if free is None:
+            free = self.free[tenant] = _unbounded(self.admission.rules_for(tenant))
+        reservation: Reservation | None = None
+        demoted = False
+        clamped = max_tokens
+        if not free:
+            expected = gate.expected_output(tenant, max_tokens, stream, now)
+            decision = self.admission.admit(tenant, lane, prompt, max_tokens, expected, now,
+                                            cap_prompt_tokens=prompt)
+            if isinstance(decision, Refused):
+                self._record(tenant, lane, now, prompt, output, stream, decision.reason, now)
+                return
+            reservation, lane, demoted = decision.reservation, decision.lane, decision.demoted
+            clamped = decision.max_output_tokens
         if self.queued + self._parked_count() >= self.max_queued:
-            self.admission.finish(decision.reservation, 0, now)
-            self._record(tenant, decision.lane, now, prompt, output, stream, QUEUE_FULL, now)
+            if reservation is not None:
+                self.admission.finish(reservation, 0, now)
+            self._record(tenant, lane, now, prompt, output, stream, QUEUE_FULL, now)
             return
-        clamped = decision.max_output_tokens
-        request = Request(tenant=tenant, prompt_tokens=prompt, lane=decision.lane,
+        request = Request(tenant=tenant, prompt_tokens=prompt, lane=lane,
                           max_output_tokens=clamped or 0, arrival=now)
         if clamped is not None and output > clamped:
             output = clamped  # the engine stops at the cap admission sent
-        flow = _Flow(tenant, decision.lane, now, prompt, output, stream, clamped, request,
-                     decision.reservation, decision.demoted)
+        flow = _Flow(tenant, lane, now, prompt, output, stream, clamped, request, reservation,
+                     demoted)
         if self._may_queue(tenant):
             self._enqueue(flow, now)
             self.pump(now)
@@ -404,7 +425,8 @@ class FastReplay:
         request = flow.request
         self.scheduler.dispatch(request, now)
         self._unqueue(flow)
-        self.admission.start(flow.reservation)
+        if flow.reservation is not None:
+            self.admission.start(flow.reservation)
         tenant = flow.tenant
         self.running[tenant] = self.running.get(tenant, 0) + 1
         v = endpoint.at(now)
@@ -442,14 +464,22 @@ class FastReplay:
         heapq.heappush(self.events, (at, self.order, kind, payload))
 
     def _reschedule(self, endpoint: _Endpoint) -> None:
-        """The endpoint's next finish, as its batch now stands (earlier ones are void)."""
-        endpoint.version += 1
+        """The endpoint's next finish, as its batch now stands (earlier ones are void). A batch
+        within its cache keeps its pace, so a request joining it mostly leaves the next finish
+        where it was: then the event already queued stands."""
         finishing = endpoint.finishing
         while finishing and finishing[0][2].done:
             heapq.heappop(finishing)
-        if finishing:
-            self._push(endpoint.time_to(finishing[0][0]), _FINISH,
-                       (endpoint, endpoint.version))
+        if not finishing:
+            endpoint.version += 1
+            endpoint.next_at = math.inf
+            return
+        at = endpoint.time_to(finishing[0][0])
+        if abs(at - endpoint.next_at) <= 1e-9:
+            return
+        endpoint.version += 1
+        endpoint.next_at = at
+        self._push(at, _FINISH, (endpoint, endpoint.version))
 
     # -- events --
 
@@ -457,6 +487,7 @@ class FastReplay:
         """The endpoint's batch reached its next finish: every request done by now ends."""
         if version != endpoint.version:
             return
+        endpoint.next_at = math.inf
         v = endpoint.at(now) + SETTLED
         finishing = endpoint.finishing
         while finishing and finishing[0][0] <= v:
@@ -506,7 +537,8 @@ class FastReplay:
         else:
             del self.running[tenant]
         self.scheduler.finish(flow.request, Usage(flow.prompt, generated, 0))
-        self.admission.finish(flow.reservation, flow.prompt + generated, now)
+        if flow.reservation is not None:
+            self.admission.finish(flow.reservation, flow.prompt + generated, now)
         outcome = "ok" if generated >= flow.output else "cancelled"
         cap = flow.cap
         if flow.stream and cap != 0:
@@ -517,10 +549,8 @@ class FastReplay:
             self.gate.estimates.learn_output(tenant, generated, now)
         self.result.output_tokens += generated
         first = flow.first if generated and flow.first <= now else None
-        self.result.add(ReplayRecord(
-            tenant, "replay", flow.arrived, flow.prompt, flow.output, flow.stream,
-            outcome=outcome, dispatched_s=flow.dispatched, first_token_s=first, end_s=now,
-            completion_tokens=generated, lane=flow.lane, demoted=flow.demoted))
+        self.result.add_fields(tenant, flow.lane, outcome, flow.demoted, flow.arrived,
+                               flow.dispatched, first, now, flow.prompt, generated)
         if tenant in self.parked:
             self._unpark(tenant, now)
         self.pump(now)
@@ -546,7 +576,8 @@ class FastReplay:
             else:
                 self.scheduler.cancel(flow.request)
                 self._unqueue(flow)
-            self.admission.finish(flow.reservation, 0, now)
+            if flow.reservation is not None:
+                self.admission.finish(flow.reservation, 0, now)
             self._record(flow.tenant, flow.lane, flow.arrived, flow.prompt, flow.output,
                          flow.stream, "queue_timeout", now, demoted=flow.demoted)
             if flow.tenant in self.parked:

@@ -179,33 +179,42 @@ class ReplayResult:
 
     def add(self, record: ReplayRecord) -> None:
         """A request ended: add its figures."""
-        stats = self.lanes.get((record.tenant, record.lane))
+        self.add_fields(record.tenant, record.lane, record.outcome, record.demoted,
+                        record.arrival_s, record.dispatched_s, record.first_token_s,
+                        record.end_s, record.prompt_tokens, record.completion_tokens)
+
+    def add_fields(self, tenant: str, lane: str, outcome: str, demoted: bool, arrival_s: float,
+                   dispatched_s: float | None, first_token_s: float | None,
+                   end_s: float | None, prompt_tokens: int, completion_tokens: int) -> None:
+        """``add`` without a record (the fast replay's per-request path builds none)."""
+        stats = self.lanes.get((tenant, lane))
         if stats is None:
-            stats = self.lanes[(record.tenant, record.lane)] = LaneStats()
+            stats = self.lanes[(tenant, lane)] = LaneStats()
         stats.sent += 1
-        outcome = record.outcome
         if outcome == "ok":
             stats.ok += 1
         else:
             stats.refused[outcome] = stats.refused.get(outcome, 0) + 1
-        if record.demoted:
+        if demoted:
             stats.demoted += 1
-        if record.demoted or outcome in OVER_BUDGET_REASONS:
-            self.budget_out_s.setdefault(record.tenant, record.arrival_s)
-        if record.dispatched_s is not None:
-            stats.queue_wait.add(record.dispatched_s - record.arrival_s)
-        served = record.completion_tokens
-        if record.ttft_s is not None:
-            stats.ttft.add(record.ttft_s)
-            served += record.prompt_tokens
+        if demoted or outcome in OVER_BUDGET_REASONS:
+            self.budget_out_s.setdefault(tenant, arrival_s)
+        if dispatched_s is not None:
+            stats.queue_wait.add(dispatched_s - arrival_s)
+        served = completion_tokens
+        if first_token_s is not None:
+            stats.ttft.add(first_token_s - arrival_s)
+            served += prompt_tokens
         elif outcome == "ok":
-            served += record.prompt_tokens  # an embedding: its prompt is its service
+            served += prompt_tokens  # an embedding: its prompt is its service
         if served:
-            stats.prompt_tokens += served - record.completion_tokens
-            stats.completion_tokens += record.completion_tokens
-            bucket = int((record.end_s or record.arrival_s) // self.bucket_s)
-            tenant = self.series.setdefault(record.tenant, {})
-            tenant[bucket] = tenant.get(bucket, 0) + served
+            stats.prompt_tokens += served - completion_tokens
+            stats.completion_tokens += completion_tokens
+            bucket = int((end_s or arrival_s) // self.bucket_s)
+            series = self.series.get(tenant)
+            if series is None:
+                series = self.series[tenant] = {}
+            series[bucket] = series.get(bucket, 0) + served
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,20 +21,25 @@ from picker.sim.pool import PoolSpec
 from picker.whatif.__main__ import main
 from picker.whatif.fast import _Endpoint, _Flow, replay_fast, unmodelled
 from picker.whatif.log import Arrival
-from picker.whatif.replay import ReplayRecord, ReplayResult, replay
+from picker.whatif.replay import ReplayResult, replay
 from tests.unit.test_whatif_log import record, write
 
 
 class Capture(ReplayResult):
-    """A result that also keeps each request's record (the replay itself keeps none)."""
+    """A result that also keeps each request's figures (the replay itself keeps none)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.records: list[ReplayRecord] = []
+        self.records: list[SimpleNamespace] = []
 
-    def add(self, record: ReplayRecord) -> None:
-        self.records.append(record)
-        super().add(record)
+    def add_fields(self, tenant: str, lane: str, outcome: str, demoted: bool,
+                   arrival_s: float, dispatched_s: float | None, first_token_s: float | None,
+                   end_s: float | None, prompt_tokens: int, completion_tokens: int) -> None:
+        self.records.append(SimpleNamespace(
+            tenant=tenant, outcome=outcome, arrival_s=arrival_s, dispatched_s=dispatched_s,
+            first_token_s=first_token_s, end_s=end_s, completion_tokens=completion_tokens))
+        super().add_fields(tenant, lane, outcome, demoted, arrival_s, dispatched_s,
+                           first_token_s, end_s, prompt_tokens, completion_tokens)
 
 
 def captured(monkeypatch: pytest.MonkeyPatch) -> list[Capture]:
