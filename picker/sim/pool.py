@@ -16,9 +16,10 @@ ledger.
 
 Step time: a step that computes prompt tokens (prefill chunks, and the recompute of preempted
 requests alike) keeps its engine busy for ``step_s + prefill_tokens × prefill_s_per_token``,
-rounded up to whole ticks of ``step_s``, as a GPU iteration grows with the prompt tokens in its
-batch. The step is decided at its first tick; its tokens and completions reach the gate stamped
-with its end, and the engine takes its next step at that tick. Other engines, arrivals and
+as a GPU iteration grows with the prompt tokens in its batch. The step is decided at its first
+tick; its tokens and completions reach the gate stamped with the first tick at or after its end,
+and the engine takes its next step at that tick, its own clock still where the step ended (as
+the server's ``--catch-up-ms``): a step's part of a tick is not lost. Other engines, arrivals and
 scrapes go on every tick meanwhile (a scrape during a step reads the engine as the step leaves
 it). With ``prefill_s_per_token`` 0 (the default) every step is one tick, as before.
 
@@ -339,6 +340,8 @@ class _Pool:
         self.engines = {a: VllmScheduler(engine) for a in addresses}
         self.in_flight: dict[str, tuple[StepOutput, int]] = {}
         """Each busy engine's step: its output, and the ticks left until it ends."""
+        self.clock: dict[str, float] = {}
+        """Each engine's own time: when its last step ended, exactly (``_ticks``)."""
         self.step_log: dict[str, list[StepRecord]] = {a: [] for a in addresses}
         self.records: list[PoolRecord] = []
         self.open_loop = plan_open_loop(traffic, duration_s)
@@ -617,7 +620,7 @@ class _Pool:
             else:
                 out = engine.step(self.now)
                 computed += sum(out.scheduled.values())
-                ticks = self.spec.step_ticks(out.prefill_tokens)
+                ticks = self._ticks(address, out.prefill_tokens)
                 self.step_log[address].append(StepRecord(
                     self.now, self.now + ticks * self.spec.step_s, out.prefill_tokens))
                 for seq in out.scheduled:
@@ -630,6 +633,22 @@ class _Pool:
             self.in_flight.pop(address, None)
             produced += self.report(out)
         return (produced if counting else 0), computed
+
+    def _ticks(self, address: str, prefill_tokens: int) -> int:
+        """Ticks a step that starts now keeps its engine busy. The engine keeps its own exact
+        clock, as the server's ``--catch-up-ms`` keeps its modelled pace: a step starts where
+        the last one ended (now, after an idle tick) and lasts ``step_s`` plus its prompt
+        tokens' cost; it is reported at the first tick at or after its end. (Each step rounded
+        up to whole ticks instead lost half a tick a prefill step: 2-4 % of an engine's time at
+        8k.)"""
+        spec, now = self.spec, self.now
+        start = self.clock.get(address, now)
+        if not now - spec.step_s < start <= now + 1e-9:
+            start = now
+        end = start + spec.step_s + prefill_tokens * spec.prefill_s_per_token
+        self.clock[address] = end
+        # The tolerance keeps float noise from adding a tick.
+        return max(1, math.ceil((end - now) / spec.step_s - 1e-9))
 
     def report(self, out: StepOutput) -> int:
         """A step ends at the next tick: its tokens and completions reach the gate then; returns

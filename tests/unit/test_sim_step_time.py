@@ -43,18 +43,20 @@ def _run(traffic: Traffic, spec: PoolSpec) -> PoolRun:
 
 
 def _ticks_alone(spec: PoolSpec, prompt: int) -> int:
-    """Ticks until a lone request's first token: its prefill chunks, each a step."""
+    """Ticks until a lone request's first token: its prefill chunks, each a step, back to back
+    on the engine's own clock; the last is reported at the first tick at or after its end."""
     budget = spec.max_num_batched_tokens
     chunks = [min(budget, prompt - start) for start in range(0, prompt, budget)]
-    return sum(1 + math.ceil(chunk * spec.prefill_s_per_token / spec.step_s - 1e-9)
-               for chunk in chunks)
+    seconds = sum(spec.step_s + chunk * spec.prefill_s_per_token for chunk in chunks)
+    return math.ceil(seconds / spec.step_s - 1e-9)
 
 
 @pytest.mark.parametrize("prompt", [250, 3000, 1])
 def test_a_lone_request_waits_one_step_plus_its_prompt(prompt: int) -> None:
     spec = PoolSpec(endpoints=1, step_s=STEP_S, prefill_s_per_token=COST)
     (record,) = _run(_burst(1, prompt, 3), spec).records
-    # 250 tokens: 10 + 25 ms, 4 ticks; 3000: chunks of 2048 and 952, 22 + 11 ticks.
+    # 250 tokens: 10 + 25 ms, 4 ticks; 3000: chunks of 2048 and 952, 214.8 + 105.2 ms on the
+    # engine's clock, 32 ticks (33 if each step were rounded up to whole ticks).
     assert record.outcome == "ok" and record.ttft_s is not None
     assert record.first_token_s is not None
     assert record.ttft_s == pytest.approx(_ticks_alone(spec, prompt) * STEP_S)
@@ -71,6 +73,16 @@ def test_step_ticks_round_up_without_float_noise() -> None:
     assert PoolSpec(step_s=STEP_S).step_ticks(100_000) == 1
     with pytest.raises(ValueError, match="prefill_s_per_token"):
         PoolSpec(prefill_s_per_token=-1e-6)
+
+
+def test_the_engine_keeps_its_own_clock_from_step_to_step() -> None:
+    # A 3,000-token prompt in chunks of 2,048 and 952: 214.8 + 105.2 ms back to back, its first
+    # token at 320 ms, as the server (whose --catch-up-ms keeps its modelled pace) gives it; each
+    # step rounded up to whole ticks would have given 220 + 110 ms.
+    spec = PoolSpec(endpoints=1, step_s=STEP_S, prefill_s_per_token=COST)
+    (record,) = _run(_burst(1, 3000, 3), spec).records
+    assert record.ttft_s == pytest.approx(0.32)
+    assert record.end_s == pytest.approx(0.34)  # then two decode steps of one tick
 
 
 def _replay(spec: PoolSpec,
