@@ -162,22 +162,31 @@ class InflightBlocks:
              text_chars: int) -> int:
         """A request with these blocks runs on ``address`` now: the tokens its blocks add
         there (those of the blocks nobody there held, by this request's estimate)."""
-        if not blocks:
+        if not blocks or text_chars <= 0:
             return 0
         ledger = self._ledgers.setdefault(address, {})
-        if text_chars <= 0:
-            return 0
+        get = ledger.get
+        # The blocks held already are a leading run: a reference more on each; then the rest,
+        # each with the tokens it adds to the run (``covered_tokens``, inline: per block).
+        held = self.held(address, blocks)
+        for block in blocks[:held]:
+            entry = get(block)
+            if entry is None:  # only if hashes collide and break the run: counted as nothing
+                ledger[block] = [1, 0]
+            else:
+                entry[0] += 1
+        last = max(0, prompt_tokens - 1)
+        step = prompt_tokens * block_chars
+        before = min(last, step * held // text_chars)
         added = 0
-        before = 0  # tokens the blocks before this one cover
-        last = prompt_tokens - 1
-        step = prompt_tokens * block_chars  # covered_tokens inline: this runs per block
-        for count, block in enumerate(blocks, 1):
-            upto = max(0, min(last, step * count // text_chars))
-            entry = ledger.get(block)
+        for count in range(held + 1, len(blocks) + 1):
+            upto = min(last, step * count // text_chars)
+            block = blocks[count - 1]
+            entry = get(block)
             if entry is None:
                 ledger[block] = [1, upto - before]
                 added += upto - before
-            else:
+            else:  # (a collision again: never overwrite another request's entry)
                 entry[0] += 1
             before = upto
         return added
