@@ -234,3 +234,28 @@ def test_covered_tokens_is_what_hold_counts_block_by_block() -> None:
     assert covered_tokens(400, 3, 64, 1000) == 400 * 3 * 64 // 1000
     assert inflight.release(E1, list(range(1, 6))) == 0  # still held by the first
     assert inflight.release(E1, list(range(1, 12))) == 976 and inflight.blocks(E1) == 0
+
+
+def test_when_the_engine_shares_less_than_expected_its_scraped_kv_use_decides() -> None:
+    """The backstop: the picker counts the shared blocks once, but the engine reports more in
+    use (it did not share them, or evicted and recomputed them): its figure wins until the
+    picker's own count is the higher again. Prompts at four characters a token."""
+    twins = []
+    for scrape in (False, True):
+        gate = make_gate({E1: 1600})
+        send(gate, chat(LONG), None)
+        send(gate, chat(LONG, "an answer", "and a follow-up question"), None, now=0.1)
+        endpoint = gate.endpoints[E1]
+        assert endpoint.inflight_tokens < 700  # two prompts of over 600 tokens, shared
+        before = endpoint.inflight_tokens
+        if scrape:  # the engine holds both prompts whole, and more: 1,500 of 1,600
+            gate.scraped(endpoint, 0.0, 2.0, 1500 / 1600, None, sent_at=0.2, now=0.2)
+        twins.append(send(gate, chat(LONG, "an answer", "another question " * 25), None,
+                          now=0.3))
+        if not scrape:
+            assert 60 < endpoint.inflight_tokens - before < 200  # its own tail only
+    trusted, corrected = twins
+    # About 110 tokens of its own beyond the shared blocks: they fit by the picker's count,
+    # not beside the 1,500 the engine reports.
+    assert trusted.dispatched_at == 0.3
+    assert corrected.dispatched_at is None
