@@ -111,6 +111,12 @@ class Shape:
     spec: PoolSpec
     prompt: tuple[int, int]
     output: tuple[int, int]
+    heavy_rate_per_endpoint: float | None = None
+    """Open loop: the heavy tenant's requests/s per endpoint, the light one's a tenth of it;
+    None: the issue's 30 and 3 whatever the endpoints."""
+    closed_heavy_per_endpoint: int = 32
+    """Closed loop: requests the heavy tenant keeps open per endpoint
+    (``CLOSED_HEAVY_PER_ENDPOINT``)."""
 
 
 SHAPES = (
@@ -119,6 +125,15 @@ SHAPES = (
     Shape("64k", PoolSpec(kv_budget_tokens=65536, max_num_batched_tokens=8192,
                           prefill_s_per_token=PREFILL_S_PER_TOKEN), (3000, 6000), (300, 500)),
 )
+LARGE_SHAPES = tuple(
+    Shape(name, PoolSpec(kv_budget_tokens=kv, max_num_batched_tokens=8192,
+                         prefill_s_per_token=PREFILL_S_PER_TOKEN), (3000, 6000), (300, 500),
+          heavy_rate_per_endpoint=15.0, closed_heavy_per_endpoint=32 * kv // 65536)
+    for name, kv in (("256k", 262_144), ("500k", 500_000)))
+"""Issue 27's simulator goal: the 64k requests on 256k- and 500k-token engines. An engine runs
+about 55 and 110 of them at once and, prefill-bound, finishes about 3.4 and 3.8 a second, so
+the flood is scaled with the pool (heavy 15 requests/s per endpoint, light 1.5: the issue's 30
+and 3 on 2 endpoints) and closed loop keeps 32 per 64k of cache open per endpoint (128, 244)."""
 
 
 # -- the goal matrix (issue 27's "Goals": the default against pass-through through Envoy) ---------
@@ -136,6 +151,8 @@ CLOSED_LIGHT = 2
 """Closed loop: the light tenant keeps this many requests open."""
 GOAL = 0.98
 STRETCH = 1.00
+SIM_AGREEMENT = 0.03
+"""Issue 27 point 4: the simulator's default ÷ pass-through within 3 % of Envoy's."""
 
 
 @dataclass(frozen=True)
@@ -201,16 +218,20 @@ def cell_spec(cell: Cell, scale: float) -> PoolSpec:
 def shape_traffic(shape: Shape, scale: float, seed: int = FIRST_SEED, loop: str = "open",
                   endpoints: int = 2, duration_s: float = DURATION_S) -> Traffic:
     """The issue's traffic: a heavy tenant open-loop at 30 requests/s, a light one at 3, both
-    streamed with ``max_tokens`` and ``ignore_eos``; rates ÷ ``scale``. Closed loop: the heavy
-    tenant keeps ``CLOSED_HEAVY_PER_ENDPOINT`` × ``endpoints`` requests open, the light one
-    ``CLOSED_LIGHT``. ``seed`` draws the arrivals, prompts and output lengths."""
+    streamed with ``max_tokens`` and ``ignore_eos``; rates ÷ ``scale`` (a shape with
+    ``heavy_rate_per_endpoint``: that × ``endpoints``, the light a tenth). Closed loop: the heavy
+    tenant keeps the shape's ``closed_heavy_per_endpoint`` (``CLOSED_HEAVY_PER_ENDPOINT``) ×
+    ``endpoints`` requests open, the light one ``CLOSED_LIGHT``. ``seed`` draws the arrivals,
+    prompts and output lengths."""
     kind = {"api": "completions", "prompt_tokens": list(shape.prompt),
             "output_tokens": list(shape.output), "stream_fraction": 1.0, "include_usage": True}
     if loop == "closed":
         light: dict[str, Any] = {"backlog": CLOSED_LIGHT}
-        heavy: dict[str, Any] = {"backlog": CLOSED_HEAVY_PER_ENDPOINT * endpoints}
+        heavy: dict[str, Any] = {"backlog": shape.closed_heavy_per_endpoint * endpoints}
     else:
-        light, heavy = {"rate": 3.0 / scale}, {"rate": 30.0 / scale}
+        rate = 30.0 if shape.heavy_rate_per_endpoint is None else \
+            shape.heavy_rate_per_endpoint * endpoints
+        light, heavy = {"rate": rate / 10 / scale}, {"rate": rate / scale}
     return load_traffic({"duration_s": duration_s, "seed": seed, "timeout_s": TIMEOUT_S,
                          "tenants": [{"name": "light", **light, **kind},
                                      {"name": "flood", **heavy, **kind}]})
@@ -257,6 +278,7 @@ def goal_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                      "goal": ratio is not None and ratio >= GOAL,
                      "stretch": ratio is not None and ratio >= STRETCH,
                      "tokens_per_s": {m: modes[m]["tokens_per_s"] for m in modes},
+                     "sim_ratio": size.get("simulator", {}).get("ratio"),
                      "light_p95_ms": {m: modes[m].get("light", {}).get("p95_ms") for m in modes},
                      "loadavg": {m: modes[m]["loadavg"] for m in modes}})
     return rows
@@ -468,13 +490,8 @@ def lag(earlier: Sequence[float], later: Sequence[float],
 def run_mode(shape: Shape, mode: str, spec: PoolSpec, traffic: Traffic, scale: float,
              workdir: Path, catch_up_ms: float = CATCH_UP_MS, response_path: str = "meter-stream",
              trace: bool = True) -> dict[str, Any]:
-    policy, extra = MODES[mode]
-    if mode == "default" and spec.engine_policy == "priority":
-        # As bench.isolation_envoy: the picker tells priority engines whom to run first;
-        # pass-through sends no priority (the engines then run their queue first come).
-        extra = merge_sections(extra, {"scheduling": {"enginePolicy": "priority"}})
-    config = merge_sections(picker_overrides(traffic, {}, "0s"),
-                            _mode_config(policy, extra, spec, traffic, scale))
+    policy = MODES[mode][0]
+    config = mode_config(mode, spec, traffic, scale)
     label = f"{shape.name}-{mode}"
     where = workdir / label
     where.mkdir(parents=True, exist_ok=True)
@@ -506,6 +523,18 @@ def run_mode(shape: Shape, mode: str, spec: PoolSpec, traffic: Traffic, scale: f
             "cpu_busy_fraction": resources.get("cpu_busy_fraction"),
             "cpu_s": {k.split("/")[-1]: v for k, v in resources.get("cpu_s", {}).items()},
             "window": window, "picker": picker, "engines": engines, "config": config}
+
+
+def mode_config(mode: str, spec: PoolSpec, traffic: Traffic, scale: float) -> dict[str, Any]:
+    """The picker's config sections for ``mode`` on ``spec``'s engines (the stack's, and the
+    simulator's through ``_sim_config``)."""
+    policy, extra = MODES[mode]
+    if mode == "default" and spec.engine_policy == "priority":
+        # As bench.isolation_envoy: the picker tells priority engines whom to run first;
+        # pass-through sends no priority (the engines then run their queue first come).
+        extra = merge_sections(extra, {"scheduling": {"enginePolicy": "priority"}})
+    return merge_sections(picker_overrides(traffic, {}, "0s"),
+                          _mode_config(policy, extra, spec, traffic, scale))
 
 
 async def _drive_cut(stack: Stack, traffic: Traffic, interval: float, cut_s: float,
@@ -640,6 +669,118 @@ def run_shape(shape: Shape, scale: float, workdir: Path, sim_spec: PoolSpec | No
     return result, runs
 
 
+# -- the simulator alone (issue 27: "Default, in the pool simulator") ------------------------------
+
+SIM_ENDPOINTS = (2, 4, 8)
+SIM_DURATION_S = 90.0
+SIM_WARMUP_S = 30.0
+"""At 500k a request stays about 30 s in its engine (prefill-bound, about 14 decode steps a
+second): the window opens once the pool is full and holds two such lifetimes."""
+SIM_DISPATCH_LATENCY_S = 0.015
+SIM_COMPLETION_LAG_S = 0.05
+"""The default's dispatch-to-engine time and completion lag through Envoy on the meter stream
+(``efficiency.md``: 15-17 ms and 44-62 ms; 170 ms once)."""
+
+
+def sim_cell(cell: Cell, duration_s: float = SIM_DURATION_S, warmup_s: float = SIM_WARMUP_S,
+             dispatch_latency_s: float = SIM_DISPATCH_LATENCY_S,
+             completion_lag_s: float = SIM_COMPLETION_LAG_S) -> dict[str, Any]:
+    """Both variants of ``cell`` in the pool simulator alone: tokens/s in the window, the
+    engines' preemptions and recomputed tokens, the simulator's CPU seconds."""
+    spec = replace(cell_spec(cell, 1.0), dispatch_latency_s=dispatch_latency_s,
+                   completion_lag_s=completion_lag_s)
+    traffic = shape_traffic(cell.shape, 1.0, cell.seed, cell.loop, cell.endpoints, duration_s)
+    modes = {}
+    for mode in MODES:
+        started = time.process_time()
+        run = simulate(_sim_config(traffic, mode_config(mode, spec, traffic, 1.0), spec),
+                       traffic, spec, warmup_s=warmup_s, duration_s=duration_s, drain_s=0.0)
+        modes[mode] = {"tokens_per_s": run.tokens_per_s(), "preemptions": run.preemptions,
+                       "recomputed_tokens": run.recomputed_tokens,
+                       "requests": len(run.records),
+                       "cpu_s": round(time.process_time() - started, 1)}
+    passthrough = modes["pass-through"]["tokens_per_s"]
+    return {"cell": {"group": cell.group, "size": cell.shape.name, "loop": cell.loop,
+                     "engines": cell.engines, "endpoints": cell.endpoints, "seed": cell.seed,
+                     "kv_budget_tokens": spec.kv_budget_tokens},
+            "spec": {k: v for k, v in spec.__dict__.items()},
+            "duration_s": duration_s, "warmup_s": warmup_s,
+            "traffic": {t.name: t.backlog if t.backlog is not None else t.rate
+                        for t in traffic.tenants},
+            "modes": modes,
+            "ratio": modes["default"]["tokens_per_s"] / passthrough if passthrough else None,
+            "loadavg": loadavg()}
+
+
+def sim_report(data: dict[str, Any]) -> list[str]:
+    """The simulator-alone matrix: per run, default ÷ pass-through against the goal; per cell,
+    its seeds together."""
+    rows = list(data["cells"].values())
+    first = rows[0] if rows else {"duration_s": SIM_DURATION_S, "warmup_s": SIM_WARMUP_S,
+                                  "spec": {}}
+    spec = first["spec"]
+    lines = [
+        "# The default against pass-through in the pool simulator, large pools (issue 27)", "",
+        f"Generated by `python -m bench.efficiency {data['command']}` (the pool simulator "
+        "alone, no lock: no process is started); load average "
+        f"{' '.join(map(str, data['loadavg_before']))} at the start, "
+        f"{' '.join(map(str, data['loadavg_after']))} at the end, "
+        f"{data['wall_s']:.0f} s.", "",
+        "Goal (issue 27, *Default, in the pool simulator*): pool tokens default ÷ FCFS "
+        f"pass-through ≥ {GOAL:g} (stretch {STRETCH:.2f}) at 256k and 500k tokens per endpoint "
+        "and on 8 endpoints. The issue's requests (prompts 3,000-6,000 tokens, outputs "
+        "300-500, streamed, `ignore_eos`); open loop: heavy 15 requests/s per endpoint and "
+        "light 1.5 (the issue's 30 and 3 on 2 endpoints: an engine finishes about 3.4 a second "
+        "at 256k and 3.8 at 500k, so the pool is 4-5 times overloaded); closed loop: heavy "
+        "32 requests open per endpoint per 64k of cache (128 at 256k, 244 at 500k), light 2. "
+        "Engines: vLLM V1's scheduler (`picker.sim.vllm`), steps "
+        f"{spec.get('step_s', 0.01) * 1000:g} ms "
+        f"+ {spec.get('prefill_s_per_token', 0) * 1e6:g} ms per 1k prompt tokens, "
+        f"{spec.get('max_num_batched_tokens', 8192)} tokens a step, prefix caching on (a "
+        "preempted request recomputes only its evicted blocks, as vLLM V1). Through Envoy's "
+        "latencies as measured (`efficiency.md`): a dispatch reaches its engine "
+        f"{spec.get('dispatch_latency_s', 0) * 1000:g} ms after the picker sends it, the "
+        f"picker sees a request end {spec.get('completion_lag_s', 0) * 1000:g} ms after its "
+        f"last step. {first['duration_s']:g} s of traffic, tokens counted from "
+        f"{first['warmup_s']:g} s. Pass-through: `scheduling.policy: fcfs`, every request to "
+        "an engine at once (their queues decide); default: the fairway default (VTC; on "
+        "priority engines `scheduling.enginePolicy: priority`).", "",
+        "| cell | KV tokens per endpoint | endpoints | seed | pass-through tok/s | default tok/s "
+        f"| default ÷ pass-through | ≥ {GOAL:g} | ≥ {STRETCH:.2f} | preemptions pass-through / "
+        "default | recomputed tokens pass-through / default | simulator CPU s |",
+        "|" + "---|" * 12]
+    for r in rows:
+        c, m = r["cell"], r["modes"]
+        ratio = r["ratio"]
+        lines.append(
+            f"| {c['group']} | {c['kv_budget_tokens']:,} | {c['endpoints']} | {c['seed']} | "
+            f"{m['pass-through']['tokens_per_s']:.0f} | {m['default']['tokens_per_s']:.0f} | "
+            f"{_f(ratio, '.3f')} | {'yes' if ratio is not None and ratio >= GOAL else '**no**'} "
+            f"| {'yes' if ratio is not None and ratio >= STRETCH else 'no'} | "
+            f"{m['pass-through']['preemptions']} / {m['default']['preemptions']} | "
+            f"{m['pass-through']['recomputed_tokens']:,} / {m['default']['recomputed_tokens']:,}"
+            f" | {m['pass-through']['cpu_s'] + m['default']['cpu_s']:.0f} |")
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        if r["ratio"] is not None:
+            groups.setdefault(r["cell"]["group"], []).append(r["ratio"])
+    lines += ["", "| cell | runs | ratio min | ratio mean | runs ≥ goal | verdict |",
+              "|---|---|---|---|---|---|"]
+    for group, ratios in groups.items():
+        met = sum(x >= GOAL for x in ratios)
+        verdict = "met" if met == len(ratios) else f"**not met** ({len(ratios) - met} below)"
+        lines.append(f"| {group} | {len(ratios)} | {min(ratios):.3f} | "
+                     f"{statistics.fmean(ratios):.3f} | {met} | {verdict} |")
+    ratios = [x for g in groups.values() for x in g]
+    if ratios:
+        met = sum(x >= GOAL for x in ratios)
+        lines += ["", f"All runs: {met} of {len(ratios)} at {GOAL:g} or more, "
+                  f"{sum(x >= STRETCH for x in ratios)} at {STRETCH:.2f} or more; ratio "
+                  f"{min(ratios):.3f}-{max(ratios):.3f}, median "
+                  f"{statistics.median(ratios):.3f}."]
+    return lines
+
+
 # -- the report -----------------------------------------------------------------------------------
 
 
@@ -765,10 +906,13 @@ def goals_report(data: dict[str, Any]) -> list[str]:
              f"{WARMUP_S:g} s; one without a first token at the cut counts its wait so far) are "
              "counted inside it. Traffic seed: arrivals, prompts and output lengths. Load "
              "average: the 1/5/15-minute figures after each variant.", "",
+             "*Simulator*: the pool simulator's default ÷ pass-through on the same traffic and "
+             "configs (issue 27 point 4: within 3 % of Envoy's); *difference*: simulator ÷ "
+             "Envoy − 1.", "",
              "| cell | seed | order | pass-through tok/s | default tok/s | default ÷ "
-             f"pass-through | ≥ {GOAL:g} | ≥ {STRETCH:.2f} | light p95 ms, pass-through | light "
-             "p95 ms, default | load avg after pass-through / default |",
-             "|" + "---|" * 11]
+             f"pass-through | ≥ {GOAL:g} | ≥ {STRETCH:.2f} | simulator | difference | light p95 "
+             "ms, pass-through | light p95 ms, default | load avg after pass-through / default |",
+             "|" + "---|" * 13]
     for r in rows:
         cell = r["cell"]
         first = (r["order"] or ["pass-through"])[0]
@@ -778,6 +922,7 @@ def goals_report(data: dict[str, Any]) -> list[str]:
             f"{cell.get('seed', FIRST_SEED)} | {first} first | "
             f"{tok['pass-through']:.0f} | {tok['default']:.0f} | {_f(r['ratio'], '.3f')} | "
             f"{'yes' if r['goal'] else '**no**'} | {'yes' if r['stretch'] else 'no'} | "
+            f"{_f(r['sim_ratio'], '.3f')} | {_difference(r['ratio'], r['sim_ratio'])} | "
             f"{_f(p95['pass-through'], '.0f')} | {_f(p95['default'], '.0f')} | "
             f"{' '.join(str(x) for x in load['pass-through'])} / "
             f"{' '.join(str(x) for x in load['default'])} |")
@@ -786,7 +931,21 @@ def goals_report(data: dict[str, Any]) -> list[str]:
     for g in goal_summary(rows):
         lines.append(f"| {g['group']} | {g['runs']} | {_f(g['min'], '.3f')} | "
                      f"{_f(g['mean'], '.3f')} | {g['goal_met']} | {g['stretch_met']} |")
+    diffs = [abs(r["sim_ratio"] / r["ratio"] - 1) for r in rows
+             if r["sim_ratio"] is not None and r["ratio"]]
+    if diffs:
+        lines += ["", f"The simulator's ratio lies within {SIM_AGREEMENT:.0%} of Envoy's in "
+                  f"{sum(d <= SIM_AGREEMENT for d in diffs)} of {len(diffs)} runs (difference "
+                  f"mean {statistics.fmean(diffs):.1%}, largest {max(diffs):.1%})."]
     return lines
+
+
+def _difference(envoy: float | None, sim: float | None) -> str:
+    """The simulator's ratio against Envoy's, signed; bold past ``SIM_AGREEMENT``."""
+    if envoy is None or sim is None or not envoy:
+        return "–"
+    text = f"{sim / envoy - 1:+.1%}"
+    return text if abs(sim / envoy - 1) <= SIM_AGREEMENT else f"**{text}**"
 
 
 def reading(data: dict[str, Any]) -> list[str]:
@@ -921,15 +1080,36 @@ def main() -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="run every combination of the comma lists (the issue's goal "
                              "matrix; the inline and access-log paths one seed each)")
-    parser.add_argument("--duration", type=float, default=DURATION_S,
-                        help="seconds of sending per run (the issue's 30)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help=f"seconds of sending per run (the issue's {DURATION_S:g}; "
+                             f"--sim-only: {SIM_DURATION_S:g})")
+    parser.add_argument("--sim-only", action="store_true",
+                        help="the pool simulator alone on the matrix (no stack, no lock "
+                             "needed), the large pools by default (--only 256k, 500k, 8k, 64k); "
+                             f"endpoints up to 8; tokens counted after --warmup "
+                             f"(default {SIM_WARMUP_S:g} s); writes efficiency_sim_large.md")
+    parser.add_argument("--append", action="store_true",
+                        help="--sim-only: add the cells to efficiency_sim_large.json's, "
+                             "the report then covers both runs")
+    parser.add_argument("--warmup", type=float, default=SIM_WARMUP_S,
+                        help="--sim-only: seconds before the tokens are counted")
+    parser.add_argument("--dispatch-latency-ms", type=float,
+                        default=SIM_DISPATCH_LATENCY_S * 1000,
+                        help="--sim-only: PoolSpec.dispatch_latency_s, ms")
+    parser.add_argument("--completion-lag-ms", type=float, default=SIM_COMPLETION_LAG_S * 1000,
+                        help="--sim-only: PoolSpec.completion_lag_s, ms")
     parser.add_argument("--no-trace", action="store_true",
                         help="no step or picker traces: no breakdown, less CPU")
     parser.add_argument("--no-sim", action="store_true", help="skip the pool simulator")
     args = parser.parse_args()
-    shapes = [s for s in SHAPES if not args.only or s.name in args.only]
+    if args.sim_only:
+        shapes = [s for s in (*SHAPES, *LARGE_SHAPES)
+                  if s.name in (args.only or [z.name for z in LARGE_SHAPES])]
+    else:
+        shapes = [s for s in SHAPES if not args.only or s.name in args.only]
     choices = {"loop": LOOPS, "engines": ENGINES, "response_path": RESPONSE_PATHS,
-               "endpoints": tuple(str(n) for n in ENDPOINTS)}
+               "endpoints": tuple(str(n) for n in (SIM_ENDPOINTS if args.sim_only
+                                                   else ENDPOINTS))}
     given = {}
     for key, allowed in choices.items():
         given[key] = [v.strip() for v in getattr(args, key).split(",") if v.strip()]
@@ -940,6 +1120,10 @@ def main() -> None:
     cells = expand_matrix(shapes, given["loop"], given["engines"],
                           [int(n) for n in given["endpoints"]], args.seeds,
                           given["response_path"])
+    if args.sim_only:
+        sim_main(args, [cell for cell, _ in cells])
+        return
+    args.duration = DURATION_S if args.duration is None else args.duration
     data: dict[str, Any] = {"scale": args.scale, "catch_up_ms": args.catch_up_ms, "sizes": {},
                             "command": " ".join(sys.argv[1:])}
     runs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -971,6 +1155,39 @@ def main() -> None:
     (out / "efficiency.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     write_report(data, out / "efficiency.md")
     print(f"wrote {out / 'efficiency.md'}")
+
+
+def sim_main(args: argparse.Namespace, cells: Sequence[Cell]) -> None:
+    """``--sim-only``: every cell in the pool simulator; efficiency_sim_large.md and .json."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"command": " ".join(sys.argv[1:]), "loadavg_before": loadavg(),
+                            "cells": {}}
+    before: dict[str, Any] = {}
+    if args.append and (out / "efficiency_sim_large.json").exists():
+        before = json.loads((out / "efficiency_sim_large.json").read_text(encoding="utf-8"))
+    started = time.monotonic()
+    for i, cell in enumerate(cells):
+        got = sim_cell(cell, args.duration or SIM_DURATION_S, args.warmup,
+                       args.dispatch_latency_ms / 1000, args.completion_lag_ms / 1000)
+        name = cell.name
+        data["cells"][name] = got
+        print(f"[{i + 1}/{len(cells)}, {time.monotonic() - started:.0f} s] {name}: "
+              f"default ÷ pass-through {_f(got['ratio'], '.3f')} "
+              f"({got['modes']['pass-through']['tokens_per_s']:.0f} / "
+              f"{got['modes']['default']['tokens_per_s']:.0f} tok/s); load {got['loadavg']}",
+              flush=True)
+    data["loadavg_after"] = loadavg()
+    data["wall_s"] = time.monotonic() - started
+    if before:  # the earlier run's cells first; the commands and load averages of both
+        data["cells"] = {**before["cells"], **data["cells"]}
+        data["command"] = f"{before['command']}` then `python -m bench.efficiency {data['command']}"
+        data["loadavg_before"] = before["loadavg_before"]
+        data["wall_s"] += before["wall_s"]
+    (out / "efficiency_sim_large.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    (out / "efficiency_sim_large.md").write_text("\n".join(sim_report(data)) + "\n",
+                                                 encoding="utf-8")
+    print(f"wrote {out / 'efficiency_sim_large.md'}")
 
 
 if __name__ == "__main__":
