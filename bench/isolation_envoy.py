@@ -20,7 +20,9 @@ Run: ``python -m bench.isolation_envoy --out bench/results`` (each mode runs the
 duration and then its clients' timeout: about 4 minutes at 8k, 10 from 64k up; ``--only 64k``
 for one size, ``--mode M`` for one picker mode besides the baselines, ``--report NAME`` for the
 file it writes, ``--response-path access-log`` for Envoy's access-log response path, which the
-simulator runs with ``PoolSpec.output_seen_at_end``).
+simulator runs with ``PoolSpec.output_seen_at_end``). ``--light-rate R``, ``--duration S`` and
+``--timeout S`` change the size's traffic before it is scaled (issue 27's 64k shape: ``--only
+64k --light-rate 3``; a shorter run: ``--duration 60 --timeout 20``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
                                                       "capacity": PROFILES["ready"]}),
     "isolation profile, priority engines": ("vtc", {"scheduling": {"enginePolicy": "priority"},
                                                     "capacity": {"profile": "isolation"}}),
+    "isolation profile, one-request reserve": (
+        "vtc", {"scheduling": {"enginePolicy": "priority"},
+                "capacity": {"profile": "isolation", "reserveQuantile": 0}}),
 }
 BASELINES = ("light alone", "fcfs pass-through")
 """Every run has these: the ratios are against them."""
@@ -199,6 +204,11 @@ def write_report(data: dict[str, Any], out: Path) -> None:
              "two cores carry Envoy, the picker, both servers and the load client. Ratios keep "
              "their meaning; milliseconds are that much larger. Goals: light p95 ÷ alone ≤ "
              f"{RATIO_GOAL}, tokens ÷ FCFS ≥ {TOKENS_GOAL}.", ""]
+    changed = [f"{label} {data[key]:g}" for key, label in (
+        ("light_rate", "light tenant's requests/s"), ("duration", "seconds of traffic"),
+        ("timeout", "s clients' timeout")) if data.get(key) is not None]
+    if changed:
+        lines += ["Traffic changed before scaling: " + ", ".join(changed) + ".", ""]
     if data.get("response_path", "meter-stream") != "meter-stream":
         lines += [f"Response path: `{data['response_path']}` (Envoy's access log; the "
                   "simulator sees each request's output only once it has ended).", ""]
@@ -248,6 +258,22 @@ def write_report(data: dict[str, Any], out: Path) -> None:
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _changed(size: Size, light_rate: float | None, duration: float | None,
+             timeout: float | None) -> Size:
+    """The size with its light tenant's rate, its traffic's duration or timeout changed."""
+    assert isinstance(size.traffic, dict)
+    traffic = copy.deepcopy(size.traffic)
+    if light_rate is not None:
+        for tenant in traffic["tenants"]:
+            if tenant["name"] == "light":
+                tenant["rate"] = light_rate
+    if duration is not None:
+        traffic["duration_s"] = duration
+    if timeout is not None:
+        traffic["timeout_s"] = timeout
+    return replace(size, traffic=traffic)
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
@@ -267,14 +293,22 @@ def main() -> None:
                         help="the report's file name, without .md or .json")
     parser.add_argument("--response-path", choices=RESPONSE_PATHS,
                         default="meter-stream", help="how Envoy hands responses to the picker")
+    parser.add_argument("--light-rate", type=float, default=None,
+                        help="the light tenant's requests a second (before scaling)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds of traffic (before scaling)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="the clients' timeout and the picker's maxWait (before scaling)")
     args = parser.parse_args()
     baselines = ("light alone",) if args.skip_fcfs else BASELINES
     modes = baselines + tuple(args.mode or (m for m in MODES if m not in BASELINES))
-    sizes = [s for s in SIZES if isinstance(s.traffic, dict)
+    sizes = [_changed(s, args.light_rate, args.duration, args.timeout) for s in SIZES
+             if isinstance(s.traffic, dict)
              and (not args.only or s.name.split()[0] in args.only)]
     plan = Plan(quick=False, goals=frozenset(), response_path=args.response_path)
     data: dict[str, Any] = {"scale": args.scale, "response_path": args.response_path,
-                            "sizes": {}}
+                            "light_rate": args.light_rate, "duration": args.duration,
+                            "timeout": args.timeout, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="fairway-isolation-") as tmp:
         for size in sizes:
             print(f"{size.name}:", flush=True)

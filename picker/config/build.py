@@ -62,6 +62,8 @@ def gate_rules(config: PickerConfig) -> GateRules:
         engine_policy=config.scheduling.engine_policy,
         preempt=config.scheduling.preempt,
         idle_tenant_reserve=config.capacity.idle_tenant_reserve,
+        reserve_quantile=config.capacity.reserve_quantile,
+        reserve_max_share=config.capacity.reserve_max_share,
         default_output_tokens=config.capacity.default_output_tokens,
         tenant_lanes={t.id: t.lane for t in config.tenants if t.lane is not None},
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))

@@ -165,9 +165,9 @@ class Queue:
 
 CAPACITY_PROFILES: dict[str, dict[str, float | bool | int]] = {
     "throughput": {"idle_tenant_reserve": 0.0, "growth_room": False, "max_prefill_tokens": 0,
-                   "ready_reserve": False},
+                   "ready_reserve": False, "reserve_quantile": 0.0, "reserve_max_share": 1.0},
     "isolation": {"idle_tenant_reserve": 10.0, "growth_room": True, "max_prefill_tokens": 4096,
-                  "ready_reserve": True},
+                  "ready_reserve": True, "reserve_quantile": 0.0, "reserve_max_share": 0.1},
 }
 """What ``capacity.profile`` sets, by field: the values of the four settings a key left unset
 takes. ``isolation``'s are those measured together in ``bench/isolation_together.py`` (its
@@ -302,6 +302,31 @@ class Capacity:
     1.00 to 1.09 on four endpoints at 0.87 to 1.00; 1.00 on eight at 0.95 to 1.04 (8k and
     64k); through Envoy at 64k, 1.14. ``false``: the reserve counts on any endpoint with the
     room. Unset: the profile's (``throughput``: ``false``, ``isolation``: ``true``)."""
+
+    reserve_quantile: float = field(default=None,  # type: ignore[assignment]
+                                    metadata=_camel("reserve_quantile", profile=True, ge=0,
+                                                    lt=1))
+    """With ``idleTenantReserve``: how much room a light tenant's reserve keeps, and who is
+    light. ``0``: room for one typical request of each tenant that has at most one request
+    waiting in the picker (a tenant with two waiting is judged a flood). Above 0: the reserve
+    follows the tenant's rate (Little's law): its requests expected in flight are its arrival
+    rate (over ``idleTenantReserve``) times the time one of its requests holds its room
+    (dispatch to end, as measured); with Poisson arrivals the number in flight is Poisson of
+    that mean, and the reserve keeps room for this quantile of it, less what the tenant holds
+    already, and at least one large request. A tenant is light while that expected demand
+    (requests in flight × its mean size) is below its fair share of the pool (by weight, among
+    the tenants seen within ``idleTenantReserve``); it may then have as many requests waiting as
+    its reserve is for. A tenant at or above its fair share gets no reserve and is judged
+    backlogged, like a flood. Unset: the profile's (``0`` in both: the rate rule is opt-in while
+    it is measured)."""
+    reserve_max_share: float = field(default=None,  # type: ignore[assignment]
+                                     metadata=_camel("reserve_max_share", profile=True, gt=0,
+                                                     le=1))
+    """With ``reserveQuantile``: the reserves of all light tenants together keep at most this
+    fraction of the pool's tokens free (the sum of the endpoints' budgets). Room kept free is
+    room the flood does not use: past some share, the reserve costs more of the pool's tokens
+    than isolation is worth (README, "What isolation costs"). Unset: the profile's
+    (``throughput``: ``1``, unused there; ``isolation``: ``0.1``)."""
 
     def __post_init__(self) -> None:
         # A key left unset takes the profile's value; one written out wins. The fields then

@@ -58,6 +58,15 @@ from picker.core.prefix import (
     covered_tokens,
 )
 from picker.core.request import Request, Usage
+from picker.core.reserve import (
+    Demand,
+    ReserveRules,
+    is_light,
+    new_demand,
+    pool_reserve,
+    reserved_requests,
+    tenant_reserve,
+)
 from picker.core.selection import (
     CapacityRules,
     EndpointState,
@@ -72,8 +81,6 @@ from picker.core.selection import (
 )
 from picker.core.sessions import SessionId, SessionRules, SessionTable, next_parked, prefer
 
-FOOTPRINT_EWMA_ALPHA = 0.2
-"""How fast a tenant's typical footprint (for the idle-tenant reserve) follows its requests."""
 PRUNE_INTERVAL = 30.0
 """Seconds between sweeps that forget tenants whose state no longer changes a decision."""
 
@@ -129,6 +136,10 @@ class GateRules:
     worse engine priority hold at least its prompt (see ``_preemptible``)."""
     idle_tenant_reserve: float = 0.0
     """Seconds a tenant counts as recently active for the reserve (0: no reserve)."""
+    reserve_quantile: float = 0.0
+    """The reserve's size (``picker.core.reserve.ReserveRules.quantile``; 0: one request)."""
+    reserve_max_share: float = 1.0
+    """The reserves together at most this fraction of the pool's tokens."""
     default_output_tokens: int = 256
     tenant_lanes: Mapping[str, str] = field(default_factory=dict)
     """A tenant's own lane, when not the first."""
@@ -315,8 +326,10 @@ class Gate:
         self._single: dict[str, Passage] = {}
         """Tenants with exactly one request in the fair queue (and none parked): the requests
         that may go ahead of a head that has to wait (see ``pump``)."""
-        self._recent: dict[str, tuple[float, float]] = {}
-        """Per tenant: last arrival and typical footprint (tokens), for the idle reserve."""
+        self._recent: dict[str, Demand] = {}
+        """Per tenant: its recent arrivals, sizes and holding time, for the idle reserve."""
+        self._reserve = ReserveRules(rules.idle_tenant_reserve, rules.reserve_quantile,
+                                     rules.reserve_max_share)
         self.occupancy = Occupancy()
         """Per lane, the tokens each tenant holds in running requests (engine priority)."""
         self.capacity_share = 1.0
@@ -461,8 +474,9 @@ class Gate:
             return configured
         return 2 * rank if configured is None else configured
 
-    def engine_priority_for(self, passage: Passage) -> int | None:
-        """The engine priority a queued request gets when dispatched now.
+    def engine_priority_for(self, passage: Passage, now: float | None = None) -> int | None:
+        """The engine priority a queued request gets when dispatched now (``now``: the time,
+        which a rate-judged reserve needs; without it, its tenant's last arrival).
 
         With ``fcfs`` engines, its lane's (vLLM refuses any other than 0 there). With
         ``priority`` engines, the lane's base (``2 × rank``, or its configured ``enginePriority``;
@@ -474,9 +488,9 @@ class Gate:
         base = self.engine_priority(passage.lane)
         if base is None or self.rules.engine_policy != "priority":
             return base
-        return base + self._standing(passage)
+        return base + self._standing(passage, now)
 
-    def _standing(self, passage: Passage) -> int:
+    def _standing(self, passage: Passage, now: float | None = None) -> int:
         """0 (light) or 1 (flood), judged in this order:
 
         * 0 when the tenant holds less than ``UNDER_SERVED`` of its weighted share of the lane's
@@ -493,7 +507,7 @@ class Gate:
         share = self.occupancy.share(passage.lane, tenant, weight)
         if share is not None and share < UNDER_SERVED:
             return 0
-        if self._backlogged(tenant) or (share is not None and share >= 1.0):
+        if self._backlogged(tenant, now) or (share is not None and share >= 1.0):
             return 1
         policy = self.scheduler.policy(passage.lane)
         floor = getattr(policy, "min_backlogged_counter", lambda: None)()
@@ -626,11 +640,13 @@ class Gate:
     def _note_arrival(self, tenant: str, tokens: int, now: float) -> None:
         """Remember when the tenant last sent and how big its requests are (for the reserve)."""
         if self.rules.idle_tenant_reserve:
-            # Up at once to a larger request, down slowly: room for the tenant's large requests,
-            # not its average one (a request larger than the reserve waits like any other).
-            _, footprint = self._recent.get(tenant, (now, float(tokens)))
-            self._recent[tenant] = (now, max(float(tokens), footprint + FOOTPRINT_EWMA_ALPHA
-                                             * (tokens - footprint)))
+            # Room for the tenant's large requests, not its average one (a request larger than
+            # the reserve waits like any other), and its rate (``picker.core.reserve``).
+            demand = self._recent.get(tenant)
+            if demand is None:
+                self._recent[tenant] = new_demand(tokens, now)
+            else:
+                demand.arrived(tokens, now, self.rules.idle_tenant_reserve)
 
     def queued_total(self) -> int:
         """Requests waiting (queued and parked)."""
@@ -737,7 +753,7 @@ class Gate:
             request = passage.request
             candidates = self.candidates(passage.subset, now, require_room=True,
                                          prompt_tokens=request.prompt_tokens, passage=passage)
-            if candidates and self._backlogged(passage.tenant):
+            if candidates and self._backlogged(passage.tenant, now):
                 candidates = self._for_backlogged(passage, candidates, now)
             preempting = False
             if not candidates:
@@ -766,7 +782,7 @@ class Gate:
             candidates = [c for c in candidates
                           if takes_backlogged(c, prompt, size - self._room_held(passage, c),
                                               now, capacity)]
-        reserve = self._idle_reserve(now, passage.tenant) if candidates else 0.0
+        reserve, total = self._idle_reserve(now, passage.tenant) if candidates else (0.0, 0.0)
         if reserve:
             # Only endpoints that leave the room kept for a light tenant's next request
             # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
@@ -774,7 +790,7 @@ class Gate:
             if size is None:
                 size = self._projected(passage, now)
             candidates = [c for c in candidates
-                          if keeps_reserve(pool, c, size, reserve, now, capacity)]
+                          if keeps_reserve(pool, c, size, reserve, now, capacity, total)]
         return candidates
 
     def _newest_if_stale(self, head: Passage, now: float) -> Passage:
@@ -800,23 +816,54 @@ class Gate:
         return passage.request.prompt_tokens + self.expected_output(
             passage.tenant, passage.output_cap, passage.stream, now) * passage.choices
 
-    def _backlogged(self, tenant: str) -> bool:
+    def _backlogged(self, tenant: str, now: float | None) -> bool:
         """More than one request of the tenant is waiting: it keeps the pool busy by itself.
-        (A light tenant has at most the one that just arrived.)"""
-        return len(self._in_queue.get(tenant, ())) > 1 or tenant in self._parked
+        (A light tenant has at most the one that just arrived.) With ``reserve_quantile``, light
+        is judged by rate (``picker.core.reserve``): a tenant whose expected demand is below its
+        fair share may have as many requests waiting as its reserve is for; one at or above its
+        fair share is backlogged whatever its queue."""
+        if tenant in self._parked:
+            return True
+        queued = len(self._in_queue.get(tenant, ()))
+        demand = self._recent.get(tenant) if self._reserve.quantile else None
+        if demand is None:
+            return queued > 1
+        if now is None:
+            now = demand.last
+        running = self.admission.running(tenant)
+        return queued > reserved_requests(demand, now, self._reserve, running) or not is_light(
+            demand, now, self._reserve, self._fair_tokens(tenant), running)
 
-    def _idle_reserve(self, now: float, exclude: str) -> float:
-        """Tokens to keep free for recently active tenants that are not backlogged."""
+    def _pool_tokens(self) -> float:
+        fallback = self.rules.capacity.fallback_budget
+        return float(sum(e.budget(fallback) for e in self.endpoints.values()))
+
+    def _fair_tokens(self, tenant: str) -> float:
+        """The tenant's fair share of the pool's tokens among the tenants seen recently."""
+        weights = self.scheduler.weights
+        total = sum(weights.get(t, 1.0) for t in self._recent) or 1.0
+        return self._pool_tokens() * weights.get(tenant, 1.0) / total
+
+    def _held(self, tenant: str) -> float:
+        """Tokens the tenant's running requests hold (all lanes)."""
+        return float(sum(self.occupancy.held(lane.name, tenant) for lane in self.rules.lanes))
+
+    def _idle_reserve(self, now: float, exclude: str) -> tuple[float, float]:
+        """Tokens to keep free for recently active tenants that are not backlogged: on one
+        endpoint (their next request) and in the pool (``picker.core.reserve.pool_reserve``)."""
         window = self.rules.idle_tenant_reserve
         if not window:
-            return 0.0
-        reserve = 0.0
-        for tenant, (last, footprint) in list(self._recent.items()):
-            if now - last > window:
+            return 0.0, 0.0
+        rules = self._reserve
+        reserves: dict[str, tuple[float, float]] = {}
+        for tenant, demand in list(self._recent.items()):
+            if now - demand.last > window:
                 del self._recent[tenant]
-            elif tenant != exclude and not self._backlogged(tenant):
-                reserve = max(reserve, footprint)
-        return reserve
+            elif tenant != exclude and not self._backlogged(tenant, now):
+                reserves[tenant] = (demand.footprint, tenant_reserve(
+                    demand, now, rules, self._held(tenant) if rules.quantile else 0.0,
+                    self.admission.running(tenant) if rules.quantile else 0))
+        return pool_reserve(reserves, self._pool_tokens() if rules.quantile else 0.0, rules)
 
     def _light_request(self, now: float,
                        head: Passage) -> tuple[Passage, list[EndpointState], bool] | None:
@@ -860,7 +907,7 @@ class Gate:
         """
         if not self._preempts():
             return []
-        priority = self.engine_priority_for(passage)
+        priority = self.engine_priority_for(passage, now)
         if priority is None:
             return []
         spare: dict[str, int] = {}
@@ -911,7 +958,7 @@ class Gate:
                       require_room=require_room, lease_tokens=lease_tokens, bonus=bonus,
                       held=held)
         if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
-                and not self._backlogged(passage.tenant):
+                and not self._backlogged(passage.tenant, now):
             ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
         if passage is not None and passage.session is not None and self.sessions is not None \
                 and self.sessions.rules.sticky:
@@ -924,7 +971,7 @@ class Gate:
         request = passage.request
         passage.preempting = preempting
         # The standing is the tenant's as it waited, this request included.
-        passage.engine_priority = self.engine_priority_for(passage)
+        passage.engine_priority = self.engine_priority_for(passage, now)
         primary = candidates[0]
         if passage.prefix_blocks:
             self._note_prefix(passage, primary)
@@ -1113,6 +1160,9 @@ class Gate:
                     passage.tenant, passage.output_cap, passage.stream, now) * passage.choices)
             usage = Usage(request.prompt_tokens, output, request.cached_prompt_tokens)
         self.scheduler.finish(request, usage)
+        demand = self._recent.get(passage.tenant)
+        if demand is not None:
+            demand.ended(now - passage.dispatched_at)  # how long it held its room
         del self.passages[request]
         self._release(passage, outcome == "ok", now)
         self._learn(passage, usage, outcome, reported, now)
@@ -1253,7 +1303,7 @@ class Gate:
         if self.sessions is not None:
             self.sessions.prune(now)
         window = self.rules.idle_tenant_reserve
-        self._recent = {t: seen for t, seen in self._recent.items() if now - seen[0] <= window}
+        self._recent = {t: seen for t, seen in self._recent.items() if now - seen.last <= window}
 
     def tenants_held(self) -> dict[str, int]:
         """How many tenants each part of the gate holds state for (memory, benchmarks)."""

@@ -261,9 +261,11 @@ def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_toke
 
 
 def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,
-                  reserve: float, now: float, rules: CapacityRules) -> bool:
+                  reserve: float, now: float, rules: CapacityRules, total: float = 0.0) -> bool:
     """Whether, with a request expected to grow to ``tokens`` on ``chosen``, some endpoint will
-    still have ``reserve`` tokens free.
+    still have ``reserve`` tokens free, and the pool ``total`` (``picker.core.reserve``: room
+    for a light tenant's next requests, spread wherever they go; the readiness below is asked
+    of the next one's room only).
 
     With ``ready_reserve`` the room must also be where a light tenant's request starts at the
     engine's next step: vLLM runs a step's prompt chunks to the end and computes a running
@@ -274,15 +276,20 @@ def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens:
     """
     ready = rules.ready_reserve and any(
         e is not chosen and e.in_service(now) for e in endpoints)
+    kept = False
+    pooled = 0.0
     for endpoint in endpoints:
-        if ready and (endpoint is chosen or endpoint.prefill_tokens > 0):
-            continue
         free = free_tokens(endpoint, now, rules)
         if endpoint is chosen:
             free -= tokens
+        pooled += max(0.0, free)
+        if ready and (endpoint is chosen or endpoint.prefill_tokens > 0):
+            continue
         if free >= reserve:
-            return True
-    return False
+            kept = True
+            if total <= reserve:
+                return True
+    return kept and pooled >= total
 
 
 class Scorer(Protocol):
