@@ -54,7 +54,7 @@ from picker.config.build import admission_rules, cost_function, gate_rules
 from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler
 from picker.core.admission import Admission, Refused, Reservation, TenantRules
-from picker.core.gate import QUEUE_FULL, Gate
+from picker.core.gate import PRUNE_INTERVAL, QUEUE_FULL, Gate
 from picker.core.request import Request, Usage
 from picker.sim.pool import PoolSpec
 from picker.whatif.log import Arrival
@@ -611,6 +611,18 @@ class FastReplay:
                 self._cancel(payload, at)
             self.handled += 1
 
+    def prune(self, now: float) -> None:
+        """Forget idle tenants' state as the gate does every ``PRUNE_INTERVAL`` (``Gate.
+        forget_idle``: nothing a decision reads changes), so that a log of endless tenant ids
+        holds only the active ones."""
+        gate = self.gate
+        self.admission.prune(now)
+        gate.estimates.prune(now)
+        active = set(self.tenant_queued) | set(self.running) | set(self.parked)
+        self.scheduler.forget_idle(active, gate.rules.configured_tenants)
+        if len(self.free) > 4096:
+            self.free = {}  # a cache of the rules: read again when needed
+
     def pending(self) -> bool:
         return bool(self.events or self.queued or self.parked)
 
@@ -631,10 +643,14 @@ def replay_fast(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival
     drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
     last = 0.0
     source: Iterator[Arrival] = iter(arrivals)
+    next_prune = PRUNE_INTERVAL
     for count, arrival in enumerate(source, start=1):
         now = max(last, arrival.arrived - start)
         pool.advance(now)
         pool.now = last = now
+        if now >= next_prune:
+            pool.prune(now)
+            next_prune = now + PRUNE_INTERVAL
         pool.send(arrival, now)
         if expired is not None and count % EXPIRY_CHECK_STEPS == 0 and expired():
             raise TimeoutError(f"the replay ran out of time after {now:,.0f} simulated seconds")

@@ -19,7 +19,7 @@ from picker.config.schema import PickerConfig
 from picker.config.strict import load
 from picker.sim.pool import PoolSpec
 from picker.whatif.__main__ import main
-from picker.whatif.fast import _Endpoint, _Flow, replay_fast, unmodelled
+from picker.whatif.fast import FastReplay, _Endpoint, _Flow, replay_fast, unmodelled
 from picker.whatif.log import Arrival
 from picker.whatif.replay import ReplayResult, replay
 from tests.unit.test_whatif_log import record, write
@@ -195,3 +195,23 @@ def test_the_cli_replays_in_fast_mode_and_refuses_two_modes(
     with pytest.raises(SystemExit):
         main([str(log), "--baseline", str(base), "--candidate", str(base), "--fast",
               "--coarse", "8"])
+
+
+def test_idle_tenants_are_forgotten_as_the_gate_forgets_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A log of endless tenant ids, one request each: the replay keeps the active ones only.
+    spec = PoolSpec(endpoints=1, kv_budget_tokens=4096, step_s=0.01)
+    kept: list[int] = []
+
+    class Watched(FastReplay):
+        def prune(self, now: float) -> None:
+            super().prune(now)
+            kept.append(len(self.scheduler.service))
+
+    monkeypatch.setattr("picker.whatif.fast.FastReplay", Watched)
+    result = replay_fast(config([{"id": "a"}]), spec,
+                         (arrival(i * 0.1, f"t{i}", line=i, output=5, max_tokens=5)
+                          for i in range(3000)), start=0.0)
+    assert sum(s.ok for s in result.lanes.values()) == 3000
+    # Every 30 simulated seconds, of 300 new tenants those with a request in flight remain.
+    assert len(kept) >= 9 and max(kept) <= 5
