@@ -1167,7 +1167,8 @@ def sim_main(args: argparse.Namespace, cells: Sequence[Cell]) -> None:
     if args.append and (out / "efficiency_sim_large.json").exists():
         before = json.loads((out / "efficiency_sim_large.json").read_text(encoding="utf-8"))
     started = time.monotonic()
-    for i, cell in enumerate(cells):
+    # Every cell's first seed before any cell's second: a run cut short still covers them all.
+    for i, cell in enumerate(sorted(cells, key=lambda c: c.seed)):
         got = sim_cell(cell, args.duration or SIM_DURATION_S, args.warmup,
                        args.dispatch_latency_ms / 1000, args.completion_lag_ms / 1000)
         name = cell.name
@@ -1177,17 +1178,22 @@ def sim_main(args: argparse.Namespace, cells: Sequence[Cell]) -> None:
               f"({got['modes']['pass-through']['tokens_per_s']:.0f} / "
               f"{got['modes']['default']['tokens_per_s']:.0f} tok/s); load {got['loadavg']}",
               flush=True)
-    data["loadavg_after"] = loadavg()
-    data["wall_s"] = time.monotonic() - started
-    if before:  # the earlier run's cells first; the commands and load averages of both
-        data["cells"] = {**before["cells"], **data["cells"]}
-        data["command"] = f"{before['command']}` then `python -m bench.efficiency {data['command']}"
-        data["loadavg_before"] = before["loadavg_before"]
-        data["wall_s"] += before["wall_s"]
-    (out / "efficiency_sim_large.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
-    (out / "efficiency_sim_large.md").write_text("\n".join(sim_report(data)) + "\n",
-                                                 encoding="utf-8")
+        _write_sim(out, data, before, started)  # after each cell: a cut run keeps its cells
     print(f"wrote {out / 'efficiency_sim_large.md'}")
+
+
+def _write_sim(out: Path, data: dict[str, Any], before: dict[str, Any], started: float) -> None:
+    report = {**data, "loadavg_after": loadavg(), "wall_s": time.monotonic() - started}
+    if before:  # the earlier run's cells first; the commands and load averages of both
+        report["cells"] = {**before["cells"], **data["cells"]}
+        report["command"] = (f"{before['command']}` then `python -m bench.efficiency "
+                             f"{data['command']}")
+        report["loadavg_before"] = before["loadavg_before"]
+        report["wall_s"] += before["wall_s"]
+    (out / "efficiency_sim_large.json").write_text(json.dumps(report, indent=1),
+                                                   encoding="utf-8")
+    (out / "efficiency_sim_large.md").write_text("\n".join(sim_report(report)) + "\n",
+                                                 encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -572,6 +572,14 @@ class _Pool:
 
     def timeouts(self) -> None:
         limit = self.config.queue.max_wait
+        queued = self.queued
+        # In arrival order: none is past the limit while the first is not, so the list (and the
+        # dispatched ones it still holds) is swept only then, not every tick.
+        if queued and self.now - queued[0].arrived_at >= limit:
+            self._sweep(limit)
+        self._deadlines()
+
+    def _sweep(self, limit: float) -> None:
         waiting = []
         for passage in self.queued:
             if passage.dispatched_at is not None or passage.outcome is not None:
@@ -581,6 +589,8 @@ class _Pool:
             else:
                 waiting.append(passage)
         self.queued = waiting
+
+    def _deadlines(self) -> None:
         deadlines = self.deadlines
         while deadlines and deadlines[0][0] <= self.now:
             passage = heapq.heappop(deadlines)[2]
