@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -171,6 +172,18 @@ def _f(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def pool_table(modes: dict[str, Any], label: str = "picker") -> list[str]:
+    """The pool's figures of each mode's run (``numbers``), a markdown table's lines."""
+    lines = [f"| {label} | pool tokens/s | prefix hit rate | TTFT p50 ms | TTFT p95 ms | "
+             "requests ok | preemptions |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, n in modes.items():
+        lines.append(f"| {name} | {_f(n['tokens_per_s'])} | {n['prefix_hit_rate']:.1%} | "
+                     f"{_f(n['ttft_p50_ms'])} | {_f(n['ttft_p95_ms'])} | "
+                     f"{n['ok']:,} / {n['requests']:,} | {n['preemptions']:,} |")
+    return lines
+
+
 def render(results: dict[str, Any]) -> str:
     spec = dataclasses.asdict(SPEC)
     lines = [
@@ -199,15 +212,8 @@ def render(results: dict[str, Any]) -> str:
         "",
     ]
     for workload, data in results.items():
-        lines += [f"## {workload} (`{data['traffic']}`)", "",
-                  "| picker | pool tokens/s | prefix hit rate | TTFT p50 ms | TTFT p95 ms | "
-                  "requests ok | preemptions |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, n in data["modes"].items():
-            lines.append(f"| {name} | {_f(n['tokens_per_s'])} | {n['prefix_hit_rate']:.1%} | "
-                         f"{_f(n['ttft_p50_ms'])} | {_f(n['ttft_p95_ms'])} | "
-                         f"{n['ok']:,} / {n['requests']:,} | {n['preemptions']:,} |")
-        lines += ["", "| picker | tenant | TTFT p50 / p95 ms | units done / started | "
+        lines += [f"## {workload} (`{data['traffic']}`)", "", *pool_table(data["modes"]),
+                  "", "| picker | tenant | TTFT p50 / p95 ms | units done / started | "
                   "completion p50 / p95 s | computed-cost share | sent-cost share |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for name, n in data["modes"].items():
@@ -219,6 +225,42 @@ def render(results: dict[str, Any]) -> str:
                     f"{t['computed_cost_share']:.1%} | {t['sent_cost_share']:.1%} |")
         lines.append("")
     return "\n".join(lines)
+
+
+SECTION = re.compile(r"<!-- (bench\.[a-z_]+):.*?<!-- /\1 -->", re.S)
+"""A section another benchmark writes into ``prefix.md`` (``bench.peer``,
+``bench.prefix_sessions``, ``bench.prefix_fairness``), between its markers."""
+
+
+def sections(document: str) -> list[str]:
+    """The sections other benchmarks wrote into ``document``, markers included, in order."""
+    return [m.group(0) for m in SECTION.finditer(document)]
+
+
+def splice(document: str, section: str, start: str, end: str) -> str:
+    """``document`` with the part between the markers ``start`` and ``end`` replaced by
+    ``section`` (appended, with its markers, if it has none)."""
+    block = f"{start}\n{section}\n{end}"
+    if start in document and end in document:
+        return document[:document.index(start)] + block + \
+            document[document.index(end) + len(end):]
+    return document.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_section(out: Path, text: str, start: str, end: str, name: str,
+                  results: dict[str, Any]) -> None:
+    """Into directory ``out``: ``text`` as the section of ``prefix.md`` between the markers
+    ``start`` and ``end`` (the rest of the page kept), and ``results`` as ``name``.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / "prefix.md"
+    page.write_text(splice(page.read_text() if page.exists() else "", text, start, end))
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def load_average() -> str:
+    """The machine's load average over 1, 5 and 15 minutes, as ``a / b / c``."""
+    with open("/proc/loadavg") as f:
+        return " / ".join(f.read().split()[:3])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,15 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         page = args.out / "prefix.md"
-        # bench.peer and bench.prefix_sessions write their sections there between markers:
-        # keep them.
-        old = page.read_text() if page.exists() else ""
-        kept = [old[old.index(start):old.index(end) + len(end)]
-                for start, end in (("<!-- bench.peer:", "<!-- /bench.peer -->"),
-                                   ("<!-- bench.prefix_sessions:",
-                                    "<!-- /bench.prefix_sessions -->"))
-                if start in old and end in old]
-        page.write_text(text + "\n" + "".join(f"\n{k}\n" for k in kept))
+        # bench.peer, bench.prefix_sessions and bench.prefix_fairness write their sections
+        # there between markers: keep them.
+        page.write_text(text + "\n" + "".join(
+            f"\n{k}\n" for k in sections(page.read_text() if page.exists() else "")))
         (args.out / "prefix.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

@@ -187,6 +187,13 @@ def send(gate: Gate, tenant: str, session: str | None, prompt: int = 500, now: f
     return passage
 
 
+def send_home(gate: Gate, tenant: str, session: str) -> tuple[Passage, str]:
+    """A session's first call, dispatched, and the address of the endpoint it went to."""
+    passage = send(gate, tenant, session)
+    assert passage.endpoint is not None
+    return passage, passage.endpoint.address
+
+
 def load(gate: Gate, address: str, tokens: int) -> None:
     gate.endpoints[address].inflight_tokens += tokens
     gate.endpoints[address].inflight_requests += 1
@@ -198,9 +205,7 @@ def other(address: str) -> str:
 
 def test_a_sessions_calls_stay_on_its_endpoint_while_it_has_room() -> None:
     gate = make_gate()
-    first = send(gate, "a", "task-1")
-    assert first.endpoint is not None
-    home = first.endpoint.address
+    first, home = send_home(gate, "a", "task-1")
     gate.complete(first, Usage(500, 100), "ok", 1.0)
     load(gate, home, 6_000)  # its endpoint is the busier one now; load alone would leave it
     second = send(gate, "a", "task-1", now=2.0)
@@ -213,9 +218,7 @@ def test_a_sessions_calls_stay_on_its_endpoint_while_it_has_room() -> None:
 
 def test_a_session_whose_endpoint_is_full_goes_where_it_fits_never_where_it_does_not() -> None:
     gate = make_gate()
-    first = send(gate, "a", "task-1")
-    assert first.endpoint is not None
-    home = first.endpoint.address
+    _, home = send_home(gate, "a", "task-1")
     load(gate, home, 9_800)  # its call no longer fits there
     second = send(gate, "a", "task-1", prompt=500, now=1.0)
     assert second.endpoint is not None and second.endpoint.address == other(home)
@@ -226,9 +229,7 @@ def test_a_session_whose_endpoint_is_full_goes_where_it_fits_never_where_it_does
 
 def test_another_tenant_sending_the_same_key_neither_steers_nor_rides_the_session() -> None:
     gate = make_gate()
-    mine = send(gate, "a", "shared-id")
-    assert mine.endpoint is not None
-    home = mine.endpoint.address
+    _, home = send_home(gate, "a", "shared-id")
     load(gate, home, 4_000)
     theirs = send(gate, "b", "shared-id", now=1.0)
     assert theirs.endpoint is not None and theirs.endpoint.address == other(home)
@@ -310,9 +311,7 @@ def test_sessions_off_ignores_the_key() -> None:
 
 def test_a_drained_endpoint_takes_its_sessions_with_it() -> None:
     gate = make_gate()
-    first = send(gate, "a", "task-1")
-    assert first.endpoint is not None
-    home = first.endpoint.address
+    first, home = send_home(gate, "a", "task-1")
     gate.complete(first, Usage(500, 100), "ok", 1.0)
     gate.set_endpoints({other(home): 10_000})
     assert gate.sessions is not None and len(gate.sessions) == 0
@@ -413,24 +412,3 @@ def test_a_bad_sessions_section_names_its_path(sections: dict[str, Any], path: s
     with pytest.raises(ConfigError) as caught:
         load_config(sections)
     assert caught.value.path == path
-
-
-# -- the benchmark's own arithmetic (bench/prefix_sessions.py) --
-
-def test_the_bench_measures_backlog_as_the_union_of_waits_and_keeps_other_sections() -> None:
-    from bench.prefix_sessions import END, START, backlogged_fraction, splice
-    from picker.sim.pool import PoolRecord
-
-    def waited(arrival: float, dispatched: float | None, end: float | None = None) -> PoolRecord:
-        record = PoolRecord("t", "open", arrival, 10, 10, True)
-        record.dispatched_s, record.end_s = dispatched, end
-        return record
-
-    # waits 0-2 and 1-3 overlap (3 s), 5-6 (1 s), one never dispatched from 8 to the end (2 s)
-    records = [waited(0, 2), waited(1, 3), waited(5, 6), waited(8, None), waited(4, 4)]
-    assert backlogged_fraction(records, (0.0, 10.0)) == pytest.approx(0.6)
-    page = "# prefix\n\nrows\n\n<!-- bench.peer: x -->\npeer\n<!-- /bench.peer -->\n"
-    once = splice(page, "## programs and sessions\n\nold\n")
-    twice = splice(once, "## programs and sessions\n\nnew\n")
-    assert twice.count(START) == 1 and twice.count(END) == 1
-    assert "new" in twice and "old" not in twice and "<!-- /bench.peer -->" in twice

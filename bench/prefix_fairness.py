@@ -1,0 +1,363 @@
+"""Fairness with prefix caching (issue 28's second goal), in the pool simulator: with the engines'
+prefix cache on, do weighted shares, a returning tenant's share and a light tenant's isolation
+hold as they do without reuse?
+
+Seed 000's three fairness scenarios, each on the request shapes of three workloads that share
+prefixes (``bench/traffic/prefix_system_prompt.yaml``, ``prefix_chat.yaml``, ``prefix_rag.yaml``:
+a tenant's 2k system prompt, chat sessions resending their conversation, questions over shared
+documents), each run with the engines' prefix caching on and off on ``bench.prefix``'s pool:
+
+* weighted: three tenants weighted 1:2:3, each backlogged (a closed loop far deeper than the pool
+  runs); each tenant's share of the computed-token cost ``(prompt - cached) + 2 × output``
+  delivered while all three are backlogged, against its weight's share (goal: within 5 %);
+* returning: a tenant served early (a burst at 0 s), quiet, then backlogged again from
+  ``RETURN_AT``, beside one backlogged throughout; its share of the computed-token cost delivered
+  in the ``RETURN_WINDOW`` seconds after it returns (goal: 45-55 %);
+* light: a light tenant (``bench.isolation``'s shape of the measure: it asks well under its fair
+  half) beside a backlogged heavy one, and alone on the same pool; its TTFT p95 ÷ alone
+  (goal: with the cache no worse than without).
+
+With the cache on, the picker is vtc with prefix affinity and the prompt charged as computed
+(``cost.chargeCachedPrompt: false``); off, vtc as it runs on traffic without reuse (the engine
+computes every prompt token and ``cached_tokens`` is 0, so computed is sent). Service is
+taken in time: a request's prompt cost when it is dispatched (when the fair queue charges it),
+its output cost spread evenly from its first token to its end.
+
+Run: ``python -m bench.prefix_fairness --out bench/results`` (writes the fairness section of
+``prefix.md`` between its markers and ``prefix_fairness.json``; about two minutes of CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.isolation import light_ttfts
+from bench.prefix import (
+    DECODE_WEIGHT,
+    DRAIN_S,
+    PREFILL_WEIGHT,
+    ROOT,
+    SPEC,
+    WARMUP_S,
+    _config,
+    _f,
+    load_average,
+    write_section,
+)
+from picker.config.strict import safe_load
+from picker.sim.load import percentile
+from picker.sim.pool import PoolRecord, PoolSpec, simulate
+from picker.sim.traffic import load_traffic
+
+SHAPES = {
+    "system prompt": "bench/traffic/prefix_system_prompt.yaml",
+    "chat sessions": "bench/traffic/prefix_chat.yaml",
+    "rag": "bench/traffic/prefix_rag.yaml",
+}
+DEEP = {"system prompt": 1000, "chat sessions": 400, "rag": 1000}
+"""A backlogged tenant's closed loop (requests, or chat sessions, outstanding): more than the pool
+runs at once, so that it always has requests waiting in the picker."""
+LIGHT: dict[str, dict[str, Any]] = {
+    "system prompt": {"rate": 1.0}, "chat sessions": {"backlog": 4}, "rag": {"rate": 0.5}}
+"""The light tenant: well under its fair half of the pool with the cache off."""
+WEIGHTS = {"w1": 1.0, "w2": 2.0, "w3": 3.0}
+DURATION_S = 60.0
+SETTLE_S = 20.0
+"""The weighted shares are taken from here: the closed loops all start at 0 s, and the first
+seconds' dispatches charge only prompts (output is charged as it comes), so the tenant whose
+requests went first is ahead by up to the pool's work in flight when they start to end."""
+RETURN_AT = 30.0
+RETURN_WINDOW = 10.0
+LIGHT_DURATION_S = 60.0
+SHARE_GOAL = 0.05
+RETURNING_GOAL = (0.45, 0.55)
+CACHE: dict[str, tuple[PoolSpec, dict[str, Any]]] = {
+    "on": (SPEC, {"routing": {"prefixAffinity": {}}, "cost": {"chargeCachedPrompt": False}}),
+    "off": (replace(SPEC, enable_prefix_caching=False), {}),
+}
+"""Per caching, the engines and the picker's config: with the cache, vtc with prefix affinity
+and the prompt charged as computed; without, vtc as it runs on traffic without reuse (affinity
+and computed charging change nothing there: no prefix is cached, ``cached_tokens`` is 0)."""
+_WINDOWED = ("name", "rate", "backlog", "start_s", "stop_s", "bursts")
+
+
+# -- service in time ------------------------------------------------------------------------------
+
+
+Spans = list[tuple[float, float]]
+
+
+def waiting_spans(records: Iterable[PoolRecord], low: float, high: float) -> Spans:
+    """The parts of [low, high) in which one of ``records`` had arrived and not yet left the
+    picker (dispatched, or ended undispatched), merged."""
+    spans = sorted((max(low, r.arrival_s), min(high, left)) for r in records
+                   if (left := r.dispatched_s if r.dispatched_s is not None else
+                       (r.end_s if r.end_s is not None else high)) > r.arrival_s)
+    merged: Spans = []
+    for start, end in spans:
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: Spans, b: Spans) -> Spans:
+    """Where both sorted, disjoint span lists cover."""
+    out: Spans = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def all_backlogged(records: Sequence[PoolRecord], tenants: Iterable[str], low: float,
+                   high: float) -> Spans:
+    """The parts of [low, high) in which every one of ``tenants`` had a request waiting."""
+    spans: Spans = [(low, high)]
+    for tenant in tenants:
+        spans = intersect(spans, waiting_spans((r for r in records if r.tenant == tenant),
+                                               low, high))
+    return spans
+
+
+def length(spans: Spans) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def _covered(spans: Spans, start: float, end: float) -> float:
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+
+def computed_service(records: Iterable[PoolRecord], spans: Spans,
+                     cached_weight: float = 0.0) -> dict[str, float]:
+    """Per tenant, the computed-token cost ``(prompt - cached) + 2 × output`` its requests were
+    served within ``spans``: a prompt when dispatched, output evenly from first token to end.
+    ``cached_weight``: what a cached prompt token costs (1: the sent-token cost)."""
+    got: dict[str, float] = {}
+    for r in records:
+        if r.dispatched_s is None:
+            continue
+        amount = 0.0
+        if any(s <= r.dispatched_s < e for s, e in spans):
+            amount += PREFILL_WEIGHT * (r.prompt_tokens - (1 - cached_weight) * r.cached_tokens)
+        if r.completion_tokens and r.first_token_s is not None and r.end_s is not None:
+            output = DECODE_WEIGHT * r.completion_tokens
+            if r.end_s > r.first_token_s:
+                amount += output * _covered(spans, r.first_token_s, r.end_s) / (
+                    r.end_s - r.first_token_s)
+            elif any(s <= r.end_s < e for s, e in spans):
+                amount += output
+        got[r.tenant] = got.get(r.tenant, 0.0) + amount
+    return got
+
+
+def shares(values: dict[str, float]) -> dict[str, float]:
+    total = sum(values.values())
+    return {k: v / total if total else 0.0 for k, v in values.items()}
+
+
+# -- the scenarios --------------------------------------------------------------------------------
+
+
+def shape(workload: str) -> dict[str, Any]:
+    """The request shape of the workload file's first tenant, without its name and timing."""
+    data = safe_load((ROOT / SHAPES[workload]).read_text())
+    return {k: v for k, v in data["tenants"][0].items() if k not in _WINDOWED}
+
+
+def _traffic(workload: str, duration: float, tenants: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"duration_s": duration, "seed": 28, "timeout_s": 120,
+            "tenants": [{**shape(workload), **t} for t in tenants]}
+
+
+def weighted_traffic(workload: str) -> dict[str, Any]:
+    return _traffic(workload, DURATION_S,
+                    [{"name": name, "backlog": DEEP[workload]} for name in WEIGHTS])
+
+
+def returning_traffic(workload: str) -> dict[str, Any]:
+    deep = DEEP[workload]
+    return _traffic(workload, RETURN_AT + RETURN_WINDOW, [
+        {"name": "steady", "backlog": deep},
+        {"name": "returning", "backlog": deep, "start_s": RETURN_AT,
+         "bursts": [{"at_s": 0, "count": deep // 4}]}])
+
+
+def light_traffic(workload: str, alone: bool) -> dict[str, Any]:
+    light = {"name": "light", "start_s": 5, **LIGHT[workload]}
+    return _traffic(workload, LIGHT_DURATION_S, [light] if alone else
+                    [light, {"name": "heavy", "backlog": DEEP[workload]}])
+
+
+Setup = tuple[PoolSpec, dict[str, Any]]
+
+
+def _run(traffic: dict[str, Any], setup: Setup, weights: dict[str, float] | None = None
+         ) -> tuple[list[PoolRecord], float, float]:
+    spec, mode = setup
+    config = {**mode, "tenants": [{"id": t, "weight": w} for t, w in (weights or {}).items()]}
+    started = time.process_time()
+    run = simulate(_config(config), load_traffic(traffic), spec, warmup_s=WARMUP_S,
+                   drain_s=DRAIN_S)
+    return run.records, run.tokens_per_s(), time.process_time() - started
+
+
+def weighted(workload: str, setup: Setup) -> dict[str, Any]:
+    records, tokens, cpu = _run(weighted_traffic(workload), setup, WEIGHTS)
+    spans = all_backlogged(records, WEIGHTS, SETTLE_S, DURATION_S)
+    got = shares(computed_service(records, spans))
+    total = sum(WEIGHTS.values())
+    errors = {t: got.get(t, 0.0) / (w / total) - 1 for t, w in WEIGHTS.items()}
+    return {"shares": got, "errors": errors, "worst_error": max(map(abs, errors.values())),
+            "all_backlogged_s": length(spans), "window_s": DURATION_S - SETTLE_S,
+            "tokens_per_s": tokens, "sim_cpu_s": round(cpu, 2)}
+
+
+def returning(workload: str, setup: Setup) -> dict[str, Any]:
+    records, tokens, cpu = _run(returning_traffic(workload), setup)
+    window = (RETURN_AT, RETURN_AT + RETURN_WINDOW)
+    both = all_backlogged(records, ("steady", "returning"), *window)
+    got = shares(computed_service(records, [window]))
+    return {"returning_share": got.get("returning", 0.0), "both_backlogged_s": length(both),
+            "tokens_per_s": tokens, "sim_cpu_s": round(cpu, 2)}
+
+
+def _light_p95(records: list[PoolRecord]) -> tuple[float | None, int]:
+    values, _ = light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
+                            for r in records if r.tenant == "light")
+    return percentile(values, 95), len(values)
+
+
+def light(workload: str, setup: Setup) -> dict[str, Any]:
+    records, tokens, cpu = _run(light_traffic(workload, alone=False), setup)
+    alone, _, cpu_alone = _run(light_traffic(workload, alone=True), setup)
+    p95, n = _light_p95(records)
+    p95_alone, _ = _light_p95(alone)
+    return {"light_p95_ms": None if p95 is None else p95 * 1000,
+            "alone_p95_ms": None if p95_alone is None else p95_alone * 1000,
+            "ratio": p95 / p95_alone if p95 is not None and p95_alone else None,
+            "light_samples": n, "tokens_per_s": tokens, "sim_cpu_s": round(cpu + cpu_alone, 2)}
+
+
+SCENARIOS = {"weighted": weighted, "returning": returning, "light": light}
+
+
+def measure(only: list[str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for workload in SHAPES:
+        if only and workload not in only:
+            continue
+        out[workload] = {}
+        for scenario, run in SCENARIOS.items():
+            out[workload][scenario] = {}
+            for cache, setup in CACHE.items():
+                result = out[workload][scenario][cache] = run(workload, setup)
+                print(f"{workload}, {scenario}, cache {cache}: {result['sim_cpu_s']} s of CPU",
+                      file=sys.stderr)
+    return out
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def verdicts(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """Per workload, whether each goal is met with the cache on."""
+    out: dict[str, dict[str, bool]] = {}
+    for workload, data in results.items():
+        on, off = data["light"]["on"]["ratio"], data["light"]["off"]["ratio"]
+        low, high = RETURNING_GOAL
+        out[workload] = {
+            "weighted": data["weighted"]["on"]["worst_error"] <= SHARE_GOAL,
+            "returning": low <= data["returning"]["on"]["returning_share"] <= high,
+            "light": on is not None and off is not None and on <= off,
+        }
+    return out
+
+
+def render(results: dict[str, Any], load: tuple[str, str]) -> str:
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "**no**"
+
+    lines = [
+        "## fairness with prefix caching",
+        "",
+        "`python -m bench.prefix_fairness --out bench/results` (`bench/prefix_fairness.py`), one "
+        f"run, load average {load[0]} at its start and {load[1]} at its end on the shared "
+        "2-core machine (the simulator's numbers do not depend on it). Seed 000's fairness "
+        "scenarios on each workload's request shapes (its file's first tenant), the engines' "
+        "prefix caching on and off on the pool above; with the cache the picker is vtc with "
+        "prefix affinity, the prompt charged as computed (`cost.chargeCachedPrompt: false`), "
+        "without it vtc as on traffic without reuse. Service: the "
+        "computed-token cost `(prompt − cached) + 2 × output`, a prompt at its dispatch, the "
+        "output evenly from first token to end. Weighted: tenants weighted 1:2:3, each a "
+        "closed loop deeper than the pool runs, over the time all three had a request waiting "
+        f"between {SETTLE_S:g} and {DURATION_S:g} s (goal: each share within "
+        f"{SHARE_GOAL:.0%} of its weight's). Returning: served early (a burst at 0 s), quiet, "
+        f"backlogged again from {RETURN_AT:g} s beside a tenant backlogged throughout; its "
+        f"share of the {RETURN_WINDOW:g} s after (goal: 45–55 %). Light: a light tenant beside "
+        "a backlogged heavy one, TTFT p95 ÷ the same light traffic alone on the same pool "
+        f"({LIGHT_DURATION_S:g} s; goal: with the cache no worse than without).",
+        "",
+        "| workload | cache | w1 / w2 / w3 share (target 16.7 / 33.3 / 50.0 %) | worst error "
+        "| all backlogged s | returning share | light p95 ms | alone p95 ms | light ÷ alone "
+        "| pool tokens/s (weighted) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for workload, data in results.items():
+        for cache in CACHE:
+            w, r, li = (data[s][cache] for s in ("weighted", "returning", "light"))
+            share = " / ".join(f"{w['shares'].get(t, 0.0):.1%}" for t in WEIGHTS)
+            ratio = "-" if li["ratio"] is None else f"{li['ratio']:.2f}"
+            lines.append(
+                f"| {workload} | {cache} | {share} | {w['worst_error']:+.1%} | "
+                f"{w['all_backlogged_s']:.1f} of {w['window_s']:g} | "
+                f"{r['returning_share']:.1%} | {_f(li['light_p95_ms'])} | "
+                f"{_f(li['alone_p95_ms'])} | {ratio} | {_f(w['tokens_per_s'])} |")
+    lines += ["", "| workload | weighted within 5 % (cache on) | returning 45–55 % (cache on) | "
+              "light ÷ alone, cache on ≤ off |", "| --- | --- | --- | --- |"]
+    for workload, ok in verdicts(results).items():
+        lines.append(f"| {workload} | {yes(ok['weighted'])} | {yes(ok['returning'])} | "
+                     f"{yes(ok['light'])} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+START = "<!-- bench.prefix_fairness: written by python -m bench.prefix_fairness -->"
+END = "<!-- /bench.prefix_fairness -->"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefix_fairness",
+                                     description=__doc__)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory holding prefix.md (its fairness section is replaced) "
+                             "and for prefix_fairness.json (default: print only)")
+    parser.add_argument("--only", action="append", choices=list(SHAPES),
+                        help="run only this workload's shapes (repeatable)")
+    args = parser.parse_args(argv)
+    before = load_average()
+    results = measure(args.only)
+    text = render(results, (before, load_average()))
+    print(text)
+    if args.out is not None:
+        write_section(args.out, text, START, END, "prefix_fairness", results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
