@@ -36,9 +36,11 @@ SHORT_64K_S = 240.0
 
 def measure(name: str, endpoints: int, light_rate: float | None = None, *,
             duration: float | None = None, fcfs_baseline: bool = True,
-            isolation: dict[str, Any] | None = None) -> dict[str, Any]:
+            isolation: dict[str, Any] | None = None,
+            compare: dict[str, Any] | None = None) -> dict[str, Any]:
     """One size on ``endpoints``: the baselines and both profiles (``isolation``: capacity keys
-    written out over the isolation profile's)."""
+    written out over the isolation profile's; ``compare``: another set of them, run as a third
+    variant, ``compared``)."""
     size = widened(next(s for s in SIZES if s.name == name), endpoints)
     assert isinstance(size.traffic, dict)
     traffic: dict[str, Any] = dict(size.traffic)
@@ -66,8 +68,14 @@ def measure(name: str, endpoints: int, light_rate: float | None = None, *,
                         "ratio": n["light_ttft_p95_ms"] / alone["light_ttft_p95_ms"],
                         "vs_fcfs": None if fcfs is None
                         else n["tokens_per_s"] / fcfs["tokens_per_s"]}
-    row["isolation"]["vs_default"] = (row["isolation"]["tokens_per_s"]
-                                      / row["throughput"]["tokens_per_s"])
+    if compare is not None:
+        n = run_mode(size, mode, engines, capacity={"profile": "isolation", **compare})
+        row["compared"] = {"p95_ms": n["light_ttft_p95_ms"], "tokens_per_s": n["tokens_per_s"],
+                           "ratio": n["light_ttft_p95_ms"] / alone["light_ttft_p95_ms"]}
+    for variant in ("isolation", "compared"):
+        if variant in row:
+            row[variant]["vs_default"] = (row[variant]["tokens_per_s"]
+                                          / row["throughput"]["tokens_per_s"])
     return row
 
 
@@ -85,19 +93,27 @@ def write_report(data: dict[str, Any], out: Path) -> None:
              f"light p95 ÷ alone ≤ {RATIO_GOAL}; the isolation profile's tokens ≥ 0.80 of the "
              "default's on 2 endpoints, ≥ 0.90 on 4."
              + (f" Isolation's keys written out: `{json.dumps(data['isolation'])}`."
-                if data.get("isolation") else ""), "",
-             "| pool | light req/s | light p95 alone ms | p95 ÷ alone: throughput / isolation | "
-             "tokens ÷ FCFS: throughput / isolation | isolation's tokens ÷ throughput's | "
-             "goals |", "|---|---|---|---|---|---|---|"]
+                if data.get("isolation") else "")
+             + (f" Compared: the isolation profile with `{json.dumps(data['compare'])}`."
+                if data.get("compare") else ""), ""]
+    compared = data.get("compare") is not None
+    also = " / compared" if compared else ""
+    lines += ["| pool | light req/s | light p95 alone ms | p95 ÷ alone: throughput / isolation"
+              f"{also} | tokens ÷ FCFS: throughput / isolation | tokens ÷ throughput's: "
+              f"isolation{also} | goals (isolation{also}) |", "|---|---|---|---|---|---|---|"]
     for key, row in data["runs"].items():
         t, i = row["throughput"], row["isolation"]
         endpoints = int(key.split("×")[1].split()[0])
-        met = i["ratio"] <= RATIO_GOAL and i["vs_default"] >= TOKENS_GOALS[endpoints]
+        variants = [row[v] for v in ("isolation", "compared") if v in row]
+        verdicts = ["met" if v["ratio"] <= RATIO_GOAL and v["vs_default"] >= TOKENS_GOALS[
+            endpoints] else "NOT met" for v in variants]
         rate = row.get("light_rate")
         lines.append(f"| {key.split(' @')[0]} | {'default' if rate is None else f'{rate:g}'} | "
-                     f"{row['alone_p95_ms']:.0f} | {t['ratio']:.2f} / {i['ratio']:.2f} "
-                     f"| {_fcfs(t['vs_fcfs'])} / {_fcfs(i['vs_fcfs'])} | "
-                     f"{i['vs_default']:.3f} | {'met' if met else 'NOT met'} |")
+                     f"{row['alone_p95_ms']:.0f} | {t['ratio']:.2f} / "
+                     + " / ".join(f"{v['ratio']:.2f}" for v in variants)
+                     + f" | {_fcfs(t['vs_fcfs'])} / {_fcfs(i['vs_fcfs'])} | "
+                     + " / ".join(f"{v['vs_default']:.3f}" for v in variants)
+                     + f" | {' / '.join(verdicts)} |")
     if data.get("note"):
         lines += ["", data["note"]]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -116,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-fcfs", action="store_true")
     parser.add_argument("--isolation", type=json.loads, default=None, metavar="JSON",
                         help="capacity keys written out over the isolation profile's")
+    parser.add_argument("--compare", type=json.loads, default=None, metavar="JSON",
+                        help="capacity keys over the isolation profile's for a third variant")
     parser.add_argument("--stem", default=None, help="the report's file name, no suffix")
     args = parser.parse_args(argv)
     rates: list[float | None] = [float(r) for r in args.sweep.split(",")] if args.sweep \
@@ -129,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{name} ×{endpoints}" + ("" if rate is None else f" @{rate:g}")
                 runs[key] = {"light_rate": rate, **measure(
                     name, endpoints, rate, duration=args.duration,
-                    fcfs_baseline=not args.skip_fcfs, isolation=args.isolation)}
+                    fcfs_baseline=not args.skip_fcfs, isolation=args.isolation,
+                    compare=args.compare)}
                 print(f"{key}: {json.dumps(runs[key])}", flush=True)
     stem = args.stem or ("isolation_profile" if args.light_rate is None else
                          f"isolation_profile_light_{args.light_rate:g}")
-    data = {"runs": runs, "isolation": args.isolation,
+    data = {"runs": runs, "isolation": args.isolation, "compare": args.compare,
             "args": " ".join(argv if argv is not None else sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -167,9 +167,9 @@ CAPACITY_PROFILES: dict[str, dict[str, float | bool | int]] = {
     "throughput": {"idle_tenant_reserve": 0.0, "growth_room": False, "max_prefill_tokens": 0,
                    "ready_reserve": False, "reserve_quantile": 0.0, "reserve_max_share": 1.0},
     "isolation": {"idle_tenant_reserve": 10.0, "growth_room": True, "max_prefill_tokens": 4096,
-                  "ready_reserve": True, "reserve_quantile": 0.0, "reserve_max_share": 0.1},
+                  "ready_reserve": True, "reserve_quantile": 0.9, "reserve_max_share": 0.15},
 }
-"""What ``capacity.profile`` sets, by field: the values of the four settings a key left unset
+"""What ``capacity.profile`` sets, by field: the values of the settings a key left unset
 takes. ``isolation``'s are those measured together in ``bench/isolation_together.py`` (its
 *ready* profile) and through Envoy in ``bench/isolation_envoy.py``."""
 
@@ -221,17 +221,18 @@ class Capacity:
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
     profile: Literal["throughput", "isolation"] = "throughput"
-    """The four latency-isolation settings as one switch (``CAPACITY_PROFILES``). ``throughput``
+    """The latency-isolation settings as one switch (``CAPACITY_PROFILES``). ``throughput``
     (default): work-conserving, no request is held while an endpoint has room
     (``idleTenantReserve: 0s``, ``growthRoom: false``, ``maxPrefillTokens: 0``,
-    ``readyReserve: false``). ``isolation``: a light tenant's first token under a flood as if it
-    were nearly alone, at a cost in the pool's tokens (``idleTenantReserve: 10s``,
-    ``growthRoom: true``, ``maxPrefillTokens: 4096``, ``readyReserve: true``); meant with
+    ``readyReserve: false``, ``reserveQuantile: 0``). ``isolation``: a light tenant's first
+    token under a flood as if it were nearly alone, at a cost in the pool's tokens
+    (``idleTenantReserve: 10s``, ``growthRoom: true``, ``maxPrefillTokens: 4096``,
+    ``readyReserve: true``, ``reserveQuantile: 0.9``, ``reserveMaxShare: 0.15``); meant with
     ``scheduling.enginePolicy: priority`` (vLLM's ``--scheduling-policy priority``), which the
-    profile cannot set since the engines' flag decides it. Any of the four keys written out
+    profile cannot set since the engines' flag decides it. Any of these keys written out
     wins over the profile's value, and these fields hold what is in force: ``/metrics`` says it
-    (``fairway_capacity_profile{profile="isolation"} 1``, and each setting's own gauge, e.g.
-    ``fairway_capacity_max_prefill_tokens``), as does each TenantPolicy's
+    (``fairway_capacity_profile{profile="isolation"} 1``, and the first four settings' own
+    gauges, e.g. ``fairway_capacity_max_prefill_tokens``), as does each TenantPolicy's
     ``status.capacityProfile``. Measured cost: README, "What isolation costs"."""
     idle_tenant_reserve: float = field(default=None,  # type: ignore[assignment]
                                        metadata=_camel("idle_tenant_reserve", profile=True, ge=0,
@@ -316,9 +317,10 @@ class Capacity:
     already, and at least one large request. A tenant is light while that expected demand
     (requests in flight × its mean size) is below its fair share of the pool (by weight, among
     the tenants seen within ``idleTenantReserve``); it may then have as many requests waiting as
-    its reserve is for. A tenant at or above its fair share gets no reserve and is judged
-    backlogged, like a flood. Unset: the profile's (``0`` in both: the rate rule is opt-in while
-    it is measured)."""
+    its reserve is for, and its oldest may go ahead of a fair-queue head that waits for room (as
+    a single waiting request may): the room kept for it is of use only if it may take it. A
+    tenant at or above its fair share gets no reserve and is judged backlogged, like a flood.
+    Unset: the profile's (``throughput``: ``0``, ``isolation``: ``0.9``)."""
     reserve_max_share: float = field(default=None,  # type: ignore[assignment]
                                      metadata=_camel("reserve_max_share", profile=True, gt=0,
                                                      le=1))
@@ -326,7 +328,7 @@ class Capacity:
     fraction of the pool's tokens free (the sum of the endpoints' budgets). Room kept free is
     room the flood does not use: past some share, the reserve costs more of the pool's tokens
     than isolation is worth (README, "What isolation costs"). Unset: the profile's
-    (``throughput``: ``1``, unused there; ``isolation``: ``0.1``)."""
+    (``throughput``: ``1``, unused there; ``isolation``: ``0.15``)."""
 
     def __post_init__(self) -> None:
         # A key left unset takes the profile's value; one written out wins. The fields then

@@ -40,7 +40,7 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -875,7 +875,7 @@ class Gate:
         if free <= 0 and not preempts:
             return None
         head_rank = self._lane_rank.get(head.lane, 0)
-        for passage in self._single.values():  # about arrival order; no sort on this hot path
+        for passage in self._light_heads(now):
             if passage is head or self._lane_rank.get(passage.lane, 0) > head_rank:
                 continue
             candidates = [] if passage.request.prompt_tokens > free and \
@@ -889,6 +889,18 @@ class Gate:
                 if candidates:
                     return passage, candidates, True
         return None
+
+    def _light_heads(self, now: float) -> Iterable[Passage]:
+        """The queued requests that may go ahead of a head that waits: those of tenants with one
+        request queued (about arrival order; no sort on this hot path), and, with a rate-sized
+        reserve, the oldest of each tenant with more queued that is still light by its rate
+        (``_backlogged``): the room kept for it is of use only if its requests may take it."""
+        yield from self._single.values()
+        if self._reserve.quantile:
+            for tenant, queued in list(self._in_queue.items()):
+                if len(queued) > 1 and tenant in self._recent \
+                        and not self._backlogged(tenant, now):
+                    yield queued[0]
 
     def _preempts(self) -> bool:
         return self.rules.preempt and self.rules.engine_policy == "priority"

@@ -222,10 +222,29 @@ def test_the_reserve_keys_load_strictly_and_the_throughput_profile_keeps_no_rese
     default = gate_rules(load(PickerConfig, {}))
     assert (default.idle_tenant_reserve, default.reserve_quantile) == (0.0, 0.0)
     isolation = load(PickerConfig, {"capacity": {"profile": "isolation"}}).capacity
-    assert (isolation.reserve_quantile, isolation.reserve_max_share) == (0.0, 0.1)
-    rate = load(PickerConfig, {"capacity": {"profile": "isolation", "reserveQuantile": 0.75}})
-    assert (gate_rules(rate).reserve_quantile, gate_rules(rate).reserve_max_share) == (0.75, 0.1)
+    assert (isolation.reserve_quantile, isolation.reserve_max_share) == (0.9, 0.15)
+    first = load(PickerConfig, {"capacity": {"profile": "isolation", "reserveQuantile": 0}})
+    assert (gate_rules(first).reserve_quantile, gate_rules(first).reserve_max_share) == \
+        (0.0, 0.15)
     with pytest.raises(ConfigError, match=r"capacity\.reserveQuantile"):
         load(PickerConfig, {"capacity": {"reserveQuantile": 1}})
     with pytest.raises(ConfigError, match=r"capacity\.reserveMaxShare"):
         load(PickerConfig, {"capacity": {"reserveMaxShare": 0}})
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.0])
+def test_a_light_tenants_oldest_waiting_request_may_take_the_room_kept_for_it(
+        quantile: float) -> None:
+    """Room kept for a light tenant with two requests waiting is of use only if they may take
+    it while the fair queue's head waits: under the rate rule its oldest may go ahead, as a
+    tenant's single waiting request may under the first rule; under the first rule a second
+    waiting request makes it a flood."""
+    gate = _gate(quantile)
+    end = _light_traffic(gate, 2.0, 20.0)
+    fill = [_send(gate, "flood", 9_800, end, output=1) for _ in range(2)]
+    assert all(p.dispatched_at == end for p in fill)
+    waiting = [_send(gate, "light", 600, end + 0.1) for _ in range(2)]
+    assert all(p.dispatched_at is None for p in waiting)  # 200 free on each endpoint
+    heads = list(gate._light_heads(end + 0.1))
+    assert heads == ([waiting[0]] if quantile else [])
+    assert gate._backlogged("light", end + 0.1) is (not quantile)
