@@ -22,6 +22,7 @@ from bench.efficiency import (
     held_room,
     lag,
     light_p95,
+    resim_report,
     shape_traffic,
 )
 from picker.core.holds import OWN_COUNT, ROOM, SCRAPED_KV, WAITING, hold_reason
@@ -223,3 +224,17 @@ def test_goal_table_arithmetic() -> None:
         "**+3.1%** | 900 | 300 |" in text
     assert "| 64k | 27 | pass-through first | 800 | 808 | 1.010 | yes | yes | – | – | 900 |" in text
     assert "within 3% of Envoy's in 1 of 2 runs" in text
+
+
+def test_resim_report_counts_the_runs_within_three_percent() -> None:
+    tokens = {"pass-through": 1000.0, "default": 1000.0}
+    rows = {"8k": {"seed": 27, "envoy": 0.96, "recorded": 1.00, "now": 0.98,
+                   "envoy_tokens_per_s": tokens, "tokens_per_s": tokens},
+            "64k": {"seed": 27, "envoy": 1.00, "recorded": 1.05, "now": 0.99,
+                    "envoy_tokens_per_s": tokens, "tokens_per_s": tokens}}
+    text = "\n".join(resim_report(rows, "goals/efficiency.json", "--resim x", ([1.0], [2.0]),
+                                  (0.0, 0.0)))
+    # Then: 4.2 % and 5.0 % off, neither within; now: 2.1 % and 1.0 %, both.
+    assert "Simulator then: within 3% of Envoy in 0 of 2 runs" in text
+    assert "Simulator now: within 3% of Envoy in 2 of 2 runs, difference mean 1.5%" in text
+    assert "| 8k | 27 | 0.960 | 1.000 | **+4.2%** | 0.980 | +2.1% |" in text
