@@ -21,8 +21,9 @@ duration and then its clients' timeout: about 4 minutes at 8k, 10 from 64k up; `
 for one size, ``--mode M`` for one picker mode besides the baselines, ``--report NAME`` for the
 file it writes, ``--response-path access-log`` for Envoy's access-log response path, which the
 simulator runs with ``PoolSpec.output_seen_at_end``). ``--light-rate R``, ``--duration S`` and
-``--timeout S`` change the size's traffic before it is scaled (issue 27's 64k shape: ``--only
-64k --light-rate 3``; a shorter run: ``--duration 60 --timeout 20``).
+``--timeout S`` change the size's traffic before it is scaled, ``--step-ms`` its engines' step
+(issue 27's 64k shape: ``--only 64k --light-rate 3``, whose steps are already 10 ms; a
+shorter run: ``--duration 60 --timeout 20``).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def write_report(data: dict[str, Any], out: Path) -> None:
              f"{RATIO_GOAL}, tokens ÷ FCFS ≥ {TOKENS_GOAL}.", ""]
     changed = [f"{label} {data[key]:g}" for key, label in (
         ("light_rate", "light tenant's requests/s"), ("duration", "seconds of traffic"),
-        ("timeout", "s clients' timeout")) if data.get(key) is not None]
+        ("timeout", "s clients' timeout"), ("step_ms", "ms engine step"))
+        if data.get(key) is not None]
     if changed:
         lines += ["Traffic changed before scaling: " + ", ".join(changed) + ".", ""]
     if data.get("response_path", "meter-stream") != "meter-stream":
@@ -259,8 +261,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
 
 
 def _changed(size: Size, light_rate: float | None, duration: float | None,
-             timeout: float | None) -> Size:
-    """The size with its light tenant's rate, its traffic's duration or timeout changed."""
+             timeout: float | None, step_ms: float | None = None) -> Size:
+    """The size with its light tenant's rate, its traffic's duration or timeout, or its
+    engines' step changed."""
     assert isinstance(size.traffic, dict)
     traffic = copy.deepcopy(size.traffic)
     if light_rate is not None:
@@ -271,7 +274,8 @@ def _changed(size: Size, light_rate: float | None, duration: float | None,
         traffic["duration_s"] = duration
     if timeout is not None:
         traffic["timeout_s"] = timeout
-    return replace(size, traffic=traffic)
+    spec = size.spec if step_ms is None else replace(size.spec, step_s=step_ms / 1000)
+    return replace(size, traffic=traffic, spec=spec)
 
 
 def _verdict(met: bool) -> str:
@@ -299,16 +303,18 @@ def main() -> None:
                         help="seconds of traffic (before scaling)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="the clients' timeout and the picker's maxWait (before scaling)")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="the engines' step, before scaling (default the size's)")
     args = parser.parse_args()
     baselines = ("light alone",) if args.skip_fcfs else BASELINES
     modes = baselines + tuple(args.mode or (m for m in MODES if m not in BASELINES))
-    sizes = [_changed(s, args.light_rate, args.duration, args.timeout) for s in SIZES
+    sizes = [_changed(s, args.light_rate, args.duration, args.timeout, args.step_ms) for s in SIZES
              if isinstance(s.traffic, dict)
              and (not args.only or s.name.split()[0] in args.only)]
     plan = Plan(quick=False, goals=frozenset(), response_path=args.response_path)
     data: dict[str, Any] = {"scale": args.scale, "response_path": args.response_path,
                             "light_rate": args.light_rate, "duration": args.duration,
-                            "timeout": args.timeout, "sizes": {}}
+                            "timeout": args.timeout, "step_ms": args.step_ms, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="fairway-isolation-") as tmp:
         for size in sizes:
             print(f"{size.name}:", flush=True)
