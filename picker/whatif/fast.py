@@ -10,21 +10,24 @@ health and the prefix and session bookkeeping). Here each request costs a handfu
 * **The fair order is the picker's own.** The gate is built from the config exactly as the pool
   simulator builds it (``picker.config.build``), and its core parts decide: ``Gate.choose_lane``
   (a lane the tenant may not ask for is refused), ``Admission.admit`` / ``start`` / ``finish``
-  (budgets, caps, demotion, per-tenant queue limits), the lanes' fair queues
+  (budgets, caps, demotion, per-tenant queue limits; a tenant whose rules set none of them
+  skips it, as it would only count its requests), the lanes' fair queues
   (``Scheduler.enqueue`` / ``peek`` / ``dispatch`` / ``finish``: VTC or the configured policy,
   weights, lane priority and ``minShare``), the tenant's output estimate
   (``Gate.expected_output``, learned as the gate learns it), ``queue.maxWait``,
   ``queue.maxQueued``, concurrency caps (parked as the gate parks them), the adaptive LIFO of a
   stale backlog (``newestFirstAfter``) and the light tenant's pass by a head that must wait.
 * **Each endpoint is a batch that decodes one token a request a step**, as the simulator's
-  engine does when the gate keeps its cache from overflowing: a request dispatched at ``t``
-  emits its first token at ``t + step_s`` and its last, the ``n``-th, at ``t + n × step_s``, so
-  its finish is known when it starts (an event in a heap), and it is revised only when its
-  client gives up first (``client_timeout_s``). Room is the gate's own rule (``fits``: the
-  prompt beside what the endpoint holds, an empty endpoint takes any, least loaded first), on
-  what it holds now: the prompts, plus every streamed token so far, which grows linearly between
-  events (per endpoint, requests × now − the sum of their dispatch times, over ``step_s``), so
-  no per-token work is needed to know it.
+  engine does: a request dispatched at ``t`` emits its first token a step later and its last,
+  the ``n``-th, ``n`` steps later while the batch fits its KV cache. Past the cache (the gate
+  admits on what is held now, and streams grow) vLLM preempts and recomputes; that is modelled
+  as the batch slowing to ``cache / held`` of a token a step (``_Endpoint``: a virtual clock
+  per endpoint, in closed form), so a request's finish is a clock target fixed at its dispatch
+  and only the endpoint's next finish is revised when its batch changes, or a client gives up
+  first (``client_timeout_s``). Room is the gate's own rule (``fits``: the prompt beside what
+  the endpoint holds, an empty endpoint takes any, least loaded first), on what the gate counts
+  there now: prompts, a non-stream's estimate, and every streamed token so far, read off the
+  clock, so no per-token work is needed to know it.
 * **A stream is charged to the fair queue in ``chunks`` equal parts** at evenly spaced times of
   its decode (1: all at its end; the exact replay: every token), its prompt at dispatch, as the
   gate charges it. With 2 (the default) the counters move at the stream's middle and end.
@@ -39,7 +42,8 @@ and the engine's own preemption order (its cost is modelled, as a batch slowed i
 when it outgrows the cache; which request pays is not). The config's use of any of these rules
 is listed by ``unmodelled`` so the CLI can say so.
 
-Memory: the requests in the pool and in the queue, and the sums (``ReplayResult``) only.
+Memory: the requests in the pool and in the queue, the sums (``ReplayResult``), and per-tenant
+state forgotten when idle as the gate forgets it (``prune``).
 """
 
 from __future__ import annotations
