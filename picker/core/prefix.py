@@ -180,7 +180,9 @@ class InflightBlocks:
         before = min(last, step * held // text_chars)
         added = 0
         for count in range(held + 1, len(blocks) + 1):
-            upto = min(last, step * count // text_chars)
+            upto = step * count // text_chars
+            if upto > last:
+                upto = last
             block = blocks[count - 1]
             entry = get(block)
             if entry is None:
@@ -206,8 +208,8 @@ class InflightBlocks:
             if entry[0] == 0:
                 freed += entry[1]
                 del ledger[block]
-        if not ledger:
-            del self._ledgers[address]
+        # An empty ledger stays (``forget`` drops it with its endpoint): refilling a dict that
+        # kept its size costs less than growing a new one, request after request.
         return freed
 
     def tokens(self, address: str) -> int:
