@@ -602,9 +602,11 @@ class PrefixAffinity:
     keep their endpoint as long as the gateway sends them to the same replica, and otherwise
     fall back to load (a cache miss, never a request where it does not fit; simulated with
     requests spread at random over 2 replicas, chat sessions' hit rate 0.50 -> 0.68 instead of
-    0.53 -> 0.83 with one). About 40 us of CPU per request at
-    a 16,000-character prompt and 116 bytes per remembered block at most, under 1 MB an endpoint
-    at the default bound (bench/results/prefix_scorer.md)."""
+    0.53 -> 0.83 with one). With it, a prompt block that requests running on one endpoint
+    share counts once in that endpoint's room, as the engine's prefix cache stores it once.
+    About 75 us of CPU per request at a 16,000-character prompt (30 of them the shared-block
+    room) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default
+    bound (bench/results/prefix_scorer.md)."""
 
     weight: float = field(default=1.0, metadata={"ge": 0})
     """What a whole prompt found on an endpoint adds to its score beside load (the least-loaded
