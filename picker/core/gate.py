@@ -816,12 +816,13 @@ class Gate:
         return passage.request.prompt_tokens + self.expected_output(
             passage.tenant, passage.output_cap, passage.stream, now) * passage.choices
 
-    def _backlogged(self, tenant: str, now: float | None) -> bool:
+    def _backlogged(self, tenant: str, now: float | None, fair_unit: float | None = None) -> bool:
         """More than one request of the tenant is waiting: it keeps the pool busy by itself.
         (A light tenant has at most the one that just arrived.) With ``reserve_quantile``, light
         is judged by rate (``picker.core.reserve``): a tenant whose expected demand is below its
         fair share may have as many requests waiting as its reserve is for; one at or above its
-        fair share is backlogged whatever its queue."""
+        fair share is backlogged whatever its queue. ``fair_unit``: ``_fair_unit()``, when the
+        caller judges many tenants at once (it sums over every recent tenant)."""
         if tenant in self._parked:
             return True
         queued = len(self._in_queue.get(tenant, ()))
@@ -831,18 +832,22 @@ class Gate:
         if now is None:
             now = demand.last
         running = self.admission.running(tenant)
-        return queued > reserved_requests(demand, now, self._reserve, running) or not is_light(
-            demand, now, self._reserve, self._fair_tokens(tenant), running)
+        if queued > reserved_requests(demand, now, self._reserve, running):
+            return True
+        unit = self._fair_unit() if fair_unit is None else fair_unit
+        fair = unit * self.scheduler.weights.get(tenant, 1.0)
+        return not is_light(demand, now, self._reserve, fair, running)
 
     def _pool_tokens(self) -> float:
         fallback = self.rules.capacity.fallback_budget
         return float(sum(e.budget(fallback) for e in self.endpoints.values()))
 
-    def _fair_tokens(self, tenant: str) -> float:
-        """The tenant's fair share of the pool's tokens among the tenants seen recently."""
+    def _fair_unit(self) -> float:
+        """The pool's tokens per unit of weight among the tenants seen recently: a tenant's
+        fair share of the pool is this times its weight."""
         weights = self.scheduler.weights
         total = sum(weights.get(t, 1.0) for t in self._recent) or 1.0
-        return self._pool_tokens() * weights.get(tenant, 1.0) / total
+        return self._pool_tokens() / total
 
     def _held(self, tenant: str) -> float:
         """Tokens the tenant's running requests hold (all lanes)."""
@@ -856,10 +861,12 @@ class Gate:
             return 0.0, 0.0
         rules = self._reserve
         reserves: dict[str, tuple[float, float]] = {}
+        # Once a call, not once a tenant: it sums over every recent tenant.
+        unit = self._fair_unit() if rules.quantile else None
         for tenant, demand in list(self._recent.items()):
             if now - demand.last > window:
                 del self._recent[tenant]
-            elif tenant != exclude and not self._backlogged(tenant, now):
+            elif tenant != exclude and not self._backlogged(tenant, now, unit):
                 reserves[tenant] = (demand.footprint, tenant_reserve(
                     demand, now, rules, self._held(tenant) if rules.quantile else 0.0,
                     self.admission.running(tenant) if rules.quantile else 0))
@@ -897,10 +904,12 @@ class Gate:
         (``_backlogged``): the room kept for it is of use only if its requests may take it."""
         yield from self._single.values()
         if self._reserve.quantile:
+            unit: float | None = None
             for tenant, queued in list(self._in_queue.items()):
-                if len(queued) > 1 and tenant in self._recent \
-                        and not self._backlogged(tenant, now):
-                    yield queued[0]
+                if len(queued) > 1 and tenant in self._recent:
+                    unit = self._fair_unit() if unit is None else unit
+                    if not self._backlogged(tenant, now, unit):
+                        yield queued[0]
 
     def _preempts(self) -> bool:
         return self.rules.preempt and self.rules.engine_policy == "priority"
