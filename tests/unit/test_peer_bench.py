@@ -15,6 +15,8 @@ from bench.gateway.common import GatewayRun, Sample
 from bench.peer import (
     PEERS,
     PREFIX_AFFINITY,
+    PREFIX_METER,
+    PREFIX_PEERS,
     QUOTE_END,
     QUOTE_START,
     PeerPlan,
@@ -243,3 +245,23 @@ def test_agent_blocks_run_the_agent_programs_alone_until_their_tasks_can_finish(
     long = _prefix_data(1.0)
     long["agent_block_s"] = 120.0
     assert "agent programs alone in blocks of 120 s" in _prefix_tables(long)[1]
+
+
+def test_the_meter_stream_variant_is_shown_beside_the_goals_it_does_not_judge() -> None:
+    order = PeerPlan(quick=False).prefix_blocks
+    assert set(order) == set(PREFIX_PEERS)
+    # Every picker's mean position in the run the same: a drift of the machine cancels.
+    mean = {p: sum(i for i, q in enumerate(order) if q == p) / order.count(p) for p in order}
+    assert set(mean.values()) == {(len(order) - 1) / 2}
+    data = _prefix_data(1.0)
+    slow = dict(data["by_workload"]["rag"]["blocks"][0], picker=PREFIX_METER,
+                ttft_ms={"p50": 5.0, "p95": 2.0})
+    data["by_workload"]["rag"]["blocks"].append(slow)
+    data["blocks_order"].append(PREFIX_METER)
+    data["summary"] = prefix_summary(data)
+    assert data["summary"]["rag"]["goals_meter_stream"]["ttft_p50"] is False
+    lines = _prefix_tables(data)
+    assert any("(met: yes):" in line for line in lines)  # the inline variant's verdict alone
+    assert any(f"{PREFIX_METER} against upstream" in line and "3 of 4" in line
+               for line in lines)
+    assert "| rag | yes | **no** | yes | yes |" in lines
