@@ -78,7 +78,9 @@ def modes(affinity: bool) -> dict[str, dict[str, Any]]:
 
 
 def _config(mode: dict[str, Any]) -> PickerConfig:
-    return load(PickerConfig, {**mode, "capacity": {"kvBudgetTokens": SPEC.kv_budget_tokens}})
+    """A mode's picker config on the pool: its capacity settings beside the pool's budget."""
+    return load(PickerConfig, {**mode, "capacity": {"kvBudgetTokens": SPEC.kv_budget_tokens,
+                                                    **mode.get("capacity", {})}})
 
 
 def _ms(seconds: float | None) -> float | None:

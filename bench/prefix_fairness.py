@@ -14,8 +14,9 @@ documents), each run with the engines' prefix caching on and off on ``bench.pref
   ``RETURN_AT``, beside one backlogged throughout; its share of the computed-token cost delivered
   in the ``RETURN_WINDOW`` seconds after it returns (goal: 45-55 %);
 * light: a light tenant (``bench.isolation``'s shape of the measure: it asks well under its fair
-  half) beside a backlogged heavy one, and alone on the same pool; its TTFT p95 ÷ alone
-  (goal: with the cache no worse than without).
+  half) beside a backlogged heavy one, and alone on the same pool; its TTFT p95 ÷ alone, under
+  the default capacity profile and under ``capacity.profile: isolation`` (goal: with the cache
+  no worse than without).
 
 With the cache on, the picker is vtc with prefix affinity and the prompt charged as computed
 (``cost.chargeCachedPrompt: false``); off, vtc as it runs on traffic without reuse (the engine
@@ -24,7 +25,9 @@ taken in time: a request's prompt cost when it is dispatched (when the fair queu
 its output cost spread evenly from its first token to its end.
 
 Run: ``python -m bench.prefix_fairness --out bench/results`` (writes the fairness section of
-``prefix.md`` between its markers and ``prefix_fairness.json``; about two minutes of CPU).
+``prefix.md`` between its markers and ``prefix_fairness.json``; about nine minutes of CPU,
+most of it the system-prompt and RAG shapes with the cache on, where the pool runs hundreds of
+requests at once: longer than a benchmark's usual three, run once).
 """
 
 from __future__ import annotations
@@ -67,14 +70,14 @@ LIGHT: dict[str, dict[str, Any]] = {
     "system prompt": {"rate": 1.0}, "chat sessions": {"backlog": 4}, "rag": {"rate": 0.5}}
 """The light tenant: well under its fair half of the pool with the cache off."""
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w3": 3.0}
-DURATION_S = 60.0
-SETTLE_S = 20.0
+DURATION_S = 50.0
+SETTLE_S = 15.0
 """The weighted shares are taken from here: the closed loops all start at 0 s, and the first
 seconds' dispatches charge only prompts (output is charged as it comes), so the tenant whose
 requests went first is ahead by up to the pool's work in flight when they start to end."""
-RETURN_AT = 30.0
+RETURN_AT = 25.0
 RETURN_WINDOW = 10.0
-LIGHT_DURATION_S = 60.0
+LIGHT_DURATION_S = 45.0
 SHARE_GOAL = 0.05
 RETURNING_GOAL = (0.45, 0.55)
 CACHE: dict[str, tuple[PoolSpec, dict[str, Any]]] = {
@@ -243,7 +246,10 @@ def _light_p95(records: list[PoolRecord]) -> tuple[float | None, int]:
     return percentile(values, 95), len(values)
 
 
-def light(workload: str, setup: Setup) -> dict[str, Any]:
+def light(workload: str, setup: Setup, profile: str = "throughput") -> dict[str, Any]:
+    """The light tenant beside the heavy one and alone, under ``capacity.profile``."""
+    spec, mode = setup
+    setup = (spec, {**mode, "capacity": {"profile": profile}})
     records, tokens, cpu = _run(light_traffic(workload, alone=False), setup)
     alone, _, cpu_alone = _run(light_traffic(workload, alone=True), setup)
     p95, n = _light_p95(records)
@@ -254,7 +260,14 @@ def light(workload: str, setup: Setup) -> dict[str, Any]:
             "light_samples": n, "tokens_per_s": tokens, "sim_cpu_s": round(cpu + cpu_alone, 2)}
 
 
-SCENARIOS = {"weighted": weighted, "returning": returning, "light": light}
+def light_isolated(workload: str, setup: Setup) -> dict[str, Any]:
+    return light(workload, setup, "isolation")
+
+
+SCENARIOS = {"weighted": weighted, "returning": returning, "light": light,
+             "light, isolation profile": light_isolated}
+"""``light`` under the default capacity profile (throughput), and under ``isolation`` (the one
+switch for latency isolation under a flood: the idle-tenant reserve and its companions)."""
 
 
 def measure(only: list[str] | None = None) -> dict[str, Any]:
@@ -278,13 +291,17 @@ def measure(only: list[str] | None = None) -> dict[str, Any]:
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
     """Per workload, whether each goal is met with the cache on."""
     out: dict[str, dict[str, bool]] = {}
+    def no_worse(light: dict[str, Any]) -> bool:
+        on, off = light["on"]["ratio"], light["off"]["ratio"]
+        return on is not None and off is not None and on <= off
+
     for workload, data in results.items():
-        on, off = data["light"]["on"]["ratio"], data["light"]["off"]["ratio"]
         low, high = RETURNING_GOAL
         out[workload] = {
             "weighted": data["weighted"]["on"]["worst_error"] <= SHARE_GOAL,
             "returning": low <= data["returning"]["on"]["returning_share"] <= high,
-            "light": on is not None and off is not None and on <= off,
+            "light": no_worse(data["light"]),
+            "light, isolation profile": no_worse(data["light, isolation profile"]),
         }
     return out
 
@@ -311,32 +328,72 @@ def render(results: dict[str, Any], load: tuple[str, str]) -> str:
         f"backlogged again from {RETURN_AT:g} s beside a tenant backlogged throughout; its "
         f"share of the {RETURN_WINDOW:g} s after (goal: 45–55 %). Light: a light tenant beside "
         "a backlogged heavy one, TTFT p95 ÷ the same light traffic alone on the same pool "
-        f"({LIGHT_DURATION_S:g} s; goal: with the cache no worse than without).",
+        f"({LIGHT_DURATION_S:g} s), under the default capacity profile (throughput) and under "
+        "`capacity.profile: isolation` (goal: with the cache no worse than without).",
         "",
         "| workload | cache | w1 / w2 / w3 share (target 16.7 / 33.3 / 50.0 %) | worst error "
-        "| all backlogged s | returning share | light p95 ms | alone p95 ms | light ÷ alone "
-        "| pool tokens/s (weighted) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| all backlogged s | returning share | light p95 / alone ms, throughput profile "
+        "| light p95 / alone ms, isolation profile | pool tokens/s (weighted) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def isolation(li: dict[str, Any]) -> str:
+        ratio = "-" if li["ratio"] is None else f"{li['ratio']:.2f}"
+        return f"{_f(li['light_p95_ms'])} / {_f(li['alone_p95_ms'])} = {ratio}"
+
     for workload, data in results.items():
         for cache in CACHE:
-            w, r, li = (data[s][cache] for s in ("weighted", "returning", "light"))
+            w, r = data["weighted"][cache], data["returning"][cache]
             share = " / ".join(f"{w['shares'].get(t, 0.0):.1%}" for t in WEIGHTS)
-            ratio = "-" if li["ratio"] is None else f"{li['ratio']:.2f}"
             lines.append(
                 f"| {workload} | {cache} | {share} | {w['worst_error']:+.1%} | "
                 f"{w['all_backlogged_s']:.1f} of {w['window_s']:g} | "
-                f"{r['returning_share']:.1%} | {_f(li['light_p95_ms'])} | "
-                f"{_f(li['alone_p95_ms'])} | {ratio} | {_f(w['tokens_per_s'])} |")
+                f"{r['returning_share']:.1%} | {isolation(data['light'][cache])} | "
+                f"{isolation(data['light, isolation profile'][cache])} | "
+                f"{_f(w['tokens_per_s'])} |")
     lines += ["", "| workload | weighted within 5 % (cache on) | returning 45–55 % (cache on) | "
-              "light ÷ alone, cache on ≤ off |", "| --- | --- | --- | --- |"]
+              "light ÷ alone, cache on ≤ off: throughput profile | isolation profile |",
+              "| --- | --- | --- | --- | --- |"]
     for workload, ok in verdicts(results).items():
         lines.append(f"| {workload} | {yes(ok['weighted'])} | {yes(ok['returning'])} | "
-                     f"{yes(ok['light'])} |")
+                     f"{yes(ok['light'])} | {yes(ok['light, isolation profile'])} |")
+    lines += ["", *NOTES]
     lines.append("")
     return "\n".join(lines)
 
 
+NOTES = [
+    "The isolation-profile column was run after the rest (load average 6.2 at its start, 6.3 "
+    "at its end), once `bench.prefix._config` kept a mode's capacity settings: the first run "
+    "had dropped the profile and repeated the throughput column.",
+    "",
+    "With the engines' prefix cache, weighted shares and the returning tenant hold as without "
+    "it: every share within 2.7 % of its weight's (3.6 % without the cache), the returning "
+    "tenant 47.4-49.4 % (49.4-50.5 % without). A light tenant's TTFT p95 ÷ alone is no worse "
+    "with the cache for chat and RAG under the default profile (2.54 against 2.92, 1.45 "
+    "against 2.54), but not for the system-prompt shape: 1,463 ms beside the heavy tenant "
+    "against 20 ms alone (73×), where without the cache it is 452 against 120 ms (3.8×). "
+    "There the light request waits in the picker for room (in a 40 s probe, 560 ms at p50 "
+    "and 1.26 s at p95 queued, 10 and 130 ms in the engine): the heavy tenant's requests share "
+    "one 2,000-token system prompt, counted once on an endpoint since 6a5e4c4, so the pool "
+    "runs about 700 of them at 28k tokens/s and frees room in pieces of one question and "
+    "answer, while the light tenant's first request there needs room for its own 2,000 "
+    "prompt tokens. Under `capacity.profile: isolation` its p95 is 113 ms with the cache "
+    "against 175 without, lower, but ÷ alone reads 2.26 against 1.46 (alone is 50 ms with "
+    "the cache, 120 without) and for chat 2.36 against 0.83 (94 against 100 ms): the goal "
+    "as a ratio is not met there either, in absolute time it is (RAG reads 0.07: beside the "
+    "heavy tenant, whose questions keep the shared documents cached, the light one's hit "
+    "them; alone they are often computed). The light tenant has 17 to "
+    "35 requests a run, so its p95 is one of its two slowest. Not fixed here: the room rule "
+    "is the gate's (`picker.core.gate`, `picker.core.prefix`), not the cost's.",
+    "",
+    "A hazard found on the way: with `routing.prefixAffinity` on and engines without prefix "
+    "caching, the picker still counts a shared prompt block once, sends past what the "
+    "engines hold, and the engines' own queues decide: on the system-prompt shape w1 / w2 / "
+    "w3 received 74.2 / 25.8 / 0.0 % (vtc with affinity and computed charging, cache off, "
+    "same weighted scenario). The rows above run such engines without affinity.",
+]
+"""What the run shows, in words (written from the numbers of the run committed)."""
 START = "<!-- bench.prefix_fairness: written by python -m bench.prefix_fairness -->"
 END = "<!-- /bench.prefix_fairness -->"
 
