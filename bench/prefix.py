@@ -29,6 +29,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,30 @@ def write_section(out: Path, text: str, start: str, end: str, name: str,
     page = out / "prefix.md"
     page.write_text(splice(page.read_text() if page.exists() else "", text, start, end))
     (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def section_parser(name: str, doc: str | None, what: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark ``bench.<name>`` that writes one section of
+    ``prefix.md`` (``what``): its ``--out``."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"directory holding prefix.md (its {what} section is replaced) "
+                             f"and for {name}.json (default: print only)")
+    return parser
+
+
+def run_section(out: Path | None, name: str, measure: Callable[[], dict[str, Any]],
+                render: Callable[[dict[str, Any], tuple[str, str]], str], start: str,
+                end: str) -> int:
+    """Measure, render with the load average at the start and at the end, print, and with
+    ``out`` write the section and ``name``.json there (``write_section``)."""
+    before = load_average()
+    results = measure()
+    text = render(results, (before, load_average()))
+    print(text)
+    if out is not None:
+        write_section(out, text, start, end, name, results)
+    return 0
 
 
 def load_average() -> str:

@@ -32,12 +32,10 @@ requests at once: longer than a benchmark's usual three, run once).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from bench.isolation import light_ttfts
@@ -50,8 +48,8 @@ from bench.prefix import (
     WARMUP_S,
     _config,
     _f,
-    load_average,
-    write_section,
+    run_section,
+    section_parser,
 )
 from picker.config.strict import safe_load
 from picker.sim.load import percentile
@@ -399,21 +397,12 @@ END = "<!-- /bench.prefix_fairness -->"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefix_fairness",
-                                     description=__doc__)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory holding prefix.md (its fairness section is replaced) "
-                             "and for prefix_fairness.json (default: print only)")
+    parser = section_parser("prefix_fairness", __doc__, "fairness")
     parser.add_argument("--only", action="append", choices=list(SHAPES),
                         help="run only this workload's shapes (repeatable)")
     args = parser.parse_args(argv)
-    before = load_average()
-    results = measure(args.only)
-    text = render(results, (before, load_average()))
-    print(text)
-    if args.out is not None:
-        write_section(args.out, text, START, END, "prefix_fairness", results)
-    return 0
+    return run_section(args.out, "prefix_fairness", lambda: measure(args.only), render, START,
+                       END)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,9 @@ sessions" section of ``prefix.md`` between its markers, replacing it, and
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from bench.prefix import (
@@ -36,10 +34,10 @@ from bench.prefix import (
     WARMUP_S,
     _config,
     _f,
-    load_average,
     numbers,
     pool_table,
-    write_section,
+    run_section,
+    section_parser,
 )
 from bench.prefix_fairness import (
     all_backlogged,
@@ -213,18 +211,8 @@ END = "<!-- /bench.prefix_sessions -->"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefix_sessions", description=__doc__)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory holding prefix.md (its sessions section is replaced) "
-                             "and for prefix_sessions.json (default: print only)")
-    args = parser.parse_args(argv)
-    before = load_average()
-    results = measure()
-    text = render(results, (before, load_average()))
-    print(text)
-    if args.out is not None:
-        write_section(args.out, text, START, END, "prefix_sessions", results)
-    return 0
+    args = section_parser("prefix_sessions", __doc__, "sessions").parse_args(argv)
+    return run_section(args.out, "prefix_sessions", measure, render, START, END)
 
 
 if __name__ == "__main__":
