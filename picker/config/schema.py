@@ -320,6 +320,7 @@ class Capacity:
     its reserve is for, and its oldest may go ahead of a fair-queue head that waits for room (as
     a single waiting request may): the room kept for it is of use only if it may take it. A
     tenant at or above its fair share gets no reserve and is judged backlogged, like a flood.
+    Needs ``idleTenantReserve`` (under a profile, ``idleTenantReserve: 0s`` turns it off).
     Unset: the profile's (``throughput``: ``0``, ``isolation``: ``0.9``)."""
     reserve_max_share: float = field(default=None,  # type: ignore[assignment]
                                      metadata=_camel("reserve_max_share", profile=True, gt=0,
@@ -341,10 +342,14 @@ class Capacity:
             # idleTenantReserve: 0s written out under a profile leaves its ready reserve nothing
             # to place: off, rather than an error the profile's user did not write.
             object.__setattr__(self, "ready_reserve", False)
+        if "reserve_quantile" in unset and not self.idle_tenant_reserve:
+            object.__setattr__(self, "reserve_quantile", 0.0)  # likewise: no reserve to size
         if isinstance(self.kv_budget_tokens, int) and self.kv_budget_tokens < 1:
             raise ConfigError("kvBudgetTokens", "must be >= 1 or auto")
         if self.ready_reserve and not self.idle_tenant_reserve:
             raise ConfigError("readyReserve", "needs idleTenantReserve (a reserve to place)")
+        if self.reserve_quantile and not self.idle_tenant_reserve:
+            raise ConfigError("reserveQuantile", "needs idleTenantReserve (a reserve to size)")
 
     @property
     def slow_scrape_cadence(self) -> float:

@@ -230,6 +230,12 @@ def test_the_reserve_keys_load_strictly_and_the_throughput_profile_keeps_no_rese
         load(PickerConfig, {"capacity": {"reserveQuantile": 1}})
     with pytest.raises(ConfigError, match=r"capacity\.reserveMaxShare"):
         load(PickerConfig, {"capacity": {"reserveMaxShare": 0}})
+    # A quantile needs a reserve to size: refused when written out without one, off when the
+    # profile's reserve is turned off (idleTenantReserve: 0s).
+    with pytest.raises(ConfigError, match=r"capacity\.reserveQuantile"):
+        load(PickerConfig, {"capacity": {"reserveQuantile": 0.5}})
+    off = load(PickerConfig, {"capacity": {"profile": "isolation", "idleTenantReserve": "0s"}})
+    assert (off.capacity.reserve_quantile, off.capacity.ready_reserve) == (0.0, False)
 
 
 @pytest.mark.parametrize("quantile", [0.9, 0.0])
