@@ -46,7 +46,13 @@ The issue's goal matrix (the default against pass-through; a Goals table in the 
 --seeds 3 --response-path meter-stream,inline,access-log --no-trace --out DIR``: 80 cells (2
 sizes × 2 loops × 2 engine policies × 2 pool sizes × 3 seeds on the meter stream, one each on
 the inline and access-log paths), each about 70 s with the simulator on two cores: about
-1 h 40 min (``--duration 20``: about 1 h 10 min; ``--no-sim`` saves a few s a cell).
+1 h 40 min (``--duration 20``: about 1 h 10 min; ``--no-sim`` saves a few s a cell). Its goal
+table prints the simulator's ratio beside Envoy's (issue 27 point 4: within 3 %).
+
+Without a stack: ``--resim DIR/efficiency.json`` runs the pool simulator as it is now on every
+run of a stored goal matrix (efficiency_sim_agreement.md); ``--sim-only --matrix --only 256k
+--only 500k --endpoints 2,4,8 ...`` runs the matrix in the simulator alone on the issue's large
+pools (efficiency_sim_large.md; about 50 min for 72 cells on the loaded two cores).
 """
 
 from __future__ import annotations
