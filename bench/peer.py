@@ -997,6 +997,14 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
                   "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
                   "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
         lines += [_goal_row(workload, g) for workload, g in beside]
+        short = [f"{w} ({n['ok']:,} of {n['requests']:,})" for w, got in summary.items()
+                 if (n := got["pickers"].get(PREFIX_METER)) and n["ok"] < n["requests"]]
+        if short:
+            # Refused requests lighten the load the others met: those rows do not compare.
+            lines += ["", f"{PREFIX_METER} answered fewer requests than it was sent on "
+                      + ", ".join(short) + ": the rest were refused (503 `meter_backlog`: the "
+                      "picker fell more than `METER_BACKLOG_SHED` behind reading meter streams), "
+                      "so its figures there are for a lighter load and are not a comparison."]
     if not detail:
         return lines
     lines += ["", "Per tenant: TTFT, its sessions' or programs' completion (first call sent to "
