@@ -26,9 +26,10 @@ pytestmark = pytest.mark.e2e
 
 cluster = operator_tests.cluster  # the emulated API with the operator's resources (a fixture)
 
-# A backlog of 48 a tenant keeps the picker's queue from running dry: at 16, on a loaded machine
-# (load average 5-9) a share of each tenant's requests was in transit (client, Envoy, the meter) rather
-# than queued, the picker had nobody else to send, and the 1:3 split read 0.68-0.70 instead of 0.75.
+# A backlog of 48 a tenant keeps the picker's queue from running dry: at 16, on a loaded
+# machine (load average 5-9) a share of each tenant's requests was in transit (client, Envoy,
+# the meter) rather than queued, the picker had nobody else to send, and the 1:3 split read
+# 0.68-0.70 instead of 0.75.
 SPEC = {"backlog": 48, "prompt_tokens": [40, 120], "output_tokens": [20, 60],
         "stream_fraction": 0.5, "include_usage": True}
 
