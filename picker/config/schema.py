@@ -597,21 +597,23 @@ class PassThrough:
 
 @dataclass(frozen=True)
 class PrefixAffinity:
-    """Prefix affinity: among the endpoints where a request fits, prefer the one that was
-    recently sent more of its prompt (its engine's prefix cache likely holds it). The prompt's
-    text (messages with their roles, system, tools, documents) is cut into blocks whose hashes
-    chain as vLLM's do; each picker replica remembers, per endpoint, the blocks it sent there
-    (least recently sent forgotten first). The fair queue still decides which request goes
-    next, and capacity where it may go; affinity only orders the endpoints that have room. Each
-    replica learns from its own dispatches only: with several replicas a conversation's turns
-    keep their endpoint as long as the gateway sends them to the same replica, and otherwise
-    fall back to load (a cache miss, never a request where it does not fit; simulated with
-    requests spread at random over 2 replicas, chat sessions' hit rate 0.50 -> 0.68 instead of
-    0.53 -> 0.83 with one). With it, a prompt block that requests running on one endpoint
-    share counts once in that endpoint's room, as the engine's prefix cache stores it once.
-    About 75 us of CPU per request at a 16,000-character prompt (30 of them the shared-block
-    room) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default
-    bound (bench/results/prefix_scorer.md)."""
+    """Prefix affinity: among the endpoints where a request fits, prefer the one that was recently
+    sent more of its prompt (its engine's prefix cache likely holds it). The prompt's text (messages
+    with their roles, system, tools, documents) is cut into blocks whose hashes chain as vLLM's do;
+    each picker replica remembers, per endpoint, the blocks it sent there (least recently sent
+    forgotten first). The fair queue still decides which request goes next, and capacity where it
+    may go; affinity only orders the endpoints that have room. Each replica learns from its own
+    dispatches only: with several replicas a conversation's turns keep their endpoint as long as the
+    gateway sends them to the same replica, and otherwise fall back to load (a cache miss, never a
+    request where it does not fit; simulated with requests spread at random over 2 replicas, chat
+    sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). With it, a prompt block that
+    requests running on one endpoint share counts once in that endpoint's room, as the engine's
+    prefix cache stores it once. So turn it on only in front of engines that cache prefixes (vLLM
+    V1's default): in front of engines without a prefix cache the picker sends past their room and
+    their own queues decide the order (weights 1:2:3 on shared system prompts served 74 / 26 / 0 %,
+    bench/results/prefix.md). About 75 us of CPU per request at a 16,000-character prompt (30 of
+    them the shared-block room) and 116 bytes per remembered block at most, under 1 MB an endpoint
+    at the default bound (bench/results/prefix_scorer.md)."""
 
     weight: float = field(default=1.0, metadata={"ge": 0})
     """What a whole prompt found on an endpoint adds to its score beside load (the least-loaded
@@ -687,7 +689,9 @@ class Routing:
     """Method and path pairs routed without admission or charge."""
     prefix_affinity: PrefixAffinity | None = field(default=None,
                                                    metadata=_camel("prefix_affinity"))
-    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off)."""
+    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off). Only
+    in front of engines that cache prefixes (vLLM V1's default): with it a prompt block shared by
+    requests running on one endpoint counts once in its room, as such an engine stores it."""
     sessions: Sessions | None = None
     """Programs and sessions: the key a request carries in ``header`` (set by the gateway or
     the application) keeps a session's calls on the endpoint of its previous call while that
