@@ -80,7 +80,8 @@ def affinity_rules(config: PickerConfig) -> AffinityRules | None:
     if a is None:
         return None
     return AffinityRules(weight=a.weight, block_chars=a.block_chars,
-                         max_blocks_per_endpoint=a.max_blocks_per_endpoint)
+                         max_blocks_per_endpoint=a.max_blocks_per_endpoint,
+                         shared_room=a.shared_room)
 
 
 def session_rules(config: PickerConfig) -> SessionRules | None:

@@ -626,6 +626,11 @@ class PrefixAffinity:
     max_blocks_per_endpoint: int = field(default=8192, metadata=_camel(
         "max_blocks_per_endpoint", ge=1, le=10_000_000))
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
+    shared_room: bool = field(default=True, metadata=_camel("shared_room"))
+    """A prompt block shared by requests running on one endpoint counts once in its room, as
+    an engine with a prefix cache stores it once. False in front of engines without a prefix
+    cache (vLLM's --no-enable-prefix-caching): each request's whole prompt counts, and affinity
+    only orders the endpoints."""
 
 
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")

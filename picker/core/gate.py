@@ -607,7 +607,9 @@ class Gate:
             output_seen=output_seen, choices=choices)
         if self.prefix_index is not None and prefix[0] and self.rules.affinity is not None:
             passage.prefix_blocks, passage.prefix_chars = prefix
-            if passage.prefix_chars > 0:  # (blocks are cut from text: always, in practice)
+            # (blocks are cut from text: always, in practice); prefix_block_chars turns on the
+            # shared blocks' room, which an engine without a prefix cache does not have.
+            if passage.prefix_chars > 0 and self.rules.affinity.shared_room:
                 passage.prefix_block_chars = self.rules.affinity.block_chars
         if session is not None and self.sessions is not None:
             # Scoped by the tenant the identity resolved: a key never reaches another's session.
