@@ -608,9 +608,9 @@ class PrefixAffinity:
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
     sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). With it, a prompt block that
     requests running on one endpoint share counts once in that endpoint's room, as the engine's
-    prefix cache stores it once. So turn it on only in front of engines that cache prefixes (vLLM
-    V1's default): in front of engines without a prefix cache the picker sends past their room and
-    their own queues decide the order (weights 1:2:3 on shared system prompts served 74 / 26 / 0 %,
+    prefix cache stores it once. Set sharedRoom false in front of engines without a prefix cache
+    (vLLM V1 caches by default): left true there, the picker sends past their room and their own
+    queues decide the order (weights 1:2:3 on shared system prompts served 74 / 26 / 0 %,
     bench/results/prefix.md). About 75 us of CPU per request at a 16,000-character prompt (30 of
     them the shared-block room) and 116 bytes per remembered block at most, under 1 MB an endpoint
     at the default bound (bench/results/prefix_scorer.md)."""
@@ -694,9 +694,10 @@ class Routing:
     """Method and path pairs routed without admission or charge."""
     prefix_affinity: PrefixAffinity | None = field(default=None,
                                                    metadata=_camel("prefix_affinity"))
-    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off). Only
-    in front of engines that cache prefixes (vLLM V1's default): with it a prompt block shared by
-    requests running on one endpoint counts once in its room, as such an engine stores it."""
+    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off). A
+    prompt block shared by requests running on one endpoint counts once in its room, as an
+    engine with a prefix cache (vLLM V1's default) stores it; in front of engines without one,
+    set ``sharedRoom: false``."""
     sessions: Sessions | None = None
     """Programs and sessions: the key a request carries in ``header`` (set by the gateway or
     the application) keeps a session's calls on the endpoint of its previous call while that
