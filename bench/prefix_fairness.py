@@ -390,11 +390,10 @@ NOTES = [
     "engines hold, and the engines' own queues decide: on the system-prompt shape w1 / w2 / "
     "w3 received 74.2 / 25.8 / 0.0 % (vtc with affinity and computed charging, cache off, "
     "same weighted scenario). The rows above run such engines without affinity. "
-    "`routing.prefixAffinity.sharedRoom: false` is the switch for such engines (each prompt "
-    "counts whole): in one later run of the same scenario (load average 1.8-2.2) 13.9 / 36.6 / "
-    "49.5 % with it, 74.2 / 25.8 / 0.0 % without it, 16.7 / 33.4 / 49.9 % without affinity: "
-    "the shares are restored but w1's is 16 % short, left by charging a prompt at dispatch on "
-    "the index's guess of its cached part, which these engines never cache.",
+    "`routing.prefixAffinity.engineCache: false` is the switch for such engines (each prompt "
+    "counts whole in the room and is charged as computed): in one later run of the same "
+    "scenario (load average 2.8) 16.7 / 33.3 / 50.0 % with it, 74.2 / 25.8 / 0.0 % without "
+    "it, 16.7 / 33.4 / 49.9 % without affinity.",
 ]
 """What the run shows, in words (written from the numbers of the run committed)."""
 START = "<!-- bench.prefix_fairness: written by python -m bench.prefix_fairness -->"

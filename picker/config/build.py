@@ -81,7 +81,7 @@ def affinity_rules(config: PickerConfig) -> AffinityRules | None:
         return None
     return AffinityRules(weight=a.weight, block_chars=a.block_chars,
                          max_blocks_per_endpoint=a.max_blocks_per_endpoint,
-                         shared_room=a.shared_room)
+                         engine_cache=a.engine_cache)
 
 
 def session_rules(config: PickerConfig) -> SessionRules | None:

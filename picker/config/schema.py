@@ -608,7 +608,7 @@ class PrefixAffinity:
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
     sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). With it, a prompt block that
     requests running on one endpoint share counts once in that endpoint's room, as the engine's
-    prefix cache stores it once. Set sharedRoom false in front of engines without a prefix cache
+    prefix cache stores it once. Set engineCache false in front of engines without a prefix cache
     (vLLM V1 caches by default): left true there, the picker sends past their room and their own
     queues decide the order (weights 1:2:3 on shared system prompts served 74 / 26 / 0 %,
     bench/results/prefix.md). About 75 us of CPU per request at a 16,000-character prompt (30 of
@@ -626,11 +626,12 @@ class PrefixAffinity:
     max_blocks_per_endpoint: int = field(default=8192, metadata=_camel(
         "max_blocks_per_endpoint", ge=1, le=10_000_000))
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
-    shared_room: bool = field(default=True, metadata=_camel("shared_room"))
-    """A prompt block shared by requests running on one endpoint counts once in its room, as
-    an engine with a prefix cache stores it once. False in front of engines without a prefix
-    cache (vLLM's --no-enable-prefix-caching): each request's whole prompt counts, and affinity
-    only orders the endpoints."""
+    engine_cache: bool = field(default=True, metadata=_camel("engine_cache"))
+    """The engines cache prefixes (vLLM V1's default): a prompt block shared by requests running
+    on one endpoint counts once in its room, as the engine stores it once, and a prompt is
+    charged at dispatch as cached as far as the endpoint was sent it. False in front of engines
+    without a prefix cache (vLLM's --no-enable-prefix-caching): each request's whole prompt
+    counts in the room and is charged as computed, and affinity only orders the endpoints."""
 
 
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
@@ -697,7 +698,7 @@ class Routing:
     """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off). A
     prompt block shared by requests running on one endpoint counts once in its room, as an
     engine with a prefix cache (vLLM V1's default) stores it; in front of engines without one,
-    set ``sharedRoom: false``."""
+    set ``engineCache: false``."""
     sessions: Sessions | None = None
     """Programs and sessions: the key a request carries in ``header`` (set by the gateway or
     the application) keeps a session's calls on the endpoint of its previous call while that

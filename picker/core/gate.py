@@ -609,7 +609,7 @@ class Gate:
             passage.prefix_blocks, passage.prefix_chars = prefix
             # (blocks are cut from text: always, in practice); prefix_block_chars turns on the
             # shared blocks' room, which an engine without a prefix cache does not have.
-            if passage.prefix_chars > 0 and self.rules.affinity.shared_room:
+            if passage.prefix_chars > 0 and self.rules.affinity.engine_cache:
                 passage.prefix_block_chars = self.rules.affinity.block_chars
         if session is not None and self.sessions is not None:
             # Scoped by the tenant the identity resolved: a key never reaches another's session.
@@ -1050,9 +1050,10 @@ class Gate:
             return
         blocks = passage.prefix_blocks
         request = passage.request
-        request.cached_prompt_tokens = cached_estimate(
-            request.prompt_tokens, index.matched(endpoint.address, blocks),
-            affinity.block_chars, passage.prefix_chars)
+        if affinity.engine_cache:  # an engine without a prefix cache computes every token
+            request.cached_prompt_tokens = cached_estimate(
+                request.prompt_tokens, index.matched(endpoint.address, blocks),
+                affinity.block_chars, passage.prefix_chars)
         index.record(endpoint.address, blocks)
 
     def _room_held(self, passage: Passage, endpoint: EndpointState) -> int:

@@ -38,9 +38,10 @@ class AffinityRules:
     """Bytes of prompt text per block (characters, for ASCII text)."""
     max_blocks_per_endpoint: int = 8192
     """Blocks remembered per endpoint, least recently sent forgotten first."""
-    shared_room: bool = True
-    """Count a prompt block shared by requests running on one endpoint once in its room, as an
-    engine with a prefix cache stores it; False for engines without one."""
+    engine_cache: bool = True
+    """The engines cache prefixes: a prompt block shared by requests running on one endpoint
+    counts once in its room, as the engine stores it, and a prompt is expected cached as far as
+    the endpoint was sent it. False (engines without a prefix cache): neither."""
 
 
 class PrefixIndex:

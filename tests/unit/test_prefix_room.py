@@ -32,11 +32,11 @@ def chat(*turns: str, system: str = SYSTEM) -> dict[str, Any]:
     return {"model": "m", "messages": messages}
 
 
-def make_gate(budgets: dict[str, int], *, weight: float = 1.0, shared_room: bool = True,
+def make_gate(budgets: dict[str, int], *, weight: float = 1.0, engine_cache: bool = True,
               **rules: Any) -> Gate:
     gate_rules = GateRules(affinity=AffinityRules(weight=weight, block_chars=BLOCK,
                                                   max_blocks_per_endpoint=1000,
-                                                  shared_room=shared_room), **rules)
+                                                  engine_cache=engine_cache), **rules)
     gate = Gate(gate_rules, Scheduler([LaneSpec("default")]),
                 Admission({}, TenantRules()), now=0.0)
     gate.set_endpoints(budgets)
@@ -90,11 +90,11 @@ def test_a_request_whose_prefix_runs_on_an_endpoint_fits_there_where_its_whole_p
     assert stranger.dispatched_at is None
 
 
-def test_without_shared_room_each_prompt_counts_whole_yet_affinity_still_routes() -> None:
-    """``sharedRoom: false`` (engines without a prefix cache): the request that fits above only
+def test_without_engine_cache_each_prompt_counts_whole_yet_affinity_still_routes() -> None:
+    """``engineCache: false`` (engines without a prefix cache): the request that fits above only
     by its shared blocks waits for room, and where both fit the prefix still picks the
-    endpoint."""
-    gate = make_gate({E1: 1000}, shared_room=False)
+    endpoint, the prompt expected computed whole."""
+    gate = make_gate({E1: 1000}, engine_cache=False)
     holder = send(gate, chat(LONG), 800)
     sharer = send(gate, chat(LONG, "an answer", "and a follow-up question"), 700, now=0.1)
     assert sharer.dispatched_at is None
@@ -104,10 +104,11 @@ def test_without_shared_room_each_prompt_counts_whole_yet_affinity_still_routes(
     gate.complete(sharer, Usage(700, 10), "ok", 1.0)
     assert gate.endpoints[E1].inflight_tokens == 0
 
-    roomy = make_gate({E1: 10_000, E2: 10_000}, shared_room=False)
+    roomy = make_gate({E1: 10_000, E2: 10_000}, engine_cache=False)
     first = send(roomy, chat(LONG), 800)
     again = send(roomy, chat(LONG, "an answer", "and a follow-up question"), 700, now=0.1)
     assert again.endpoint is first.endpoint
+    assert again.request.cached_prompt_tokens == 0  # charged as computed: nothing is cached
     home = first.endpoint
     assert home is not None and home.inflight_tokens == first.reserved_tokens \
         + again.reserved_tokens
