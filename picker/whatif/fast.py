@@ -62,7 +62,13 @@ from picker.core.gate import PRUNE_INTERVAL, QUEUE_FULL, Gate
 from picker.core.request import Request, Usage
 from picker.sim.pool import PoolSpec
 from picker.whatif.log import Arrival
-from picker.whatif.replay import EXPIRY_CHECK_STEPS, LANE_NOT_ALLOWED, ReplayRecord, ReplayResult
+from picker.whatif.replay import (
+    EXPIRY_CHECK_STEPS,
+    LANE_NOT_ALLOWED,
+    ReplayRecord,
+    ReplayResult,
+    arrival_demand,
+)
 
 DEFAULT_CHUNKS = 2
 """Parts a stream's output is charged to the fair queue in (see the module's docstring)."""
@@ -268,13 +274,7 @@ class FastReplay:
     def send(self, arrival: Arrival, now: float) -> None:
         """``arrival`` reaches the picker at ``now`` (seconds after the replay's start)."""
         tenant, gate = arrival.tenant, self.gate
-        if tenant not in self.known:
-            seen = self.result.unknown_tenants.setdefault(tenant, [arrival.line, 0])
-            seen[1] += 1
-        output = arrival.output_tokens
-        if output is None:
-            output = arrival.max_tokens if arrival.max_tokens is not None else self.default_output
-        prompt = arrival.prompt_tokens or 1
+        prompt, output = arrival_demand(arrival, self.known, self.result, self.default_output)
         lane = gate.choose_lane(tenant, arrival.lane_asked)
         if lane is None:
             self._record(tenant, arrival.lane_asked or "", now, prompt, output, arrival.stream,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -237,6 +237,21 @@ class ReplayResult:
         }
 
 
+def arrival_demand(arrival: Arrival, known: Container[str], result: ReplayResult,
+                   default_output: int) -> tuple[int, int]:
+    """The prompt and output tokens a replay sends for ``arrival`` (the output it made, else the
+    cap it asked, else ``default_output``), counting a tenant the config does not know. Shared
+    by the exact and the fast replay."""
+    if arrival.tenant not in known:
+        seen = result.unknown_tenants.setdefault(arrival.tenant, [arrival.line, 0])
+        seen[1] += 1
+    output = arrival.output_tokens
+    if output is None:
+        output = arrival.max_tokens if arrival.max_tokens is not None else default_output
+    # An engine takes no empty prompt (a record metered at 0 tokens that reached one).
+    return arrival.prompt_tokens or 1, output
+
+
 class ReplayPool(_Pool):
     """The pool simulator fed from a log instead of a traffic file: ``send`` one arrival at a
     time; each request, when it ends, goes to ``result`` and is dropped."""
@@ -261,14 +276,7 @@ class ReplayPool(_Pool):
     def send(self, arrival: Arrival) -> None:
         """``arrival`` reaches the picker now."""
         tenant, gate = arrival.tenant, self.gate
-        if tenant not in self.known:
-            seen = self.result.unknown_tenants.setdefault(tenant, [arrival.line, 0])
-            seen[1] += 1
-        output = arrival.output_tokens
-        if output is None:
-            output = arrival.max_tokens if arrival.max_tokens is not None else self.default_output
-        # An engine takes no empty prompt (a record metered at 0 tokens that reached one).
-        prompt = arrival.prompt_tokens or 1
+        prompt, output = arrival_demand(arrival, self.known, self.result, self.default_output)
         planned = PlannedRequest(tenant, arrival.line, "poisson", self.now, prompt, output,
                                  arrival.stream)
         record = ReplayRecord(tenant, "replay", self.now, prompt, output, arrival.stream)
