@@ -211,7 +211,9 @@ class Dispatcher:
                                   idle_tenant_reserve=c.idle_tenant_reserve,
                                   growth_room=c.growth_room,
                                   max_prefill_tokens=c.max_prefill_tokens,
-                                  ready_reserve=c.ready_reserve)
+                                  ready_reserve=c.ready_reserve,
+                                  reserve_quantile=c.reserve_quantile,
+                                  reserve_max_share=c.reserve_max_share)
         gate.pump(now)
 
     def _check_live_change(self, config: PickerConfig, structural: bool) -> None:

@@ -176,14 +176,22 @@ class PickerMetrics:
         self.capacity_ready_reserve = Gauge(
             "fairway_capacity_ready_reserve", "capacity.readyReserve in force (1 on, 0 off).",
             registry=r)
+        self.capacity_reserve_quantile = Gauge(
+            "fairway_capacity_reserve_quantile", "capacity.reserveQuantile in force (0: the "
+            "idle-tenant reserve is one request; else sized from a light tenant's rate).",
+            registry=r)
+        self.capacity_reserve_max_share = Gauge(
+            "fairway_capacity_reserve_max_share", "capacity.reserveMaxShare in force (the "
+            "share of the pool the rate-sized reserves may keep together).", registry=r)
         labels = build_labels()
         Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
               list(labels), registry=r).labels(**labels).set(1)
 
     def set_capacity(self, profile: str, profiles: Iterable[str], *,
                      idle_tenant_reserve: float, growth_room: bool, max_prefill_tokens: int,
-                     ready_reserve: bool) -> None:
-        """The capacity profile in force (1; the other ``profiles`` 0) and the four settings it
+                     ready_reserve: bool, reserve_quantile: float,
+                     reserve_max_share: float) -> None:
+        """The capacity profile in force (1; the other ``profiles`` 0) and the settings it
         sets, as loaded: a key written out over the profile shows its own value."""
         for name in profiles:
             self.capacity_profile.labels(name).set(1 if name == profile else 0)
@@ -191,6 +199,8 @@ class PickerMetrics:
         self.capacity_growth_room.set(1 if growth_room else 0)
         self.capacity_max_prefill_tokens.set(max_prefill_tokens)
         self.capacity_ready_reserve.set(1 if ready_reserve else 0)
+        self.capacity_reserve_quantile.set(reserve_quantile)
+        self.capacity_reserve_max_share.set(reserve_max_share)
 
     def set_known_tenants(self, tenants: Iterable[str]) -> None:
         """Tenants that get their own label value; all others are counted as ``other``."""

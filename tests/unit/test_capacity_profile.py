@@ -42,6 +42,8 @@ def test_metrics_say_which_profile_and_settings_are_in_force_and_follow_a_reload
     assert _value(metrics, "fairway_capacity_growth_room") == 1
     assert _value(metrics, "fairway_capacity_max_prefill_tokens") == 8192  # written out: wins
     assert _value(metrics, "fairway_capacity_ready_reserve") == 1
+    assert _value(metrics, "fairway_capacity_reserve_quantile") == 0.9
+    assert _value(metrics, "fairway_capacity_reserve_max_share") == 0.15
 
     dispatcher.apply_config(load_config({"endpoints": ISOLATION["endpoints"]}))
     assert _value(metrics, "fairway_capacity_profile", profile="isolation") == 0
@@ -50,3 +52,5 @@ def test_metrics_say_which_profile_and_settings_are_in_force_and_follow_a_reload
     assert _value(metrics, "fairway_capacity_growth_room") == 0
     assert _value(metrics, "fairway_capacity_max_prefill_tokens") == 0
     assert _value(metrics, "fairway_capacity_ready_reserve") == 0
+    assert _value(metrics, "fairway_capacity_reserve_quantile") == 0.0
+    assert _value(metrics, "fairway_capacity_reserve_max_share") == 1.0
