@@ -232,7 +232,7 @@ class Capacity:
     profile cannot set since the engines' flag decides it. Any of these keys written out
     wins over the profile's value, and these fields hold what is in force: ``/metrics`` says it
     (``fairway_capacity_profile{profile="isolation"} 1``, and each setting's own
-    gauges, e.g. ``fairway_capacity_max_prefill_tokens``), as does each TenantPolicy's
+    gauge, e.g. ``fairway_capacity_max_prefill_tokens``), as does each TenantPolicy's
     ``status.capacityProfile``. Measured cost: README, "What isolation costs"."""
     idle_tenant_reserve: float = field(default=None,  # type: ignore[assignment]
                                        metadata=_camel("idle_tenant_reserve", profile=True, ge=0,
