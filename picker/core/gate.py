@@ -40,7 +40,7 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -904,14 +904,18 @@ class Gate:
         request queued (about arrival order; no sort on this hot path), and, with a rate-sized
         reserve, the oldest of each tenant with more queued that is still light by its rate
         (``_backlogged``): the room kept for it is of use only if its requests may take it."""
+        if not self._reserve.quantile:  # the default: no generator on this hot path
+            return self._single.values()
+        return self._light_heads_by_rate(now)
+
+    def _light_heads_by_rate(self, now: float) -> Iterator[Passage]:
         yield from self._single.values()
-        if self._reserve.quantile:
-            unit: float | None = None
-            for tenant, queued in list(self._in_queue.items()):
-                if len(queued) > 1 and tenant in self._recent:
-                    unit = self._fair_unit() if unit is None else unit
-                    if not self._backlogged(tenant, now, unit):
-                        yield queued[0]
+        unit: float | None = None  # judged lazily: the caller stops at the first that fits
+        for tenant, queued in list(self._in_queue.items()):
+            if len(queued) > 1 and tenant in self._recent:
+                unit = self._fair_unit() if unit is None else unit
+                if not self._backlogged(tenant, now, unit):
+                    yield queued[0]
 
     def _preempts(self) -> bool:
         return self.rules.preempt and self.rules.engine_policy == "priority"

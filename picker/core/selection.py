@@ -325,19 +325,15 @@ def rank(endpoints: list[EndpointState], prompt_tokens: int, now: float, rules: 
     never adds one. ``held``: tokens of the prompt that an endpoint already holds for requests
     running there (shared prefix blocks, ``picker.core.prefix.InflightBlocks``): the request
     needs that much less room there."""
-    if held is None:
-        candidates = [e for e in endpoints
-                      if (has_room(e, now, rules, prompt_tokens, lease_tokens) if require_room
-                          else e.in_service(now))]
-    elif require_room:
-        candidates = []
-        for e in endpoints:
-            shared = held(e)
-            if has_room(e, now, rules, prompt_tokens - shared,
-                        None if lease_tokens is None else lease_tokens - shared):
-                candidates.append(e)
-    else:
+    if not require_room:
         candidates = [e for e in endpoints if e.in_service(now)]
+    elif held is None:
+        candidates = [e for e in endpoints
+                      if has_room(e, now, rules, prompt_tokens, lease_tokens)]
+    else:
+        candidates = [e for e in endpoints
+                      if has_room(e, now, rules, prompt_tokens - (shared := held(e)),
+                                  None if lease_tokens is None else lease_tokens - shared)]
     if len(candidates) < 2:
         return candidates
     if bonus is None:
