@@ -1032,6 +1032,7 @@ class Gate:
         blocks = self._hold_blocks(passage, primary)
         primary.inflight_tokens += passage.reserved_tokens - passage.prefix_tokens + blocks
         primary.inflight_requests += 1
+        primary.sent_since_scrape += 1
         if passage.stream:
             passage.prefilling = True
             primary.prefill_tokens += request.prompt_tokens
@@ -1302,6 +1303,9 @@ class Gate:
             endpoint.inflight_tokens += sign * (passage.reserved_tokens + own)
             endpoint.projected_tokens += sign * (passage.projected_tokens + own)
             endpoint.inflight_requests += sign
+            # It joined the server's queue, not the primary's (whose count a read since the
+            # dispatch may already have restarted).
+            endpoint.sent_since_scrape = max(0, endpoint.sent_since_scrape + sign)
             endpoint.engine_queued += sign * passage.engine_queued
             if passage.prefilling:
                 endpoint.prefill_tokens += sign * passage.request.prompt_tokens

@@ -52,6 +52,12 @@ class EndpointState:
     admit one that was waiting, so the scraped waiting count is that much too high."""
     released_since_scrape: int = 0
     """Tokens those requests held: the scraped KV use is that much too high."""
+    sent_since_scrape: int = 0
+    """Requests the picker sent here since the last scrape answered (``waiting``)."""
+    running_limit: float | None = None
+    """The most requests its engine has been read running, once a read has shown it queueing
+    beside them (``observe``): about its own limit on running requests (vLLM's
+    ``max_num_seqs``), which no metric states. None: never seen queueing."""
     inflight_at_scrape: int = 0
     """``inflight_tokens`` when the last scrape answered: what the picker has sent, seen grow and
     freed here since moves the scraped KV use by as much."""
@@ -92,6 +98,11 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
         endpoint.learned_budget = kv_budget_tokens
     endpoint.scraped_at = now
     endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
+    endpoint.sent_since_scrape = 0
+    if running is not None and waiting is not None and (
+            waiting > 0 or endpoint.running_limit is not None):
+        # It runs at least this many: a read of more raises the limit, never lowers it.
+        endpoint.running_limit = max(endpoint.running_limit or 0.0, running)
     endpoint.inflight_at_scrape = endpoint.inflight_tokens
 
 
@@ -169,11 +180,28 @@ def occupancy(endpoint: EndpointState, now: float, rules: CapacityRules) -> floa
 
 
 def waiting(endpoint: EndpointState, now: float, rules: CapacityRules) -> float:
-    """Requests waiting in the engine's own queue: the scraped count, less the completions
-    seen since (0 when the scrape is stale or missing)."""
+    """Requests waiting in the engine's own queue (0 when the scrape is stale or missing): the
+    scraped count, less the completions seen since, plus the requests the picker has sent
+    there since, less the room the engine had to start them at once.
+
+    An engine can queue beside room the picker counts: its limit on running requests (vLLM's
+    ``max_num_seqs``) is reached long before its KV budget when requests share their prompt
+    blocks. A request sent there then joins the end of its FCFS queue, and one starts per
+    completion. Counting only the completions let every one seen after the read that brought
+    the count under ``max_waiting`` send whatever the tokens allowed (hundreds of short
+    requests), which the next read found queued and everyone, the fair queue's head included,
+    then waited out (about a second, on the system-prompt workload). So a request sent counts
+    as waiting unless the read showed the engine with room to start it: no queue, and fewer
+    running than its ``running_limit`` (no limit known: any number starts)."""
     if endpoint.waiting is None or not endpoint.fresh(now, rules.stale_after):
         return 0.0
-    return max(0.0, endpoint.waiting - endpoint.completed_since_scrape)
+    queued = endpoint.waiting - endpoint.completed_since_scrape + endpoint.sent_since_scrape
+    if endpoint.waiting <= 0:
+        limit = endpoint.running_limit
+        if limit is None or endpoint.running is None:
+            return 0.0
+        queued -= max(0.0, limit - endpoint.running)
+    return max(0.0, queued)
 
 
 def has_room(endpoint: EndpointState, now: float, rules: CapacityRules,
