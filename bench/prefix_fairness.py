@@ -361,29 +361,45 @@ def render(results: dict[str, Any], load: tuple[str, str]) -> str:
 
 
 NOTES = [
-    "The isolation-profile column was run after the rest (load average 6.2 at its start, 6.3 "
-    "at its end), once `bench.prefix._config` kept a mode's capacity settings: the first run "
-    "had dropped the profile and repeated the throughput column.",
-    "",
     "With the engines' prefix cache, weighted shares and the returning tenant hold as without "
-    "it: every share within 2.7 % of its weight's (3.6 % without the cache), the returning "
-    "tenant 47.4-49.4 % (49.4-50.5 % without). A light tenant's TTFT p95 ÷ alone is no worse "
-    "with the cache for chat and RAG under the default profile (2.54 against 2.92, 1.45 "
-    "against 2.54), but not for the system-prompt shape: 1,463 ms beside the heavy tenant "
-    "against 20 ms alone (73×), where without the cache it is 452 against 120 ms (3.8×). "
-    "There the light request waits in the picker for room (in a 40 s probe, 560 ms at p50 "
-    "and 1.26 s at p95 queued, 10 and 130 ms in the engine): the heavy tenant's requests share "
-    "one 2,000-token system prompt, counted once on an endpoint since 6a5e4c4, so the pool "
-    "runs about 700 of them at 28k tokens/s and frees room in pieces of one question and "
-    "answer, while the light tenant's first request there needs room for its own 2,000 "
-    "prompt tokens. Under `capacity.profile: isolation` its p95 is 113 ms with the cache "
-    "against 175 without, lower, but ÷ alone reads 2.26 against 1.46 (alone is 50 ms with "
-    "the cache, 120 without) and for chat 2.36 against 0.83 (94 against 100 ms): the goal "
-    "as a ratio is not met there either, in absolute time it is (RAG reads 0.07: beside the "
-    "heavy tenant, whose questions keep the shared documents cached, the light one's hit "
-    "them; alone they are often computed). The light tenant has 17 to "
-    "35 requests a run, so its p95 is one of its two slowest. Not fixed here: the room rule "
-    "is the gate's (`picker.core.gate`, `picker.core.prefix`), not the cost's.",
+    "it: every share within 2.1 % of its weight's (3.6 % without the cache), the returning "
+    "tenant 47.1-49.2 % (49.4-50.5 % without). A light tenant's TTFT p95 ÷ alone is no worse "
+    "with the cache for RAG under both profiles (0.22 against 2.54, 0.07 against 1.49), and "
+    "not met for the system-prompt and chat shapes.",
+    "",
+    "System prompt, throughput profile: 150 ms beside the heavy tenant against 20 ms alone "
+    "(7.5×; 452 against 120 ms, 3.8×, without the cache). Before 48cb045 it was 1,463 ms (73×): "
+    "the light request waited in the picker (1.06 s at p95) behind the engines' own queues. The "
+    "heavy tenant's requests share one 2,000-token system prompt, counted once on an endpoint "
+    "(6a5e4c4), so the KV room let about 650 of them past the engines' limit of 256 running "
+    "requests (vLLM's `max_num_seqs`, which no metric states): in a probe of the old rule each "
+    "engine was read with 151 waiting at p50 (331 at p95), 99.7 % of reads at 2 or more. One "
+    "completion seen after a read of 2 waiting brought the picker's count (scraped waiting less "
+    "completions since) under `maxWaiting`, and every request the tokens allowed (about 160) "
+    "went at once into the engine's FCFS queue; the light request, the fair queue's head, was "
+    "held by the waiting rule (no heavy request was dispatched while it waited) until the "
+    "engines had started all of them. Since 48cb045 (`picker.core.selection.waiting`) the count "
+    "adds the requests sent since the read, less the room the engine had to start them (no "
+    "queue, fewer running than the most it was read running once seen queueing): in a probe the "
+    "reads showed 0-8 waiting, and light requests waited 30 ms at p95 in the picker (beside "
+    "and alone pooled). What is left is the engine's "
+    "prefix cache: alone, the light tenant's system prompt stays cached and its first token "
+    "takes 10-20 ms; beside the heavy tenant, whose questions and answers turn each engine's "
+    "free blocks over in about 1.5 s (by the rates: some 22k tokens of new blocks a second "
+    "against about 31k free), its blocks are evicted between its requests (1 a second) "
+    "or it goes to the other engine, and 11 of its 35 requests computed their 2,000 prompt "
+    "tokens (120-150 ms, one step of about 2,100 prompt tokens), the rest hit (30-60 ms). Its "
+    "p95 is one of those misses. The picker sends where the prefix was sent last when that "
+    "engine has room; it does not keep blocks in an engine's cache.",
+    "",
+    "Under `capacity.profile: isolation` the system-prompt light p95 is 82 ms with the cache "
+    "against 175 without (1.64 ÷ alone against 1.46: alone is 50 ms with the cache, 120 "
+    "without), "
+    "and for chat 73 against 110 ms (1.82 against 0.92 ÷ alone, alone 40 and 120 ms): lower in "
+    "absolute time, not as a ratio. Chat under the throughput profile reads 150 / 50 = 3.00 "
+    "against 239 / 120 = 1.99 (the run before 48cb045: 127 / 50 = 2.54 against 350 / 120 = "
+    "2.92); the light chat tenant has few requests a run, so its p95 is one of its two slowest, "
+    "and the new waiting count moved both rows (the no-cache row's engines queue too).",
     "",
     "A hazard found on the way: with `routing.prefixAffinity` on and engines without prefix "
     "caching, the picker still counts a shared prompt block once, sends past what the "
