@@ -20,6 +20,7 @@ from picker.core.reserve import (
     MAX_RESERVED_REQUESTS,
     ReserveRules,
     is_light,
+    light_in_flight,
     new_demand,
     poisson_quantile,
     pool_reserve,
@@ -95,11 +96,26 @@ def test_without_a_quantile_the_reserve_is_one_large_request() -> None:
 def test_light_is_below_the_fair_share_and_reserves_stay_within_the_cap() -> None:
     demand = _steady(2.0, 3.0)  # about 6 requests in flight × 100 tokens
     assert is_light(demand, 60.0, RATE, fair_tokens=650.0)
-    assert not is_light(demand, 60.0, RATE, fair_tokens=550.0)
+    # Judged on the low end of its estimate (Poisson of 6 at 0.1: 3 requests), not the mean.
+    assert light_in_flight(6.0, 0.9) == poisson_quantile(6.0, 0.1) == 3
+    assert not is_light(demand, 60.0, RATE, fair_tokens=250.0)
     # (one request, all its requests) per tenant: the largest one, the sum within the cap.
     reserves = {"a": (100.0, 400.0), "b": (300.0, 900.0)}
     assert pool_reserve(reserves, 2000.0, RATE) == (300.0, 1000.0)
     assert pool_reserve(reserves, 400.0, RATE) == (200.0, 200.0)
+
+
+def test_a_tenant_near_its_fair_share_stays_light() -> None:
+    """Its expected demand a little above its fair share is within its estimate's noise: it
+    keeps its reserve (the old rule judged it heavy, took the reserve and its engine
+    priority; 2 x 64k, light 1.5/s under a flood: light TTFT p95 5.3x alone, now 0.94x)."""
+    demand = _steady(2.0, 3.0)  # about 6 in flight × 100 tokens: 600
+    assert is_light(demand, 60.0, RATE, fair_tokens=550.0)
+    assert is_light(new_demand(100.0, 0.0), 0.0, RATE, fair_tokens=550.0, running=6)
+    # Twice its fair share and more is no noise: heavy, by its rate and by its running count.
+    assert not is_light(demand, 60.0, RATE, fair_tokens=300.0)
+    assert not is_light(new_demand(100.0, 0.0), 0.0, RATE, fair_tokens=300.0, running=6)
+    assert light_in_flight(0.0, 0.9) == 0
 
 
 # -- through the gate --
