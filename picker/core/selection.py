@@ -55,9 +55,10 @@ class EndpointState:
     sent_since_scrape: int = 0
     """Requests the picker sent here since the last scrape answered (``waiting``)."""
     running_limit: float | None = None
-    """The most requests its engine has been read running, once a read has shown it queueing
-    beside them (``observe``): about its own limit on running requests (vLLM's
-    ``max_num_seqs``), which no metric states. None: never seen queueing."""
+    """The most requests its engine has been read running, once a read has shown it holding
+    requests back beside them (``observe``: more waiting than the picker sent since the read
+    before, so some have waited a whole read): about its own limit on running requests (vLLM's
+    ``max_num_seqs``), which no metric states. None: never seen holding any back."""
     inflight_at_scrape: int = 0
     """``inflight_tokens`` when the last scrape answered: what the picker has sent, seen grow and
     freed here since moves the scraped KV use by as much."""
@@ -91,6 +92,7 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
             kv_usage: float | None, kv_budget_tokens: int | None, now: float) -> None:
     """A scrape of the endpoint's engine answered with these figures (``None``: not exposed):
     they replace the last ones, and the completions counted since then are forgotten."""
+    sent = endpoint.sent_since_scrape
     endpoint.waiting = waiting
     endpoint.running = running
     endpoint.kv_usage = kv_usage
@@ -99,8 +101,15 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
     endpoint.scraped_at = now
     endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
     endpoint.sent_since_scrape = 0
+    # A request waits in an engine's queue until its next step even with slots free (vLLM
+    # starts waiting requests at each step's start): a read taken in between shows the ones
+    # just sent waiting beside any number running. Only more waiting than were sent since the
+    # read before says the engine holds some back (they waited a whole read). Taking such a
+    # read for its limit pinned an endpoint read with 3 waiting beside 1 running (the first
+    # requests, 4 sent) to 1 more than it ran at each read: 31 running after 10 s beside the
+    # other endpoint's 83 (system-prompt workload, bench.peer).
     if running is not None and waiting is not None and (
-            waiting > 0 or endpoint.running_limit is not None):
+            waiting > sent or endpoint.running_limit is not None):
         # It runs at least this many: a read of more raises the limit, never lowers it.
         endpoint.running_limit = max(endpoint.running_limit or 0.0, running)
     endpoint.inflight_at_scrape = endpoint.inflight_tokens

@@ -53,6 +53,32 @@ def test_a_read_showing_the_engine_queueing_teaches_its_running_limit() -> None:
     assert endpoint.running_limit == 9  # more running: it was higher than learned
 
 
+def test_requests_just_sent_waiting_for_the_engines_next_step_teach_no_limit() -> None:
+    # The first requests of a run: 4 sent, the read comes before the engine's next step has
+    # started the last 3. That says nothing about a limit (the old rule took it as 1).
+    endpoint = EndpointState(E1)
+    _read(endpoint, 0, 0)
+    endpoint.sent_since_scrape = 4
+    _read(endpoint, 3, 1)
+    assert endpoint.running_limit is None
+    _read(endpoint, 0, 4)  # the next read: all four run
+    endpoint.sent_since_scrape = 50
+    assert waiting(endpoint, NOW, RULES) == 0  # it takes whatever its room allows
+    assert has_room(endpoint, NOW, RULES, prompt_tokens=10)
+
+
+def test_requests_still_waiting_a_read_later_teach_the_limit() -> None:
+    endpoint = EndpointState(E1)
+    endpoint.sent_since_scrape = 10
+    _read(endpoint, 2, 8)  # 10 sent since the last read: the 2 may be just arrived
+    assert endpoint.running_limit is None
+    _read(endpoint, 2, 8)  # none sent since, 2 still waiting: the engine holds them back
+    assert endpoint.running_limit == 8
+    endpoint.sent_since_scrape = 3
+    _read(endpoint, 4, 9)  # more waiting than sent since: held back beside 9
+    assert endpoint.running_limit == 9
+
+
 def test_after_a_read_without_a_queue_the_engine_starts_what_its_limit_leaves_room_for() -> None:
     endpoint = EndpointState(E1)
     _read(endpoint, 3, 8)
@@ -137,6 +163,9 @@ def test_after_a_read_without_a_queue_only_the_slots_under_the_limit_are_filled(
     endpoint = gate.endpoints[E1]
     running = [_admit(gate, "heavy", 1.0) for _ in range(10)]
     gate.scraped(endpoint, 2, 8, None, None, sent_at=NOW, now=NOW)
+    assert endpoint.running_limit is None  # 10 sent: the 2 may not have met a step yet
+    gate.scraped(endpoint, 2, 8, None, None, sent_at=NOW, now=NOW)  # still waiting: the limit
+    assert endpoint.running_limit == 8
     for passage in running[:4]:
         _complete(gate, passage, NOW)
     backlog = [_admit(gate, "heavy", NOW + 0.05) for _ in range(50)]
@@ -145,3 +174,19 @@ def test_after_a_read_without_a_queue_only_the_slots_under_the_limit_are_filled(
     gate.scraped(endpoint, 0, 6, None, None, sent_at=NOW + 0.05, now=NOW + 0.05)
     gate.pump(NOW + 0.05)
     assert len(_sent(backlog)) - sent_before == 4
+
+
+def test_an_endpoint_read_early_with_requests_waiting_for_a_step_is_not_pinned() -> None:
+    # The system-prompt workload behind Envoy (bench.peer): the first read of one endpoint came
+    # between the arrival of its first 4 requests and the engine's next step (3 waiting, 1
+    # running). Taken as its limit, every request sent past the running count then counted as
+    # waiting, so it got 2 more a read and ran 31 after 10 s while the other ran 83.
+    gate = _gate()
+    endpoint = gate.endpoints[E1]
+    first = [_admit(gate, "heavy", 1.0) for _ in range(4)]
+    assert len(_sent(first)) == 4
+    gate.scraped(endpoint, 3, 1, None, None, sent_at=1.0, now=1.0)
+    gate.scraped(endpoint, 0, 4, None, None, sent_at=1.5, now=1.5)  # all four started
+    more = [_admit(gate, "heavy", 1.6) for _ in range(30)]
+    assert len(_sent(more)) == 30  # its room decides, not 2 past the 4 it was read running
+
