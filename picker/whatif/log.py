@@ -409,20 +409,23 @@ class Spool:
 
     def _flush(self) -> None:
         if self._chunk:
-            marshal.dump(self._chunk, self._file)
+            data = marshal.dumps(self._chunk)
+            self._file.write(len(data).to_bytes(8, "little"))
+            self._file.write(data)
             self._chunk = []
             self._names = {}
 
     def __iter__(self) -> Iterator[Arrival]:
         """The arrivals from the first (the spool stays open for the next reading)."""
         self._flush()
-        read, new, file = marshal.load, tuple.__new__, self._file
+        loads, new, file = marshal.loads, tuple.__new__, self._file
         position = 0
         end = file.seek(0, 2)
         while position < end:
             file.seek(position)
-            chunk = read(file)
-            position = file.tell()
+            size = int.from_bytes(file.read(8), "little")
+            chunk = loads(file.read(size))
+            position += 8 + size
             for fields in chunk:
                 yield new(Arrival, fields)
 
