@@ -265,23 +265,6 @@ class LogFigures:
     """Served requests by output length (``picker.whatif.coarse.step_scale``)."""
 
 
-def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], start: float) -> None:
-    """Add what the log's record measured to ``result``."""
-    at = arrival.arrived - start
-    queue_ms, ttft_ms, e2e_ms = data.get("queue_ms"), data.get("ttft_ms"), data.get("e2e_ms")
-    served = data.get("endpoint") is not None
-    completion = int(data.get("completion_tokens") or 0)
-    # Its figures straight to the sums (no ReplayRecord: this runs for every line of the log).
-    result.add_fields(
-        arrival.tenant, str(data.get("priority_lane") or ""), str(data.get("outcome") or "ok"),
-        data.get("demoted") is True, at,
-        at + queue_ms / 1000 if served and isinstance(queue_ms, (int, float)) else None,
-        at + ttft_ms / 1000 if isinstance(ttft_ms, (int, float)) else None,
-        at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
-        arrival.prompt_tokens, completion)
-    result.output_tokens += completion
-
-
 class FigureScan:
     """The pool's figures and what the log measured, record by record (``add``: each record
     that parses, in the log's order), for arrivals in ``[since, until)``. ``estimate_kv``:
@@ -301,36 +284,53 @@ class FigureScan:
         self.last: float | None = None
 
     def add(self, number: int, data: dict[str, Any], arrival: Arrival) -> None:
-        since, until, outputs = self.since, self.until, self.outputs
-        if (since is None or arrival.arrived >= since) and \
-                (until is None or arrival.arrived < until):
+        # What the record measured goes straight to the sums (no ReplayRecord), each field
+        # read once: this runs for every line of a day's log.
+        get = data.get
+        since, until = self.since, self.until
+        arrived = arrival.arrived
+        queue_ms, ttft_ms, e2e_ms = get("queue_ms"), get("ttft_ms"), get("e2e_ms")
+        endpoint, completion = get("endpoint"), get("completion_tokens")
+        outcome = get("outcome")
+        if (since is None or arrived >= since) and (until is None or arrived < until):
             first = self.first
             if first is None:
-                first = self.first = since if since is not None else arrival.arrived
-            last = self.last
-            self.last = arrival.finished if last is None else max(last, arrival.finished)
-            _recorded(self.recorded, arrival, data, first)
-            queue_ms, served_by = data.get("queue_ms"), data.get("endpoint")
-            ttft_ms = data.get("ttft_ms")
-            length = arrival.output_tokens or 0
-            if isinstance(served_by, str) and (length in outputs
-                                               or len(outputs) < MAX_OUTPUT_LENGTHS):
-                outputs[length] = outputs.get(length, 0) + 1
-            if self.estimate_kv and isinstance(served_by, str) \
-                    and isinstance(queue_ms, (int, float)):
-                began = ttft_ms if arrival.stream and isinstance(ttft_ms, (int, float)) \
-                    else queue_ms
-                self.kv.add(served_by, arrival.arrived + began / 1000, arrival.finished,
-                            arrival.prompt_tokens + (arrival.output_tokens or 0) / 2, queue_ms)
-        endpoint = data.get("endpoint")
-        if isinstance(endpoint, str) and len(self.endpoints) < MAX_ENDPOINTS:
+                first = self.first = since if since is not None else arrived
+            last, finished = self.last, arrival.finished
+            self.last = finished if last is None else max(last, finished)
+            at = arrived - first
+            served = endpoint is not None
+            used = int(completion or 0)
+            timed_queue = isinstance(queue_ms, (int, float))
+            timed_ttft = isinstance(ttft_ms, (int, float))
+            recorded = self.recorded
+            recorded.add_fields(
+                arrival.tenant, str(get("priority_lane") or ""), str(outcome or "ok"),
+                get("demoted") is True, at,
+                at + queue_ms / 1000 if served and timed_queue else None,
+                at + ttft_ms / 1000 if timed_ttft else None,
+                at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
+                arrival.prompt_tokens, used)
+            recorded.output_tokens += used
+            if isinstance(endpoint, str):
+                outputs = self.outputs
+                length = arrival.output_tokens or 0
+                if length in outputs:
+                    outputs[length] += 1
+                elif len(outputs) < MAX_OUTPUT_LENGTHS:
+                    outputs[length] = 1
+                if self.estimate_kv and timed_queue:
+                    began = ttft_ms if arrival.stream and timed_ttft else queue_ms
+                    self.kv.add(endpoint, arrived + began / 1000, finished,
+                                arrival.prompt_tokens + (arrival.output_tokens or 0) / 2,
+                                queue_ms)
+        if isinstance(endpoint, str) and endpoint not in self.endpoints \
+                and len(self.endpoints) < MAX_ENDPOINTS:
             self.endpoints.add(endpoint)
-        ttft, e2e = data.get("ttft_ms"), data.get("e2e_ms")
-        completion = data.get("completion_tokens")
-        if data.get("outcome") == "ok" and data.get("stream") is not False \
-                and isinstance(ttft, (int, float)) and isinstance(e2e, (int, float)) \
-                and isinstance(completion, int) and completion >= 8 and e2e > ttft:
-            self.per_token.add((e2e - ttft) / 1000 / (completion - 1))
+        if outcome == "ok" and get("stream") is not False \
+                and isinstance(ttft_ms, (int, float)) and isinstance(e2e_ms, (int, float)) \
+                and isinstance(completion, int) and completion >= 8 and e2e_ms > ttft_ms:
+            self.per_token.add((e2e_ms - ttft_ms) / 1000 / (completion - 1))
 
     def figures(self) -> LogFigures:
         first, last, recorded = self.first, self.last, self.recorded
