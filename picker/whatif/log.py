@@ -325,6 +325,7 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
         if report is not None and len(skips.messages) > before:
             report(skips.messages[-1])
 
+    push, pop, plain = heapq.heappush, heapq.heappop, _plain_record
     with open_lines(path) as stream:
         read = 0
         for number, raw in enumerate(stream, start=1):
@@ -335,45 +336,55 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
             if not raw.strip():
                 continue
             try:
-                data = decode(raw)
-            except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
-                ending = "" if raw.endswith(b"\n") else " (the last line, cut short)"
-                note("not_json", f"line {number}: not a JSON record{ending}: {exc}; skipped")
-                continue
-            try:
-                arrival, inferred = parse_record(number, data)
-            except BadField as exc:
-                note("bad_field", f"line {number}: {exc}; skipped")
-                continue
+                data = _loads(raw)  # ``decode``, inline: this runs for every line
+            except ValueError:
+                try:
+                    data = json.loads(raw)
+                except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+                    ending = "" if raw.endswith(b"\n") else " (the last line, cut short)"
+                    note("not_json", f"line {number}: not a JSON record{ending}: {exc}; skipped")
+                    continue
+            arrival = plain(number, data) if type(data) is dict else None
+            if arrival is not None:
+                inferred = False
+            else:
+                try:
+                    arrival, inferred = parse_record(number, data)
+                except BadField as exc:
+                    note("bad_field", f"line {number}: {exc}; skipped")
+                    continue
             if each is not None:
                 each(number, data, arrival)
-            latest_finish = max(latest_finish, arrival.finished)
-            if arrival.arrived < released:
+            arrived, tenant, prompt = arrival.arrived, arrival.tenant, arrival.prompt_tokens
+            if arrival.finished > latest_finish:
+                latest_finish = arrival.finished
+            if arrived < released:
                 note("out_of_order",
-                     f"line {number}: arrived at {_iso(arrival.arrived)}, "
-                     f"{released - arrival.arrived:.1f}s before a request already replayed "
+                     f"line {number}: arrived at {_iso(arrived)}, "
+                     f"{released - arrived:.1f}s before a request already replayed "
                      f"(the reorder window is {reorder_window_s:g}s: --reorder-window); skipped")
                 continue
-            if (since is not None and arrival.arrived < since) or \
-                    (until is not None and arrival.arrived >= until):
+            if (since is not None and arrived < since) or (until is not None and arrived >= until):
                 skips.outside_window += 1
                 continue
-            skips.inferred += inferred
-            if arrival.output_tokens is None and arrival.prompt_tokens == 0:
-                arrival = arrival._replace(prompt_tokens=prompts.guess(arrival.tenant))
+            if inferred:
+                skips.inferred += 1
+            if arrival.output_tokens is None and prompt == 0:
+                arrival = arrival._replace(prompt_tokens=prompts.guess(tenant))
                 skips.prompt_guessed += 1
-            elif arrival.prompt_tokens:
-                prompts.add(arrival.tenant, arrival.prompt_tokens)
-            heapq.heappush(pending, (arrival.arrived, number, arrival))
+            elif prompt:
+                prompts.add(tenant, prompt)
+            push(pending, (arrived, number, arrival))
             horizon = latest_finish - reorder_window_s
-            while pending and pending[0][0] <= horizon:
+            while pending[0][0] <= horizon:
                 released = pending[0][0]
                 skips.used += 1
-                yield heapq.heappop(pending)[2]
+                yield pop(pending)[2]
+                if not pending:
+                    break
     while pending:
         skips.used += 1
-        yield heapq.heappop(pending)[2]
-
+        yield pop(pending)[2]
 
 SPOOL_CHUNK = 4096
 """Arrivals the spool writes (and reads back) at once."""
