@@ -8,15 +8,17 @@ by 2 endpoints; to ``--log`` if given and kept there, else a temporary file; an 
 of the log (pool figures) and one replay under the log's own config, as ``python -m
 picker.whatif`` does per config. A mode is ``exact``, ``coarse:K`` (``--coarse K``) or ``fast``
 (``--fast``). Each child reports its CPU seconds for the scan and the replay (its start and
-imports left out), records per CPU second, its peak RSS (``ru_maxrss``) and the replay's shares
+imports left out; the scan is the one pass that decodes the log, scans it and spools its
+arrivals), records per CPU second, its peak RSS (``ru_maxrss``) and the replay's shares
 and TTFT p95, which are compared with the exact mode's when it ran. The log is streamed
-(``read_arrivals``), so the peak RSS must not grow with ``--minutes``: run two lengths to see
+(``read_log``), so the peak RSS must not grow with ``--minutes``: run two lengths to see
 it. ``--out`` writes the figures to ``whatif_speed.json`` there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -63,29 +65,31 @@ def child(log: Path, mode: str) -> None:
     """One config's replay, as the CLI does it; prints its figures as JSON."""
     from picker.config.schema import PickerConfig
     from picker.config.strict import load
-    from picker.whatif.__main__ import pool_spec, scan_figures
+    from picker.whatif.__main__ import pool_spec, read_log
     from picker.whatif.coarse import step_scale
     from picker.whatif.fast import replay_fast
-    from picker.whatif.log import Skips, read_arrivals
+    from picker.whatif.log import Skips, quiet_gc
     from picker.whatif.replay import replay
 
     config = load(PickerConfig, CONFIG)
     cpu = time.process_time()  # the interpreter's start and the imports are left out
-    # As the CLI: the config gives the KV budget, so the scan does not estimate it.
-    figures = scan_figures(log, estimate_kv=not isinstance(config.capacity.kv_budget_tokens,
-                                                           int))
-    options = SimpleNamespace(endpoints=None, kv_budget_tokens=None, step_ms=None,
-                              engine_policy="fcfs", prefill_ms_per_1k_tokens=0.0)
-    spec, notes = pool_spec(options, figures, config)  # type: ignore[arg-type]
-    scan_s = time.process_time() - cpu
-    skips = Skips()
-    arrivals = read_arrivals(log, skips)
-    if mode == "fast":
-        result = replay_fast(config, spec, arrivals, start=START)
-    else:
-        k = int(mode.split(":")[1]) if mode.startswith("coarse:") else 1
-        result = replay(config, spec, arrivals, start=START, coarse=k,
-                        coarse_scale=step_scale(figures.outputs, k))
+    with quiet_gc() if mode == "fast" else contextlib.nullcontext():  # as the CLI does
+        # As the CLI: one pass decodes the log, scans it for the pool's figures and spools its
+        # arrivals; the config gives the KV budget, so the scan does not estimate it.
+        skips = Skips()
+        figures, spool = read_log(log, skips, estimate_kv=not isinstance(
+            config.capacity.kv_budget_tokens, int))
+        options = SimpleNamespace(endpoints=None, kv_budget_tokens=None, step_ms=None,
+                                  engine_policy="fcfs", prefill_ms_per_1k_tokens=0.0)
+        spec, notes = pool_spec(options, figures, config)  # type: ignore[arg-type]
+        scan_s = time.process_time() - cpu
+        with spool:
+            if mode == "fast":
+                result = replay_fast(config, spec, iter(spool), start=START)
+            else:
+                k = int(mode.split(":")[1]) if mode.startswith("coarse:") else 1
+                result = replay(config, spec, iter(spool), start=START, coarse=k,
+                                coarse_scale=step_scale(figures.outputs, k))
     cpu_s = time.process_time() - cpu
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({

@@ -25,12 +25,12 @@ still replayed); 2 when the log or the baseline cannot be used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
-import itertools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,9 +47,12 @@ from picker.whatif.log import (
     Arrival,
     BadField,
     Skips,
+    Spool,
+    decode,
     open_lines,
     parse_record,
     parse_time,
+    quiet_gc,
     read_arrivals,
 )
 from picker.whatif.replay import Quantiles, ReplayResult, replay
@@ -263,21 +266,80 @@ class LogFigures:
     """Served requests by output length (``picker.whatif.coarse.step_scale``)."""
 
 
-def _recorded(result: ReplayResult, arrival: Arrival, data: dict[str, Any], start: float) -> None:
-    """Add what the log's record measured to ``result``."""
-    at = arrival.arrived - start
-    queue_ms, ttft_ms, e2e_ms = data.get("queue_ms"), data.get("ttft_ms"), data.get("e2e_ms")
-    served = data.get("endpoint") is not None
-    completion = int(data.get("completion_tokens") or 0)
-    # Its figures straight to the sums (no ReplayRecord: this runs for every line of the log).
-    result.add_fields(
-        arrival.tenant, str(data.get("priority_lane") or ""), str(data.get("outcome") or "ok"),
-        data.get("demoted") is True, at,
-        at + queue_ms / 1000 if served and isinstance(queue_ms, (int, float)) else None,
-        at + ttft_ms / 1000 if isinstance(ttft_ms, (int, float)) else None,
-        at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
-        arrival.prompt_tokens, completion)
-    result.output_tokens += completion
+class FigureScan:
+    """The pool's figures and what the log measured, record by record (``add``: each record
+    that parses, in the log's order), for arrivals in ``[since, until)``. ``estimate_kv``:
+    False when the KV budget is known (given, or a number in the config): its estimate is then
+    not made (it costs about a quarter of the scan)."""
+
+    def __init__(self, *, since: float | None = None, until: float | None = None,
+                 bucket_s: float = 60.0, reorder_window_s: float = 600.0,
+                 estimate_kv: bool = True) -> None:
+        self.since, self.until, self.estimate_kv = since, until, estimate_kv
+        self.endpoints: set[str] = set()
+        self.per_token = Quantiles()
+        self.kv = KvOccupancy(reorder_window_s)
+        self.outputs: dict[int, int] = {}
+        self.recorded = ReplayResult(bucket_s=bucket_s, step_s=1.0)
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def add(self, number: int, data: dict[str, Any], arrival: Arrival) -> None:
+        # What the record measured goes straight to the sums (no ReplayRecord), each field
+        # read once: this runs for every line of a day's log.
+        get = data.get
+        since, until = self.since, self.until
+        arrived = arrival.arrived
+        queue_ms, ttft_ms, e2e_ms = get("queue_ms"), get("ttft_ms"), get("e2e_ms")
+        endpoint, completion = get("endpoint"), get("completion_tokens")
+        outcome = get("outcome")
+        if (since is None or arrived >= since) and (until is None or arrived < until):
+            first = self.first
+            if first is None:
+                first = self.first = since if since is not None else arrived
+            last, finished = self.last, arrival.finished
+            self.last = finished if last is None else max(last, finished)
+            at = arrived - first
+            served = endpoint is not None
+            used = int(completion or 0)
+            timed_queue = isinstance(queue_ms, (int, float))
+            timed_ttft = isinstance(ttft_ms, (int, float))
+            recorded = self.recorded
+            recorded.add_fields(
+                arrival.tenant, str(get("priority_lane") or ""), str(outcome or "ok"),
+                get("demoted") is True, at,
+                at + queue_ms / 1000 if served and timed_queue else None,
+                at + ttft_ms / 1000 if timed_ttft else None,
+                at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
+                arrival.prompt_tokens, used)
+            recorded.output_tokens += used
+            if isinstance(endpoint, str):
+                outputs = self.outputs
+                length = arrival.output_tokens or 0
+                if length in outputs:
+                    outputs[length] += 1
+                elif len(outputs) < MAX_OUTPUT_LENGTHS:
+                    outputs[length] = 1
+                if self.estimate_kv and timed_queue:
+                    began = ttft_ms if arrival.stream and timed_ttft else queue_ms
+                    self.kv.add(endpoint, arrived + began / 1000, finished,
+                                arrival.prompt_tokens + (arrival.output_tokens or 0) / 2,
+                                queue_ms)
+        if isinstance(endpoint, str) and endpoint not in self.endpoints \
+                and len(self.endpoints) < MAX_ENDPOINTS:
+            self.endpoints.add(endpoint)
+        if outcome == "ok" and get("stream") is not False \
+                and isinstance(ttft_ms, (int, float)) and isinstance(e2e_ms, (int, float)) \
+                and isinstance(completion, int) and completion >= 8 and e2e_ms > ttft_ms:
+            self.per_token.add((e2e_ms - ttft_ms) / 1000 / (completion - 1))
+
+    def figures(self) -> LogFigures:
+        first, last, recorded = self.first, self.last, self.recorded
+        if first is not None and last is not None:
+            recorded.ticks = max(1, math.ceil(last - first))  # seconds: its tokens/s the log's
+        return LogFigures(len(self.endpoints), self.per_token.quantile(0.5),
+                          self.per_token.count, recorded, self.kv.budget(), self.kv.saturated,
+                          self.outputs)
 
 
 def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
@@ -285,15 +347,10 @@ def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
                  bucket_s: float = 60.0, reorder_window_s: float = 600.0,
                  estimate_kv: bool = True) -> LogFigures:
     """One streaming pass over the log (its first ``size`` bytes) for the pool's figures and
-    what the log measured (arrivals in ``[since, until)``); bad lines are left to the replay's
-    pass to report. ``estimate_kv``: False when the KV budget is known (given, or a number in
-    the config): its estimate is then not made (it costs about a quarter of the scan)."""
-    endpoints: set[str] = set()
-    per_token = Quantiles()
-    kv = KvOccupancy(reorder_window_s)
-    outputs: dict[int, int] = {}
-    recorded = ReplayResult(bucket_s=bucket_s, step_s=1.0)
-    first = last = None
+    what the log measured (``FigureScan``); bad lines are left to the replay's pass to report.
+    The CLI does not call it: ``read_log`` scans and spools in one pass."""
+    scan = FigureScan(since=since, until=until, bucket_s=bucket_s,
+                      reorder_window_s=reorder_window_s, estimate_kv=estimate_kv)
     read = 0
     with open_lines(path) as stream:
         for number, raw in enumerate(stream, start=1):
@@ -301,41 +358,34 @@ def scan_figures(path: Path | Sequence[bytes], size: int | None = None, *,
             if size is not None and read > size:
                 break
             try:
-                data = json.loads(raw)
+                data = decode(raw)
                 arrival, _ = parse_record(number, data)
             except (ValueError, BadField):
                 continue
-            if (since is None or arrival.arrived >= since) and \
-                    (until is None or arrival.arrived < until):
-                if first is None:
-                    first = since if since is not None else arrival.arrived
-                last = arrival.finished if last is None else max(last, arrival.finished)
-                _recorded(recorded, arrival, data, first)
-                queue_ms, served_by = data.get("queue_ms"), data.get("endpoint")
-                ttft_ms = data.get("ttft_ms")
-                length = arrival.output_tokens or 0
-                if isinstance(served_by, str) and (length in outputs
-                                                   or len(outputs) < MAX_OUTPUT_LENGTHS):
-                    outputs[length] = outputs.get(length, 0) + 1
-                if estimate_kv and isinstance(served_by, str) \
-                        and isinstance(queue_ms, (int, float)):
-                    began = ttft_ms if arrival.stream and isinstance(ttft_ms, (int, float)) \
-                        else queue_ms
-                    kv.add(served_by, arrival.arrived + began / 1000, arrival.finished,
-                           arrival.prompt_tokens + (arrival.output_tokens or 0) / 2, queue_ms)
-            endpoint = data.get("endpoint")
-            if isinstance(endpoint, str) and len(endpoints) < MAX_ENDPOINTS:
-                endpoints.add(endpoint)
-            ttft, e2e = data.get("ttft_ms"), data.get("e2e_ms")
-            completion = data.get("completion_tokens")
-            if data.get("outcome") == "ok" and data.get("stream") is not False \
-                    and isinstance(ttft, (int, float)) and isinstance(e2e, (int, float)) \
-                    and isinstance(completion, int) and completion >= 8 and e2e > ttft:
-                per_token.add((e2e - ttft) / 1000 / (completion - 1))
-    if first is not None and last is not None:
-        recorded.ticks = max(1, math.ceil(last - first))  # seconds: its tokens/s are the log's
-    return LogFigures(len(endpoints), per_token.quantile(0.5), per_token.count, recorded,
-                      kv.budget(), kv.saturated, outputs)
+            scan.add(number, data, arrival)
+    return scan.figures()
+
+
+def read_log(path: Path | Sequence[bytes], skips: Skips, *, size: int | None = None,
+             since: float | None = None, until: float | None = None, bucket_s: float = 60.0,
+             reorder_window_s: float = 600.0, estimate_kv: bool = True,
+             report: Callable[[str], None] | None = None) -> tuple[LogFigures, Spool]:
+    """The log read once: its pool's figures (``FigureScan``) and its usable arrivals, in
+    arrival order, spooled for every config's replay (``read_arrivals``: ``skips`` and
+    ``report`` get what it could not use). The caller closes the spool."""
+    scan = FigureScan(since=since, until=until, bucket_s=bucket_s,
+                      reorder_window_s=reorder_window_s, estimate_kv=estimate_kv)
+    spool = Spool()
+    try:
+        append = spool.append
+        for arrival in read_arrivals(path, skips, reorder_window_s=reorder_window_s,
+                                     since=since, until=until, size=size, report=report,
+                                     each=scan.add):
+            append(arrival)
+    except BaseException:
+        spool.close()
+        raise
+    return scan.figures(), spool
 
 
 def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerConfig
@@ -387,22 +437,17 @@ def pool_spec(args: argparse.Namespace, figures: LogFigures, baseline: PickerCon
     return spec, notes
 
 
-def _run(path: Path, config: PickerConfig, spec: PoolSpec, args: argparse.Namespace,
-         skips: Skips, quiet: bool, outputs: dict[int, int] | None = None) -> ReplayResult:
-    def report(message: str) -> None:
-        if not quiet:
-            print(message, file=sys.stderr)
-
-    arrivals = read_arrivals(path, skips, reorder_window_s=args.reorder_window,
-                             since=args.since, until=args.until, size=args.size, report=report)
-    first = next(arrivals, None)
+def _run(spool: Spool, config: PickerConfig, spec: PoolSpec, args: argparse.Namespace,
+         outputs: dict[int, int] | None = None) -> ReplayResult:
+    """One config's replay of the spooled arrivals."""
+    first = spool.first
     if first is None:
         raise LookupError("no usable record in the log")
     start = args.since if args.since is not None else first.arrived
     if args.fast:
-        return replay_fast(config, spec, itertools.chain([first], arrivals), start=start,
+        return replay_fast(config, spec, iter(spool), start=start,
                            client_timeout_s=args.client_timeout, bucket_s=args.bucket)
-    return replay(config, spec, itertools.chain([first], arrivals), start=start,
+    return replay(config, spec, iter(spool), start=start,
                   client_timeout_s=args.client_timeout, bucket_s=args.bucket,
                   coarse=args.coarse, coarse_scale=step_scale(outputs or {}, args.coarse))
 
@@ -479,36 +524,41 @@ def main(argv: list[str] | None = None) -> int:
             refused += 1
             print(f"whatif: candidate {path} is refused, not replayed: {exc}", file=sys.stderr)
     args.size = args.log.stat().st_size  # a live log grows: replay each config on these bytes
-    figures = scan_figures(args.log, args.size, since=args.since, until=args.until,
-                           bucket_s=args.bucket, reorder_window_s=args.reorder_window,
-                           estimate_kv=args.kv_budget_tokens is None and not isinstance(
-                               baseline.capacity.kv_budget_tokens, int))
-    spec, notes = pool_spec(args, figures, baseline)
-    if args.fast:
-        notes.append("fast mode (picker.whatif.fast)")
-        for name, config in [("the baseline", baseline), *candidates.items()]:
-            missing = unmodelled(config)
-            if missing:
-                print(f"whatif: --fast does not model {', '.join(missing)} ({name}): use the "
-                      "exact replay for them", file=sys.stderr)
     skips = Skips()
-    try:
-        base = _run(args.log, baseline, spec, args, skips, quiet=False,
-                    outputs=figures.outputs)
-    except LookupError as exc:
-        print(f"whatif: {args.log}: {exc} ({skips.summary()})", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"whatif: the baseline config is refused: {exc}", file=sys.stderr)
-        return 2
-    results: dict[str, ReplayResult] = {}
-    for name, config in candidates.items():
-        try:
-            results[name] = _run(args.log, config, spec, args, Skips(), quiet=True,
-                                 outputs=figures.outputs)
-        except ConfigError as exc:
-            refused += 1
-            print(f"whatif: candidate {name} is refused, not replayed: {exc}", file=sys.stderr)
+    # The exact and coarse replays make cyclic garbage (the simulator's passages and records):
+    # there the collector keeps its defaults, or memory grows (200 MB against 127 on 10 minutes).
+    with quiet_gc() if args.fast else contextlib.nullcontext():
+        figures, spool = read_log(
+            args.log, skips, size=args.size, since=args.since, until=args.until,
+            bucket_s=args.bucket, reorder_window_s=args.reorder_window,
+            estimate_kv=args.kv_budget_tokens is None and not isinstance(
+                baseline.capacity.kv_budget_tokens, int),
+            report=lambda message: print(message, file=sys.stderr))
+        with spool:
+            spec, notes = pool_spec(args, figures, baseline)
+            if args.fast:
+                notes.append("fast mode (picker.whatif.fast)")
+                for name, config in [("the baseline", baseline), *candidates.items()]:
+                    missing = unmodelled(config)
+                    if missing:
+                        print(f"whatif: --fast does not model {', '.join(missing)} ({name}): "
+                              "use the exact replay for them", file=sys.stderr)
+            try:
+                base = _run(spool, baseline, spec, args, outputs=figures.outputs)
+            except LookupError as exc:
+                print(f"whatif: {args.log}: {exc} ({skips.summary()})", file=sys.stderr)
+                return 2
+            except ConfigError as exc:
+                print(f"whatif: the baseline config is refused: {exc}", file=sys.stderr)
+                return 2
+            results: dict[str, ReplayResult] = {}
+            for name, config in candidates.items():
+                try:
+                    results[name] = _run(spool, config, spec, args, outputs=figures.outputs)
+                except ConfigError as exc:
+                    refused += 1
+                    print(f"whatif: candidate {name} is refused, not replayed: {exc}",
+                          file=sys.stderr)
     if args.plot is not None and results:
         plot(base, results, args.plot)
     if args.json:

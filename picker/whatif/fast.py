@@ -245,6 +245,9 @@ class FastReplay:
         self.caps = {t: rules.max_concurrent for t, rules in admission_rules(config)[0].items()
                      if rules.max_concurrent is not None}
         self.default_cap = admission_rules(config)[1].max_concurrent
+        self.capped = bool(self.caps) or self.default_cap is not None
+        """Whether any tenant has a concurrency cap (else ``_may_queue`` asks only if it is
+        parked)."""
         self.free: dict[str, bool] = {}
         """Per tenant, whether its admission rules set nothing (no budget, cap or limit): its
         requests skip ``Admission``, which would only count them."""
@@ -274,7 +277,12 @@ class FastReplay:
     def send(self, arrival: Arrival, now: float) -> None:
         """``arrival`` reaches the picker at ``now`` (seconds after the replay's start)."""
         tenant, gate = arrival.tenant, self.gate
-        prompt, output = arrival_demand(arrival, self.known, self.result, self.default_output)
+        output = arrival.output_tokens
+        if output is not None and tenant in self.known:  # ``arrival_demand``'s common case
+            prompt = arrival.prompt_tokens or 1
+        else:
+            prompt, output = arrival_demand(arrival, self.known, self.result,
+                                            self.default_output)
         lane = gate.choose_lane(tenant, arrival.lane_asked)
         if lane is None:
             self._record(tenant, arrival.lane_asked or "", now, prompt, output, arrival.stream,
@@ -296,7 +304,8 @@ class FastReplay:
                 return
             reservation, lane, demoted = decision.reservation, decision.lane, decision.demoted
             clamped = decision.max_output_tokens
-        if self.queued + self._parked_count() >= self.max_queued:
+        parked = self.parked
+        if self.queued + (sum(map(len, parked.values())) if parked else 0) >= self.max_queued:
             if reservation is not None:
                 self.admission.finish(reservation, 0, now)
             self._record(tenant, lane, now, prompt, output, stream, QUEUE_FULL, now)
@@ -328,6 +337,8 @@ class FastReplay:
     def _may_queue(self, tenant: str) -> bool:
         if tenant in self.parked:
             return False
+        if not self.capped:
+            return True
         cap = self._cap(tenant)
         return cap is None or self.tenant_queued.get(tenant, 0) + self.running.get(tenant, 0) \
             < cap
@@ -386,7 +397,7 @@ class FastReplay:
         """The least loaded endpoint where ``prompt`` fits now (``fits``), or None."""
         best, best_used, budget = None, math.inf, self.budget
         for endpoint in self.endpoints:
-            used = endpoint.used(now)
+            used = endpoint.g_fixed + endpoint.g_streams * endpoint.at(now) - endpoint.g_started
             if used >= budget or (endpoint.n and used + prompt > budget):
                 continue
             if used < best_used:
@@ -455,13 +466,17 @@ class FastReplay:
         self._reschedule(endpoint)
         nominal = max(1, output) * self.step_s
         limit = flow.arrived + self.client_timeout_s
+        events = self.events
         if limit < now + 4.0 * nominal:  # it may outlast its client: a cancel to check then
-            self._push(max(now, limit), _CANCEL, flow)
+            self.order += 1
+            heapq.heappush(events, (max(now, limit), self.order, _CANCEL, flow))
         if flow.stream and self.chunks > 1 and output > 1:
             # The stream's first chunks, each charged about when its last token is out.
             part = output / self.chunks
             for index in range(1, self.chunks):
-                self._push(now + math.ceil(part * index) * self.step_s, _CHARGE, flow)
+                self.order += 1
+                heapq.heappush(events, (now + math.ceil(part * index) * self.step_s, self.order,
+                                        _CHARGE, flow))
 
     def _push(self, at: float, kind: int, payload: object) -> None:
         self.order += 1

@@ -62,6 +62,10 @@ def _statuses() -> dict[str, int]:
 STATUS = _statuses()
 
 
+_LOG_RATIO = math.log(1.01)
+_floor, _log = math.floor, math.log
+
+
 class Quantiles:
     """p50/p95 of a stream of durations (seconds) in bounded memory: counts in log-spaced bins
     1 % wide, so a quantile is exact to within 1 % (values under 1 µs count as 0)."""
@@ -78,8 +82,9 @@ class Quantiles:
         if value < 1e-6:
             self.zeros += 1
             return
-        key = math.floor(math.log(value) / self._LOG_RATIO)
-        self.bins[key] = self.bins.get(key, 0) + 1
+        key = _floor(_log(value) / _LOG_RATIO)
+        bins = self.bins
+        bins[key] = bins.get(key, 0) + 1
 
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile (nearest rank), the middle of its bin; None without values."""
