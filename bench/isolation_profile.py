@@ -13,7 +13,10 @@ R requests a second instead (how light a tenant must be for the profile to isola
 too with ``--sizes 8k,64k``). ``--sweep 1,1.5,2,3`` runs those light rates in one report,
 ``--isolation JSON`` adds capacity keys to the isolation profile's (e.g. the reserve's
 ``{"reserveQuantile": 0}``: the first reserve rule), ``--duration S`` shortens every size's
-traffic, ``--skip-fcfs`` leaves out FCFS pass-through.
+traffic, ``--skip-fcfs`` leaves out FCFS pass-through. The light tenant's p95 is judged over
+the requests that arrived after the warm-up (``--warmup S``, 10 s: the steady state, once the
+picker knows its rate) and reported over those before it (its start-up) and over all;
+``--note TEXT`` ends the report with a paragraph.
 """
 
 from __future__ import annotations
