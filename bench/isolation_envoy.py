@@ -14,7 +14,9 @@ Two cores carry Envoy, the picker, both servers and the load client, so time run
 times slower than in the simulator's own table (``bench/results/isolation.md``): each engine
 step and each prefill token take ``SCALE`` times as long, and the tenants send ``SCALE`` times
 fewer requests a second. The ratios the goals are about (p95 ÷ alone, tokens ÷ FCFS) keep their
-meaning; milliseconds are ``SCALE`` times larger.
+meaning; milliseconds are ``SCALE`` times larger. The warm-up (``WARMUP_S``) and the light
+tenant's start scale too; the light p95 the goals judge is over its requests after the
+warm-up (the steady state), its first seconds reported apart (start-up).
 
 Run: ``python -m bench.isolation_envoy --out bench/results`` (each mode runs the traffic's
 duration and then its clients' timeout: about 4 minutes at 8k, 10 from 64k up; ``--only 64k``
