@@ -145,10 +145,33 @@ def light_ttfts(waits: Iterable[tuple[float | None, float | None]]) -> tuple[lis
     return values, bounds
 
 
-def _numbers(run: PoolRun, cpu_s: float) -> dict[str, Any]:
-    light, never = light_ttfts(
-        (r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
-        for r in run.records if r.tenant == "light")
+def light_kv_share(run: PoolRun, pool_tokens: float, start_s: float) -> float:
+    """The share of the pool's KV the light tenant's requests held on average from ``start_s``
+    to the run's end (each its prompt and half its output from dispatch to end): what the
+    reserve judges against the tenant's fair share (half the pool beside one flood)."""
+    end = run.duration_s
+    held = 0.0
+    for r in run.records:
+        if r.tenant != "light" or r.dispatched_s is None:
+            continue
+        finished = r.end_s if r.end_s is not None else end
+        span = min(finished, end) - max(r.dispatched_s, start_s)
+        if span > 0:
+            held += (r.prompt_tokens + r.completion_tokens / 2) * span
+    return held / (pool_tokens * (end - start_s)) if end > start_s and pool_tokens else 0.0
+
+
+def _numbers(run: PoolRun, cpu_s: float, warmup_s: float = WARMUP_S) -> dict[str, Any]:
+    """A run's numbers; the light tenant's TTFT over all its requests, and apart over those that
+    arrived from ``warmup_s`` on (``_steady``: the steady state the goals are about) and before
+    it (``_startup``: while the picker does not yet know the tenant's rate)."""
+    def light_of(keep: Any) -> tuple[list[float], int]:
+        return light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
+                           for r in run.records if r.tenant == "light" and keep(r.arrival_s))
+
+    light, never = light_of(lambda _: True)
+    steady, _ = light_of(lambda t: t >= warmup_s)
+    startup, _ = light_of(lambda t: t < warmup_s)
     outcomes: dict[str, int] = {}
     for record in run.records:
         key = f"{record.tenant}:{record.outcome}"
@@ -159,6 +182,11 @@ def _numbers(run: PoolRun, cpu_s: float) -> dict[str, Any]:
         "light_without_first_token": never,
         "light_ttft_p50_ms": _ms(percentile(light, 50)),
         "light_ttft_p95_ms": _ms(percentile(light, 95)),
+        "warmup_s": warmup_s,
+        "light_samples_steady": len(steady),
+        "light_ttft_p95_steady_ms": _ms(percentile(steady, 95)),
+        "light_samples_startup": len(startup),
+        "light_ttft_p95_startup_ms": _ms(percentile(startup, 95)),
         "tokens_per_s": run.tokens_per_s(),
         "preemptions_per_1000": 1000 * run.preemptions / requests if requests else 0.0,
         "recompute_share": run.recomputed_tokens / run.computed_tokens
@@ -173,21 +201,27 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def run_mode(size: Size, mode: dict[str, Any], engines: str, *, seed: int | None = None,
-             capacity: dict[str, Any] | None = None, light_only: bool = False) -> dict[str, Any]:
+             capacity: dict[str, Any] | None = None, light_only: bool = False,
+             warmup_s: float = WARMUP_S) -> dict[str, Any]:
     """One picker config (``mode``, with ``capacity`` added) over engines of one policy on a
-    size's traffic (``light_only``: the light tenant's alone): the run's numbers."""
+    size's traffic (``light_only``: the light tenant's alone): the run's numbers, tokens and
+    the steady-state TTFT counted from ``warmup_s``."""
     spec = replace(size.spec, engine_policy=engines)
     started = time.process_time()
     run = simulate(_config(mode, spec, capacity), _traffic(size, light_only, seed), spec,
-                   warmup_s=WARMUP_S, drain_s=DRAIN_S)
-    return _numbers(run, time.process_time() - started)
+                   warmup_s=warmup_s, drain_s=DRAIN_S)
+    numbers = _numbers(run, time.process_time() - started, warmup_s)
+    numbers["light_kv_share"] = light_kv_share(run, spec.endpoints * spec.kv_budget_tokens,
+                                               warmup_s)
+    return numbers
 
 
-def light_alone(size: Size, seed: int | None = None) -> dict[str, Any]:
+def light_alone(size: Size, seed: int | None = None,
+                warmup_s: float = WARMUP_S) -> dict[str, Any]:
     """The light tenant alone on the size's pool (priority engines), what the flood is judged
     against."""
     mode, engines = MODES["vtc, priority engines"]
-    return run_mode(size, mode, engines, seed=seed, light_only=True)
+    return run_mode(size, mode, engines, seed=seed, light_only=True, warmup_s=warmup_s)
 
 
 def run_size(size: Size, modes: Iterable[str] | None = None,

@@ -320,6 +320,8 @@ class Capacity:
     its reserve is for, and its oldest may go ahead of a fair-queue head that waits for room (as
     a single waiting request may): the room kept for it is of use only if it may take it. A
     tenant at or above its fair share gets no reserve and is judged backlogged, like a flood.
+    A tenant flooding the pool alone (no other seen within ``idleTenantReserve``) still leaves
+    room for one request as large as its own, for a tenant not yet seen to start at once.
     Needs ``idleTenantReserve`` (under a profile, ``idleTenantReserve: 0s`` turns it off).
     Unset: the profile's (``throughput``: ``0``, ``isolation``: ``0.9``)."""
     reserve_max_share: float = field(default=None,  # type: ignore[assignment]

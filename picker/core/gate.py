@@ -65,6 +65,7 @@ from picker.core.reserve import (
     new_demand,
     pool_reserve,
     reserved_requests,
+    standing_room,
     tenant_reserve,
 )
 from picker.core.selection import (
@@ -785,6 +786,9 @@ class Gate:
                           if takes_backlogged(c, prompt, size - self._room_held(passage, c),
                                               now, capacity)]
         reserve, total = self._idle_reserve(now, passage.tenant) if candidates else (0.0, 0.0)
+        if not reserve and candidates and self._reserve.quantile:
+            # Alone, the flood still leaves one request's room for a tenant not yet seen.
+            reserve = total = self._standing_room(now, passage.tenant)
         if reserve:
             # Only endpoints that leave the room kept for a light tenant's next request
             # somewhere: packing a backlogged tenant onto one endpoint keeps another free.
@@ -794,6 +798,16 @@ class Gate:
             candidates = [c for c in candidates
                           if keeps_reserve(pool, c, size, reserve, now, capacity, total)]
         return candidates
+
+    def _standing_room(self, now: float, tenant: str) -> float:
+        """Room kept for a tenant not yet seen while ``tenant`` is the only one seen within the
+        reserve's window (``picker.core.reserve.standing_room``)."""
+        window = self.rules.idle_tenant_reserve
+        demand = self._recent.get(tenant)
+        if demand is None or any(other != tenant and now - d.last <= window
+                                 for other, d in self._recent.items()):
+            return 0.0
+        return standing_room(demand.footprint, self._pool_tokens(), self._reserve)
 
     def _newest_if_stale(self, head: Passage, now: float) -> Passage:
         """The request of the head's tenant (and lane) to send: its oldest, unless that one has

@@ -270,3 +270,24 @@ def test_a_light_tenants_oldest_waiting_request_may_take_the_room_kept_for_it(
     heads = list(gate._light_heads(end + 0.1))
     assert heads == ([waiting[0]] if quantile else [])
     assert gate._backlogged("light", end + 0.1) is (not quantile)
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.0])
+def test_a_flood_alone_leaves_room_for_a_tenant_not_yet_seen(quantile: float) -> None:
+    """Under the rate rule a tenant flooding the pool alone leaves one request's room as large
+    as its own (the standing room), so a newcomer's first request starts at once; under the
+    first rule the flood takes every block that frees and the newcomer waits for one of its
+    requests to end. Beside a tenant already seen no standing room is kept."""
+    gate = _gate(quantile)
+    flood = [_send(gate, "flood", 1_900, 0.0) for _ in range(40)]
+    running = [p for p in flood if p.dispatched_at is not None]
+    assert len(running) == 10  # 5 of 2,000 tokens on each 10,000-token endpoint; 30 wait
+    assert gate._backlogged("flood", 0.0)
+    for passage in running[:2]:
+        gate.complete(passage, Usage(1_900, 100), "ok", 1.0)
+    refilled = [p for p in flood if p.dispatched_at == 1.0]
+    assert len(refilled) == (1 if quantile else 2)
+    assert gate._standing_room(1.0, "flood") == (2_000.0 if quantile else 0.0)
+    newcomer = _send(gate, "new", 1_500, 1.1)
+    assert (newcomer.dispatched_at == 1.1) is bool(quantile)
+    assert gate._standing_room(1.2, "flood") == 0.0  # "new" is seen now
