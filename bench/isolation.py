@@ -161,17 +161,26 @@ def light_kv_share(run: PoolRun, pool_tokens: float, start_s: float) -> float:
     return held / (pool_tokens * (end - start_s)) if end > start_s and pool_tokens else 0.0
 
 
+def light_split(requests: Iterable[tuple[float, float | None, float | None]], cut_s: float
+                ) -> tuple[list[float], int, list[float], list[float]]:
+    """The light tenant's TTFTs (``light_ttfts``) from (arrival, seconds to its first token,
+    seconds to its end) per request: over all of them, how many are bounds, and apart over
+    those that arrived from ``cut_s`` on (the steady state the goals are about) and before it
+    (the start-up, while the picker does not yet know the tenant's rate)."""
+    rows = list(requests)
+    light, never = light_ttfts((first, end) for _, first, end in rows)
+    steady, _ = light_ttfts((first, end) for t, first, end in rows if t >= cut_s)
+    startup, _ = light_ttfts((first, end) for t, first, end in rows if t < cut_s)
+    return light, never, steady, startup
+
+
 def _numbers(run: PoolRun, cpu_s: float, warmup_s: float = WARMUP_S) -> dict[str, Any]:
     """A run's numbers; the light tenant's TTFT over all its requests, and apart over those that
     arrived from ``warmup_s`` on (``_steady``: the steady state the goals are about) and before
     it (``_startup``: while the picker does not yet know the tenant's rate)."""
-    def light_of(keep: Any) -> tuple[list[float], int]:
-        return light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
-                           for r in run.records if r.tenant == "light" and keep(r.arrival_s))
-
-    light, never = light_of(lambda _: True)
-    steady, _ = light_of(lambda t: t >= warmup_s)
-    startup, _ = light_of(lambda t: t < warmup_s)
+    light, never, steady, startup = light_split(
+        ((r.arrival_s, r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
+         for r in run.records if r.tenant == "light"), warmup_s)
     outcomes: dict[str, int] = {}
     for record in run.records:
         key = f"{record.tenant}:{record.outcome}"

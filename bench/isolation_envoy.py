@@ -51,7 +51,7 @@ from bench.isolation import (
     _light_n,
     _ms,
     _numbers,
-    light_ttfts,
+    light_split,
     size_heading,
 )
 from bench.isolation_together import PROFILES, RESPONSE_PATHS
@@ -128,14 +128,9 @@ def _mode_config(policy: str, extra: dict[str, Any], spec: PoolSpec, traffic: Tr
 
 def _gateway_numbers(run: GatewayRun) -> dict[str, Any]:
     t1, t2 = run.window
-
-    def light_of(keep: Any) -> tuple[list[float], int]:
-        return light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.start_s)
-                           for r in run.records if r.tenant == "light" and keep(r.start_s))
-
-    light, never = light_of(lambda _: True)
-    steady, _ = light_of(lambda t: t >= t1)
-    startup, _ = light_of(lambda t: t < t1)
+    light, never, steady, startup = light_split(
+        ((r.start_s, r.ttft_s, None if r.end_s is None else r.end_s - r.start_s)
+         for r in run.records if r.tenant == "light"), t1)
     served = sum(1 for r in run.records if r.ok and t1 <= r.start_s <= t2)
     preemptions = run.delta(run.server_series("vllm:num_preemptions_total"))
     pool = pool_numbers(run)
