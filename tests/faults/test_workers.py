@@ -156,16 +156,20 @@ def test_a_killed_worker_is_started_again_and_sigterm_drains_every_worker(pod: S
     # The pod served on: requests sent after the kill were answered.
     assert any(a.status == 200 and a.sent > killed_at for a in answers), statuses
     # Only what the dead worker held fails (a retryable 503, or a response it was relaying
-    # cut mid-body): a client has one request at a
-    # time, so each fails at most once, after the kill (the one it had there, or one sent as
-    # the worker died, before Envoy saw its connections close). A failure before the kill, or
-    # a client failing again, was not the dead worker's.
+    # cut mid-body), and nothing fails before the kill. A client has one request at a time, so
+    # each fails at most once with a request sent before the kill (the one it had there) and at
+    # most once with one sent after it (routed over the dead worker's connection before Envoy
+    # saw it close: a client whose request failed at the kill sends its next at once, CI saw it
+    # 10 ms later, and that one can fail too). A client failing more often was failed by
+    # something other than the dead worker.
     failures = [a for a in answers if a.status != 200]
     shown = [(a.client, round(a.sent - killed_at, 2), round(a.ended - killed_at, 2))
              for a in failures]
     assert set(statuses) <= {200, 503, CUT}, statuses
     assert all(a.ended > killed_at for a in failures), shown
-    assert max(Counter(a.client for a in failures).values(), default=0) <= 1, shown
+    for sent_after in (False, True):
+        per_client = Counter(a.client for a in failures if (a.sent > killed_at) == sent_after)
+        assert max(per_client.values(), default=0) <= 1, shown
     assert wait_until(lambda: metric(pod.metrics_url, "fairway_workers_ready") == WORKERS, 20)
     assert metric(pod.metrics_url, "fairway_worker_restarts_total") == 1
     assert victim not in _children(supervisor) and len(_children(supervisor)) == WORKERS
