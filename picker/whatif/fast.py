@@ -171,10 +171,6 @@ class _Endpoint:
         end = self.a + n * target
         return t + (end * end - h * h) * step / (2.0 * n * kv)
 
-    def used(self, now: float) -> float:
-        """What the gate counts on this endpoint at ``now``."""
-        return self.g_fixed + self.g_streams * self.at(now) - self.g_started
-
 
 def _unbounded(rules: TenantRules) -> bool:
     """Whether ``Admission`` admits every request under ``rules`` as it comes, reserving
@@ -304,7 +300,7 @@ class FastReplay:
                 return
             reservation, lane, demoted = decision.reservation, decision.lane, decision.demoted
             clamped = decision.max_output_tokens
-        parked = self.parked
+        parked = self.parked  # the queued and the parked together against ``max_queued``
         if self.queued + (sum(map(len, parked.values())) if parked else 0) >= self.max_queued:
             if reservation is not None:
                 self.admission.finish(reservation, 0, now)
@@ -326,9 +322,6 @@ class FastReplay:
             flow.parked = True
             self.parked.setdefault(tenant, deque()).append(flow)
             self.single.pop(tenant, None)
-
-    def _parked_count(self) -> int:
-        return sum(map(len, self.parked.values())) if self.parked else 0
 
     def _cap(self, tenant: str) -> int | None:
         return self.caps.get(tenant, self.default_cap) if tenant in self.known \
@@ -397,6 +390,7 @@ class FastReplay:
         """The least loaded endpoint where ``prompt`` fits now (``fits``), or None."""
         best, best_used, budget = None, math.inf, self.budget
         for endpoint in self.endpoints:
+            # What the gate counts on this endpoint at ``now`` (inline: this runs per request).
             used = endpoint.g_fixed + endpoint.g_streams * endpoint.at(now) - endpoint.g_started
             if used >= budget or (endpoint.n and used + prompt > budget):
                 continue

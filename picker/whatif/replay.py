@@ -63,14 +63,13 @@ STATUS = _statuses()
 
 
 _LOG_RATIO = math.log(1.01)
+"""The ratio of one ``Quantiles`` bin's upper bound to its lower, as a log."""
 _floor, _log = math.floor, math.log
 
 
 class Quantiles:
     """p50/p95 of a stream of durations (seconds) in bounded memory: counts in log-spaced bins
     1 % wide, so a quantile is exact to within 1 % (values under 1 µs count as 0)."""
-
-    _LOG_RATIO = math.log(1.01)
 
     def __init__(self) -> None:
         self.bins: dict[int, int] = {}
@@ -97,7 +96,7 @@ class Quantiles:
         for key in sorted(self.bins):
             seen += self.bins[key]
             if seen >= rank:
-                return math.exp((key + 0.5) * self._LOG_RATIO)
+                return math.exp((key + 0.5) * _LOG_RATIO)
         raise AssertionError("unreachable: the bins hold every value")
 
 
