@@ -44,6 +44,11 @@ class FirstComeFirstServed(_ServiceCounters):
     def remove(self, request: Request) -> None:
         del self._queue[request.seq]
 
+    def take_alone(self, request: Request) -> None:
+        """``enqueue`` then ``pop`` while nothing is queued: nothing to keep."""
+        if self._queue:
+            raise ValueError("take_alone: requests are queued in this lane")
+
     def queued(self) -> int:
         return len(self._queue)
 

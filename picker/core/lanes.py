@@ -23,7 +23,7 @@ counter of its lane to infinity, where all ties break first come, first served, 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from picker.core.cost import CostFunction, LinearCost, request_cost
@@ -54,13 +54,17 @@ def _require(request: Request, state: str) -> None:
 
 
 class _Lane:
-    __slots__ = ("index", "min_share", "name", "own_service", "policy", "total_service")
+    __slots__ = ("index", "min_share", "name", "own_service", "policy", "take_alone",
+                 "total_service")
 
     def __init__(self, index: int, spec: LaneSpec, policy: FairnessPolicy) -> None:
         self.index = index
         self.name = spec.name
         self.min_share = spec.min_share
         self.policy = policy
+        self.take_alone: Callable[[Request], None] | None = getattr(policy, "take_alone", None)
+        """The policy's ``enqueue`` then ``pop`` of a request queued alone, in one call, when it
+        has it (``Scheduler.dispatch_alone``)."""
         # Service since this lane last became backlogged: its own, and everyone's.
         self.own_service = 0.0
         self.total_service = 0.0
@@ -273,6 +277,38 @@ class Scheduler:
         request.state = "running"
         self._charge(request, self.cost.prompt_cost(request.prompt_tokens,
                                                     request.cached_prompt_tokens))
+
+    def dispatch_alone(self, request: Request, now: float) -> bool:
+        """``enqueue`` then ``dispatch`` of a new request while nothing is queued in any lane
+        (then ``peek`` would choose it), in one step: its counter is lifted, it is the last to
+        leave its lane's queue and its prompt is charged, as by the two calls, without the
+        queue's round trip (the fast replay's common case: a request that finds the queue empty
+        and an endpoint with room). False, with nothing changed, where this does not apply:
+        something is queued, its lane's policy has no ``take_alone`` (``rpm`` may decline
+        a request), or counter changes are tracked for a shared store; ``enqueue`` it then."""
+        _require(request, "new")
+        if self._changes is not None:
+            return False
+        for each in self._lanes:
+            if each.policy.queued():
+                return False
+        if not request.lane:
+            request.lane = self._lanes[0].name
+        lane = self._by_name.get(request.lane)
+        if lane is None:
+            raise KeyError(f"unknown lane {request.lane!r}")
+        take = lane.take_alone
+        if take is None:
+            return False
+        if lane.min_share > 0:
+            lane.own_service = lane.total_service = 0.0  # as ``enqueue`` into an empty lane
+        request.seq = self._seq
+        self._seq += 1
+        take(request)
+        request.state = "running"
+        self._charge(request, self.cost.prompt_cost(request.prompt_tokens,
+                                                    request.cached_prompt_tokens))
+        return True
 
     def charge_output(self, request: Request, tokens: int = 1) -> None:
         """Record ``tokens`` output tokens produced; charge those not already estimated."""

@@ -108,6 +108,26 @@ class VirtualTokenCounter:
     def remove(self, request: Request) -> None:
         self._take(request)
 
+    def take_alone(self, request: Request) -> None:
+        """``enqueue`` then ``pop`` of ``request`` while nothing is queued in this lane, in one
+        step (``Scheduler.dispatch_alone``): its tenant's counter is lifted to the floor (with
+        nothing backlogged, the counter of the last tenant to leave) and it becomes the last
+        to leave. What the two calls would leave besides (a heap entry already stale) no
+        decision reads."""
+        if self._queued:
+            raise ValueError("take_alone: requests are queued in this lane")
+        tenant = request.tenant
+        counters = self.counters
+        counter = counters.setdefault(tenant, 0.0)
+        last = self._last_left
+        if self.lift and last is not None:
+            floor = counters[last]
+            if self.shared_floor is not None:
+                floor = min(floor, self.shared_floor)
+            if floor > counter:
+                counters[tenant] = floor
+        self._last_left = tenant
+
     def charge(self, tenant: str, normalized: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + normalized
         if normalized < 0 and self._queues.get(tenant):

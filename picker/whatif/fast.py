@@ -313,6 +313,13 @@ class FastReplay:
         flow = _Flow(tenant, lane, now, prompt, output, stream, clamped, request, reservation,
                      demoted)
         if self._may_queue(tenant):
+            if not self.queued:
+                # The queue is empty: where it fits now, it goes at once (``pump`` would choose
+                # it), without the queue's round trip.
+                endpoint = self._room(prompt, now)
+                if endpoint is not None and self.scheduler.dispatch_alone(request, now):
+                    self._start(flow, endpoint, now)
+                    return
             self._enqueue(flow, now)
             self.pump(now)
             if flow.dispatched < 0:  # it waits: queue.maxWait drops it unless it goes first
@@ -431,9 +438,14 @@ class FastReplay:
         return None
 
     def _dispatch(self, flow: _Flow, endpoint: _Endpoint, now: float) -> None:
-        request = flow.request
-        self.scheduler.dispatch(request, now)
+        self.scheduler.dispatch(flow.request, now)
         self._unqueue(flow)
+        self._start(flow, endpoint, now)
+
+    def _start(self, flow: _Flow, endpoint: _Endpoint, now: float) -> None:
+        """``flow``, taken from the fair queue (and charged its prompt), starts on
+        ``endpoint``."""
+        request = flow.request
         if flow.reservation is not None:
             self.admission.start(flow.reservation)
         tenant = flow.tenant

@@ -17,6 +17,7 @@ import pytest
 
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
+from picker.core import Scheduler
 from picker.sim.pool import PoolSpec
 from picker.whatif.__main__ import main
 from picker.whatif.fast import FastReplay, _Endpoint, _Flow, replay_fast, unmodelled
@@ -215,3 +216,39 @@ def test_idle_tenants_are_forgotten_as_the_gate_forgets_them(
     assert sum(s.ok for s in result.lanes.values()) == 3000
     # Every 30 simulated seconds, of 300 new tenants those with a request in flight remain.
     assert len(kept) >= 9 and max(kept) <= 5
+
+
+def test_a_request_finding_the_queue_empty_goes_as_it_would_through_the_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shortcut (``Scheduler.dispatch_alone``) against the queue's round trip, on traffic that
+    # queues at times (lanes, a budget that demotes, a cap, minShare, the adaptive LIFO): every
+    # request's figures are the same.
+    made = captured(monkeypatch)
+    rules = config([{"id": "a", "lane": "default", "limits": {"maxConcurrent": 3},
+                     "budgets": {"burst": {"tokens": 4000, "per": "5s"}},
+                     "overBudget": {"action": "demote", "lane": "batch"}},
+                    {"id": "b", "weight": 2, "lane": "interactive"}, {"id": "c"}],
+                   kv=1024, queue={"maxWait": "2s", "newestFirstAfter": "1s"},
+                   lanes=[{"name": "interactive"}, {"name": "default", "minShare": 0.2},
+                          {"name": "batch"}])
+    spec = PoolSpec(endpoints=2, kv_budget_tokens=1024, step_s=0.01)
+    arrivals = flood(seconds=6.0, rate=12.0, seed=7)
+    arrivals += [arrival(a.arrived + 0.001, "c", line=a.line, prompt=a.prompt_tokens,
+                         output=4, max_tokens=4) for a in arrivals[::3]]
+    arrivals.sort(key=lambda a: a.arrived)
+    taken: list[bool] = []
+    alone = Scheduler.dispatch_alone
+
+    def counted(self: Scheduler, request: Any, now: float) -> bool:
+        taken.append(alone(self, request, now))
+        return taken[-1]
+
+    monkeypatch.setattr(Scheduler, "dispatch_alone", counted)
+    short = replay_fast(rules, spec, arrivals, start=0.0)
+    monkeypatch.setattr(Scheduler, "dispatch_alone", lambda self, request, now: False)
+    plain = replay_fast(rules, spec, arrivals, start=0.0)
+    assert sum(taken) >= 50 and len(made[0].records) == len(arrivals)
+    assert short.as_dict() == plain.as_dict()
+    assert [vars(r) for r in made[0].records] == [vars(r) for r in made[1].records]
+    outcomes = {r.outcome for r in made[0].records}
+    assert {"ok", "queue_timeout"} <= outcomes  # it queued, and waited past maxWait
