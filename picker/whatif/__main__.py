@@ -53,7 +53,7 @@ from picker.whatif.log import (
     parse_record,
     parse_time,
     quiet_gc,
-    read_arrivals,
+    read_arrival_chunks,
 )
 from picker.whatif.replay import Quantiles, ReplayResult, replay
 from picker.whatif.report import plot, table
@@ -371,17 +371,16 @@ def read_log(path: Path | Sequence[bytes], skips: Skips, *, size: int | None = N
              reorder_window_s: float = 600.0, estimate_kv: bool = True,
              report: Callable[[str], None] | None = None) -> tuple[LogFigures, Spool]:
     """The log read once: its pool's figures (``FigureScan``) and its usable arrivals, in
-    arrival order, spooled for every config's replay (``read_arrivals``: ``skips`` and
+    arrival order, spooled for every config's replay (``read_arrival_chunks``: ``skips`` and
     ``report`` get what it could not use). The caller closes the spool."""
     scan = FigureScan(since=since, until=until, bucket_s=bucket_s,
                       reorder_window_s=reorder_window_s, estimate_kv=estimate_kv)
     spool = Spool()
     try:
-        append = spool.append
-        for arrival in read_arrivals(path, skips, reorder_window_s=reorder_window_s,
-                                     since=since, until=until, size=size, report=report,
-                                     each=scan.add):
-            append(arrival)
+        for chunk in read_arrival_chunks(path, skips, reorder_window_s=reorder_window_s,
+                                         since=since, until=until, size=size, report=report,
+                                         each=scan.add):
+            spool.extend(chunk)
     except BaseException:
         spool.close()
         raise

@@ -19,12 +19,13 @@ tenants', else 1), since under another config it may be served (``Skips.prompt_g
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
-import heapq
 import json
 import marshal
 import math
+import operator
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,10 @@ class Skips:
             self.messages.append(f"(further {kind.replace('_', ' ')} lines are counted, not "
                                  "listed)")
         self._reported[kind] = count + 1
+
+    def will_list(self, kind: str) -> bool:
+        """Whether the next problem of ``kind`` gets a message of its own."""
+        return self._reported.get(kind, 0) < REPORTED_PER_KIND
 
     def summary(self) -> str:
         """One sentence: how much was used and how much skipped, by kind."""
@@ -298,6 +303,15 @@ def decode(raw: bytes) -> Any:
         return json.loads(raw)
 
 
+RELEASE_EVERY = 8192
+"""Records read between two releases of the reorder window (``read_arrival_chunks``)."""
+
+_new_window = list
+"""The reorder window's list (a test counts its sorts)."""
+_arrived_of = operator.itemgetter(1)
+"""An ``Arrival``'s ``arrived``: the reorder window's sort key."""
+
+
 def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_s: float = 600.0,
                   since: float | None = None, until: float | None = None,
                   size: int | None = None,
@@ -313,11 +327,40 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
     every record that parses, in the log's order, as it is read (before the window and the
     order are judged): the CLI's scan of the pool's figures rides on this one decoding pass.
     """
-    pending: list[tuple[float, int, Arrival]] = []
-    prompts = PromptMeans()
+    for chunk in read_arrival_chunks(path, skips, reorder_window_s=reorder_window_s,
+                                     since=since, until=until, size=size, report=report,
+                                     each=each):
+        yield from chunk
+
+
+def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
+                        reorder_window_s: float = 600.0, since: float | None = None,
+                        until: float | None = None, size: int | None = None,
+                        report: Callable[[str], None] | None = None,
+                        each: Callable[[int, dict[str, Any], Arrival], None] | None = None
+                        ) -> Iterator[list[Arrival]]:
+    """``read_arrivals``' arrivals in lists, as the reorder window releases them.
+
+    The window: a record is released once a record finishing ``reorder_window_s`` after its
+    arrival has been read (no request still to come can have arrived before it), in the order
+    (arrival, line). The records waiting are not a heap but a list, sorted by arrival (stably:
+    the line breaks ties) and cut every ``RELEASE_EVERY`` records: a release at the horizon of
+    the last record kept is what a heap releasing at every record would have released by then,
+    and an arrival is judged out of order against that. Only an arrival before that horizon
+    can be (what was released is before it), and only then is the window cut at once, so every
+    judgement is the heap's. Memory: the window and ``RELEASE_EVERY`` records."""
+    pending: list[Arrival] = _new_window()
+    sums: dict[str, list[int]] = {}
+    """Per tenant, [prompt tokens, served requests] (``PromptMeans``, inline)."""
+    total = [0, 0]
     latest_finish = -math.inf
+    release_at = -math.inf
+    """The horizon as of the last record kept: what is at or before it is released."""
     released = -math.inf
-    """The last arrival handed out: an arrival before it can no longer be replayed."""
+    """The last arrival released: an arrival before it can no longer be replayed."""
+    fresh = 0
+    """Records kept since the last release."""
+    lines = 0
 
     def note(kind: str, message: str) -> None:
         before = len(skips.messages)
@@ -325,14 +368,27 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
         if report is not None and len(skips.messages) > before:
             report(skips.messages[-1])
 
-    push, pop, plain = heapq.heappush, heapq.heappop, _plain_record
+    def release(until: float) -> list[Arrival]:
+        """The records waiting that arrived at or before ``until``, in order, taken out."""
+        nonlocal released
+        pending.sort(key=_arrived_of)
+        cut = bisect.bisect_right(pending, until, key=_arrived_of)
+        if not cut:
+            return []
+        out = pending[:cut]
+        del pending[:cut]
+        released = out[-1].arrived
+        skips.used += cut
+        return out
+
+    plain = _plain_record
     with open_lines(path) as stream:
         read = 0
         for number, raw in enumerate(stream, start=1):
             read += len(raw)
             if size is not None and read > size:
                 break
-            skips.lines += 1
+            lines += 1
             if not raw.strip():
                 continue
             try:
@@ -358,33 +414,54 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
             arrived, tenant, prompt = arrival.arrived, arrival.tenant, arrival.prompt_tokens
             if arrival.finished > latest_finish:
                 latest_finish = arrival.finished
-            if arrived < released:
-                note("out_of_order",
-                     f"line {number}: arrived at {_iso(arrived)}, "
-                     f"{released - arrived:.1f}s before a request already replayed "
-                     f"(the reorder window is {reorder_window_s:g}s: --reorder-window); skipped")
-                continue
+            if arrived < release_at:
+                # Before the horizon: released by now, or out of order. Cut the window to
+                # know exactly what has been released, unless it is out of order already
+                # and its message (which says by how much) is not listed.
+                if arrived >= released or skips.will_list("out_of_order"):
+                    skips.lines = lines
+                    out = release(release_at)
+                    fresh = 0
+                    if out:
+                        yield out
+                if arrived < released:
+                    note("out_of_order",
+                         f"line {number}: arrived at {_iso(arrived)}, "
+                         f"{released - arrived:.1f}s before a request already replayed "
+                         f"(the reorder window is {reorder_window_s:g}s: --reorder-window); "
+                         "skipped")
+                    continue
             if (since is not None and arrived < since) or (until is not None and arrived >= until):
                 skips.outside_window += 1
                 continue
             if inferred:
                 skips.inferred += 1
             if arrival.output_tokens is None and prompt == 0:
-                arrival = arrival._replace(prompt_tokens=prompts.guess(tenant))
+                seen_total, seen = sums.get(tenant) or total
+                arrival = arrival._replace(
+                    prompt_tokens=max(1, round(seen_total / seen)) if seen else 1)
                 skips.prompt_guessed += 1
             elif prompt:
-                prompts.add(tenant, prompt)
-            push(pending, (arrived, number, arrival))
-            horizon = latest_finish - reorder_window_s
-            while pending[0][0] <= horizon:
-                released = pending[0][0]
-                skips.used += 1
-                yield pop(pending)[2]
-                if not pending:
-                    break
-    while pending:
-        skips.used += 1
-        yield pop(pending)[2]
+                total[0] += prompt
+                total[1] += 1
+                seen_sums = sums.get(tenant)
+                if seen_sums is None and len(sums) < MAX_TENANT_MEANS:
+                    seen_sums = sums[tenant] = [0, 0]
+                if seen_sums is not None:
+                    seen_sums[0] += prompt
+                    seen_sums[1] += 1
+            pending.append(arrival)
+            release_at = latest_finish - reorder_window_s
+            fresh += 1
+            if fresh >= RELEASE_EVERY:
+                skips.lines = lines
+                out = release(release_at)
+                fresh = 0
+                if out:
+                    yield out
+    skips.lines = lines
+    if pending:
+        yield release(math.inf)
 
 SPOOL_CHUNK = 4096
 """Arrivals the spool writes (and reads back) at once."""
@@ -411,6 +488,18 @@ class Spool:
         chunk = self._chunk
         chunk.append(arrival)
         self.count += 1
+        if len(chunk) >= SPOOL_CHUNK:
+            self._flush()
+
+    def extend(self, arrivals: list[Arrival]) -> None:
+        """``append`` each of ``arrivals``, in order."""
+        if not arrivals:
+            return
+        if self.first is None:
+            self.first = arrivals[0]
+        chunk = self._chunk
+        chunk.extend(arrivals)
+        self.count += len(arrivals)
         if len(chunk) >= SPOOL_CHUNK:
             self._flush()
 

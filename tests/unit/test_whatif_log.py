@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from picker.metering import MeteringRecord
-from picker.whatif.log import REPORTED_PER_KIND, Skips, parse_time, read_arrivals
+from picker.whatif.log import (
+    RELEASE_EVERY,
+    REPORTED_PER_KIND,
+    Skips,
+    parse_time,
+    read_arrivals,
+)
 
 T0 = 1_764_000_000.0
 
@@ -132,13 +138,14 @@ def test_a_request_that_never_reached_an_engine_has_no_recorded_output(tmp_path:
 
 
 def test_the_log_is_streamed_not_read_whole(tmp_path: Path) -> None:
-    path = write(tmp_path, [record(float(t)) for t in range(5000)])
+    path = write(tmp_path, [record(float(t)) for t in range(2 * RELEASE_EVERY)])
     skips = Skips()
     stream = read_arrivals(path, skips, reorder_window_s=10.0)
     next(stream)
-    # The first arrival is out once a record finishing 10 s after it has been read.
-    assert skips.lines < 20
-    assert sum(1 for _ in stream) == 4999
+    # The first arrivals are out once RELEASE_EVERY records past them have been read (they
+    # finished more than 10 s after it): the window and those records are what is held.
+    assert skips.lines == RELEASE_EVERY
+    assert sum(1 for _ in stream) == 2 * RELEASE_EVERY - 1
 
 
 def test_times_are_unix_seconds_or_iso_8601() -> None:
