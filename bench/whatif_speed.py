@@ -85,7 +85,7 @@ def child(log: Path, mode: str) -> None:
         scan_s = time.process_time() - cpu
         with spool:
             if mode == "fast":
-                result = replay_fast(config, spec, iter(spool), start=START)
+                result = replay_fast(config, spec, spool, start=START)
             else:
                 k = int(mode.split(":")[1]) if mode.startswith("coarse:") else 1
                 result = replay(config, spec, iter(spool), start=START, coarse=k,

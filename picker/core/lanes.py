@@ -49,6 +49,8 @@ class LaneSpec:
 
 
 def _require(request: Request, state: str) -> None:
+    """Raise unless ``request`` is in ``state``. The hot paths (per request, per token) test the
+    state themselves and call this only to raise."""
     if request.state != state:
         raise ValueError(f"request is {request.state}, not {state}")
 
@@ -220,7 +222,8 @@ class Scheduler:
 
     def enqueue(self, request: Request, now: float) -> None:
         """Queue a request in its lane (the first lane if it names none)."""
-        _require(request, "new")
+        if request.state != "new":
+            _require(request, "new")
         if not request.lane:
             request.lane = self._lanes[0].name
         lane = self._by_name.get(request.lane)
@@ -272,7 +275,8 @@ class Scheduler:
 
     def dispatch(self, request: Request, now: float) -> None:
         """Take a queued request out of the queue and charge its prompt."""
-        _require(request, "queued")
+        if request.state != "queued":
+            _require(request, "queued")
         self._by_name[request.lane].policy.pop(request, now)
         request.state = "running"
         self._charge(request, self.cost.prompt_cost(request.prompt_tokens,
@@ -286,7 +290,8 @@ class Scheduler:
         and an endpoint with room). False, with nothing changed, where this does not apply:
         something is queued, its lane's policy has no ``take_alone`` (``rpm`` may decline
         a request), or counter changes are tracked for a shared store; ``enqueue`` it then."""
-        _require(request, "new")
+        if request.state != "new":
+            _require(request, "new")
         if self._changes is not None:
             return False
         for each in self._lanes:
@@ -312,10 +317,12 @@ class Scheduler:
 
     def charge_output(self, request: Request, tokens: int = 1) -> None:
         """Record ``tokens`` output tokens produced; charge those not already estimated."""
-        _require(request, "running")
+        if request.state != "running":
+            _require(request, "running")
         before = request.generated
         after = before + tokens
-        billable_from = max(before, request.estimated_output)
+        estimated = request.estimated_output
+        billable_from = before if before >= estimated else estimated
         request.generated = after
         if after > billable_from:
             self._charge(request, self.cost.output_cost(request.prompt_tokens, billable_from,
@@ -323,8 +330,10 @@ class Scheduler:
 
     def charge_estimate(self, request: Request, output_tokens: int) -> None:
         """Charge output ahead of production, on an estimate, up to ``output_tokens`` in total."""
-        _require(request, "running")
-        covered = max(request.generated, request.estimated_output)
+        if request.state != "running":
+            _require(request, "running")
+        generated, estimated = request.generated, request.estimated_output
+        covered = generated if generated >= estimated else estimated
         if output_tokens > covered:
             self._charge(request, self.cost.output_cost(request.prompt_tokens, covered,
                                                         output_tokens - covered))
@@ -336,25 +345,39 @@ class Scheduler:
         The difference may be negative (the estimate was too high). Call it when the engine
         reports usage; ``finish`` and ``cancel`` call it for you.
         """
-        _require(request, "running")
-        total = request_cost(self.cost, actual.prompt_tokens, actual.completion_tokens,
-                             actual.cached_prompt_tokens)
+        return self.settle_tokens(request, actual.prompt_tokens, actual.completion_tokens,
+                                  actual.cached_prompt_tokens)
+
+    def settle_tokens(self, request: Request, prompt_tokens: int, completion_tokens: int,
+                      cached_prompt_tokens: int = 0) -> float:
+        """``settle`` to the usage given as counts."""
+        if request.state != "running":
+            _require(request, "running")
+        total = request_cost(self.cost, prompt_tokens, completion_tokens, cached_prompt_tokens)
         delta = total - request.charged
         if delta:
             self._charge(request, delta)
-        request.generated = actual.completion_tokens
+        request.generated = completion_tokens
         request.estimated_output = 0
         return delta
 
     def finish(self, request: Request, actual: Usage | None = None) -> None:
         """A running request ended: settle to ``actual`` (default: what was counted)."""
-        _require(request, "running")
+        if request.state != "running":
+            _require(request, "running")
         if actual is not None:
             self.settle(request, actual)
         elif request.estimated_output:
             self.settle(request, Usage(request.prompt_tokens, request.generated,
                                        request.cached_prompt_tokens))
         # else: charged exactly what was counted already; nothing to settle.
+        request.state = "done"
+
+    def finish_tokens(self, request: Request, prompt_tokens: int, completion_tokens: int,
+                      cached_prompt_tokens: int = 0) -> None:
+        """``finish`` with the actual usage given as counts, without a ``Usage`` to build (the
+        fast replay ends millions of requests)."""
+        self.settle_tokens(request, prompt_tokens, completion_tokens, cached_prompt_tokens)
         request.state = "done"
 
     def cancel(self, request: Request) -> None:

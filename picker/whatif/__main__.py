@@ -444,7 +444,7 @@ def _run(spool: Spool, config: PickerConfig, spec: PoolSpec, args: argparse.Name
         raise LookupError("no usable record in the log")
     start = args.since if args.since is not None else first.arrived
     if args.fast:
-        return replay_fast(config, spec, iter(spool), start=start,
+        return replay_fast(config, spec, spool, start=start,
                            client_timeout_s=args.client_timeout, bucket_s=args.bucket)
     return replay(config, spec, iter(spool), start=start,
                   client_timeout_s=args.client_timeout, bucket_s=args.bucket,

@@ -59,9 +59,9 @@ from picker.config.schema import PickerConfig
 from picker.core import LaneSpec, Scheduler
 from picker.core.admission import Admission, Refused, Reservation, TenantRules
 from picker.core.gate import PRUNE_INTERVAL, QUEUE_FULL, Gate
-from picker.core.request import Request, Usage
+from picker.core.request import Request
 from picker.sim.pool import PoolSpec
-from picker.whatif.log import Arrival
+from picker.whatif.log import Arrival, Spool
 from picker.whatif.replay import (
     EXPIRY_CHECK_STEPS,
     LANE_NOT_ALLOWED,
@@ -78,25 +78,25 @@ SETTLED = 1e-6
 """Virtual tokens of float slack when a request's last token is judged out."""
 
 
-class _Flow:
-    """One request in the fast replay."""
+class _Flow(Request):
+    """One request in the fast replay: the scheduler's ``Request`` itself (its tenant, lane,
+    prompt and ``arrival``: one object a request), with what the replay keeps of it."""
 
-    __slots__ = ("arrived", "cap", "charged", "demoted", "dispatched", "done", "endpoint",
-                 "first", "lane", "output", "parked", "prompt", "request", "reservation",
-                 "started", "stream", "tenant")
+    __slots__ = ("cap", "demoted", "dispatched", "done", "endpoint", "first", "out_charged",
+                 "output", "parked", "reservation", "started", "stream")
 
     def __init__(self, tenant: str, lane: str, arrived: float, prompt: int, output: int,
-                 stream: bool, cap: int | None, request: Request,
-                 reservation: Reservation | None, demoted: bool) -> None:
-        self.tenant, self.lane, self.arrived = tenant, lane, arrived
-        self.prompt, self.output, self.stream, self.cap = prompt, output, stream, cap
-        self.request, self.reservation, self.demoted = request, reservation, demoted
+                 stream: bool, cap: int | None, reservation: Reservation | None,
+                 demoted: bool) -> None:
+        Request.__init__(self, tenant, prompt, lane, cap or 0, 0, arrived)
+        self.output, self.stream, self.cap = output, stream, cap
+        self.reservation, self.demoted = reservation, demoted
         self.dispatched = -1.0
         self.started = 0.0
         """Its endpoint's virtual clock when it was dispatched."""
         self.first = 0.0
         self.endpoint: _Endpoint | None = None
-        self.charged = 0
+        self.out_charged = 0
         """Output tokens charged to the fair queue so far (a non-stream: its estimate)."""
         self.parked = False
         self.done = False
@@ -247,8 +247,6 @@ class FastReplay:
         self.free: dict[str, bool] = {}
         """Per tenant, whether its admission rules set nothing (no budget, cap or limit): its
         requests skip ``Admission``, which would only count them."""
-        self.flows: dict[Request, _Flow] = {}
-        """Queued requests (the scheduler's) to their flow."""
         self.in_queue: dict[tuple[str, str], deque[_Flow]] = {}
         """Per (tenant, lane), its queued flows, oldest first (the adaptive LIFO's newest)."""
         self.tenant_queued: dict[str, int] = {}
@@ -270,21 +268,21 @@ class FastReplay:
 
     # -- arrivals --
 
-    def send(self, arrival: Arrival, now: float) -> None:
-        """``arrival`` reaches the picker at ``now`` (seconds after the replay's start)."""
-        tenant, gate = arrival.tenant, self.gate
-        output = arrival.output_tokens
+    def send(self, arrival: tuple[Any, ...], now: float) -> None:
+        """``arrival`` (an ``Arrival``, or a plain tuple of its fields: ``Spool.rows``) reaches
+        the picker at ``now`` (seconds after the replay's start)."""
+        _, _, tenant, _, lane_asked, prompt, output, max_tokens, stream, _ = arrival
+        gate = self.gate
         if output is not None and tenant in self.known:  # ``arrival_demand``'s common case
-            prompt = arrival.prompt_tokens or 1
+            prompt = prompt or 1
         else:
-            prompt, output = arrival_demand(arrival, self.known, self.result,
+            prompt, output = arrival_demand(Arrival._make(arrival), self.known, self.result,
                                             self.default_output)
-        lane = gate.choose_lane(tenant, arrival.lane_asked)
+        lane = gate.choose_lane(tenant, lane_asked)
         if lane is None:
-            self._record(tenant, arrival.lane_asked or "", now, prompt, output, arrival.stream,
+            self._record(tenant, lane_asked or "", now, prompt, output, stream,
                          LANE_NOT_ALLOWED, now)
             return
-        max_tokens, stream = arrival.max_tokens, arrival.stream
         free = self.free.get(tenant)
         if free is None:
             free = self.free[tenant] = _unbounded(self.admission.rules_for(tenant))
@@ -306,18 +304,15 @@ class FastReplay:
                 self.admission.finish(reservation, 0, now)
             self._record(tenant, lane, now, prompt, output, stream, QUEUE_FULL, now)
             return
-        request = Request(tenant=tenant, prompt_tokens=prompt, lane=lane,
-                          max_output_tokens=clamped or 0, arrival=now)
         if clamped is not None and output > clamped:
             output = clamped  # the engine stops at the cap admission sent
-        flow = _Flow(tenant, lane, now, prompt, output, stream, clamped, request, reservation,
-                     demoted)
+        flow = _Flow(tenant, lane, now, prompt, output, stream, clamped, reservation, demoted)
         if self._may_queue(tenant):
             if not self.queued:
                 # The queue is empty: where it fits now, it goes at once (``pump`` would choose
                 # it), without the queue's round trip.
                 endpoint = self._room(prompt, now)
-                if endpoint is not None and self.scheduler.dispatch_alone(request, now):
+                if endpoint is not None and self.scheduler.dispatch_alone(flow, now):
                     self._start(flow, endpoint, now)
                     return
             self._enqueue(flow, now)
@@ -345,8 +340,7 @@ class FastReplay:
 
     def _enqueue(self, flow: _Flow, now: float) -> None:
         flow.parked = False
-        self.scheduler.enqueue(flow.request, now)
-        self.flows[flow.request] = flow
+        self.scheduler.enqueue(flow, now)
         key = (flow.tenant, flow.lane)
         queue = self.in_queue.get(key)
         if queue is None:
@@ -360,7 +354,6 @@ class FastReplay:
             self.single.pop(flow.tenant, None)
 
     def _unqueue(self, flow: _Flow) -> None:
-        del self.flows[flow.request]
         key = (flow.tenant, flow.lane)
         queue = self.in_queue[key]
         if queue[0] is flow:
@@ -398,7 +391,8 @@ class FastReplay:
         best, best_used, budget = None, math.inf, self.budget
         for endpoint in self.endpoints:
             # What the gate counts on this endpoint at ``now`` (inline: this runs per request).
-            used = endpoint.g_fixed + endpoint.g_streams * endpoint.at(now) - endpoint.g_started
+            v = endpoint.at(now) if now > endpoint.t else endpoint.v
+            used = endpoint.g_fixed + endpoint.g_streams * v - endpoint.g_started
             if used >= budget or (endpoint.n and used + prompt > budget):
                 continue
             if used < best_used:
@@ -409,13 +403,13 @@ class FastReplay:
         """Dispatch while the fair queue's next request has room, or a light tenant's does."""
         scheduler = self.scheduler
         while self.queued:
-            request = scheduler.peek(now)
-            if request is None:
+            head = scheduler.peek(now)
+            if head is None:
                 return
-            flow = self.flows[request]
-            if self.newest_after and now - flow.arrived >= self.newest_after:
+            flow: _Flow = head  # type: ignore[assignment]  # the replay queues only flows
+            if self.newest_after and now - flow.arrival >= self.newest_after:
                 flow = self.in_queue[(flow.tenant, flow.lane)][-1]
-            endpoint = self._room(flow.prompt, now)
+            endpoint = self._room(flow.prompt_tokens, now)
             if endpoint is None:
                 light = self._light(flow, now)
                 if light is None:
@@ -432,50 +426,51 @@ class FastReplay:
         for flow in self.single.values():
             if flow is head or rank.get(flow.lane, 0) > head_rank:
                 continue
-            endpoint = self._room(flow.prompt, now)
+            endpoint = self._room(flow.prompt_tokens, now)
             if endpoint is not None:
                 return flow, endpoint
         return None
 
     def _dispatch(self, flow: _Flow, endpoint: _Endpoint, now: float) -> None:
-        self.scheduler.dispatch(flow.request, now)
+        self.scheduler.dispatch(flow, now)
         self._unqueue(flow)
         self._start(flow, endpoint, now)
 
     def _start(self, flow: _Flow, endpoint: _Endpoint, now: float) -> None:
         """``flow``, taken from the fair queue (and charged its prompt), starts on
         ``endpoint``."""
-        request = flow.request
         if flow.reservation is not None:
             self.admission.start(flow.reservation)
         tenant = flow.tenant
-        self.running[tenant] = self.running.get(tenant, 0) + 1
-        v = endpoint.at(now)
+        running = self.running
+        running[tenant] = running.get(tenant, 0) + 1
+        v = endpoint.at(now) if now > endpoint.t else endpoint.v
         flow.dispatched, flow.endpoint, flow.started = now, endpoint, v
         if not endpoint.n:
             endpoint.busy_since = now
         endpoint.n += 1
-        endpoint.a += flow.prompt + endpoint.pad - v
+        prompt = flow.prompt_tokens
+        endpoint.a += prompt + endpoint.pad - v
         if flow.stream:
-            endpoint.g_fixed += flow.prompt
+            endpoint.g_fixed += prompt
             endpoint.g_streams += 1
             endpoint.g_started += v
         else:
             estimate = self.gate.expected_output(tenant, flow.cap, False, now)
-            self.scheduler.charge_estimate(request, estimate)
-            flow.charged = estimate
-            endpoint.g_fixed += flow.prompt + estimate
+            self.scheduler.charge_estimate(flow, estimate)
+            flow.out_charged = estimate
+            endpoint.g_fixed += prompt + estimate
         output = flow.output
+        steps = output if output > 1 else 1
         self.order += 1
-        heapq.heappush(endpoint.finishing, (v + max(1, output), self.order, flow))
+        heapq.heappush(endpoint.finishing, (v + steps, self.order, flow))
         flow.first = endpoint.time_to(v + 1.0)
         self._reschedule(endpoint)
-        nominal = max(1, output) * self.step_s
-        limit = flow.arrived + self.client_timeout_s
+        limit = flow.arrival + self.client_timeout_s
         events = self.events
-        if limit < now + 4.0 * nominal:  # it may outlast its client: a cancel to check then
-            self.order += 1
-            heapq.heappush(events, (max(now, limit), self.order, _CANCEL, flow))
+        if limit < now + 4.0 * (steps * self.step_s):  # it may outlast its client: a cancel
+            self.order += 1                               # to check then
+            heapq.heappush(events, (limit if limit > now else now, self.order, _CANCEL, flow))
         if flow.stream and self.chunks > 1 and output > 1:
             # The stream's first chunks, each charged about when its last token is out.
             part = output / self.chunks
@@ -525,9 +520,9 @@ class FastReplay:
         if flow.done or flow.endpoint is None:
             return
         tokens = min(flow.output, int(flow.endpoint.at(now) - flow.started + SETTLED))
-        if tokens > flow.charged:
-            self.scheduler.charge_output(flow.request, tokens - flow.charged)
-            flow.charged = tokens
+        if tokens > flow.out_charged:
+            self.scheduler.charge_output(flow, tokens - flow.out_charged)
+            flow.out_charged = tokens
 
     def _cancel(self, flow: _Flow, now: float) -> None:
         """Its client gave up: the engine aborts it, the gate settles what it got."""
@@ -544,13 +539,14 @@ class FastReplay:
         endpoint = flow.endpoint
         assert endpoint is not None
         endpoint.n -= 1
-        endpoint.a -= flow.prompt + endpoint.pad - flow.started
+        prompt = flow.prompt_tokens
+        endpoint.a -= prompt + endpoint.pad - flow.started
         if flow.stream:
-            endpoint.g_fixed -= flow.prompt
+            endpoint.g_fixed -= prompt
             endpoint.g_streams -= 1
             endpoint.g_started -= flow.started
         else:
-            endpoint.g_fixed -= flow.prompt + flow.charged
+            endpoint.g_fixed -= prompt + flow.out_charged
         if not endpoint.n:
             endpoint.busy_s += now - endpoint.busy_since
             # Float drift of the running sums: an idle endpoint holds nothing.
@@ -561,9 +557,9 @@ class FastReplay:
             self.running[tenant] = running
         else:
             del self.running[tenant]
-        self.scheduler.finish(flow.request, Usage(flow.prompt, generated, 0))
+        self.scheduler.finish_tokens(flow, prompt, generated)
         if flow.reservation is not None:
-            self.admission.finish(flow.reservation, flow.prompt + generated, now)
+            self.admission.finish(flow.reservation, prompt + generated, now)
         outcome = "ok" if generated >= flow.output else "cancelled"
         cap = flow.cap
         if flow.stream and cap != 0:
@@ -574,8 +570,8 @@ class FastReplay:
             self.gate.estimates.learn_output(tenant, generated, now)
         self.result.output_tokens += generated
         first = flow.first if generated and flow.first <= now else None
-        self.result.add_fields(tenant, flow.lane, outcome, flow.demoted, flow.arrived,
-                               flow.dispatched, first, now, flow.prompt, generated)
+        self.result.add_fields(tenant, flow.lane, outcome, flow.demoted, flow.arrival,
+                               flow.dispatched, first, now, prompt, generated)
         if tenant in self.parked:
             self._unpark(tenant, now)
         self.pump(now)
@@ -599,11 +595,11 @@ class FastReplay:
                             f for (t, _), q in self.in_queue.items() if t == flow.tenant
                             for f in q)
             else:
-                self.scheduler.cancel(flow.request)
+                self.scheduler.cancel(flow)
                 self._unqueue(flow)
             if flow.reservation is not None:
                 self.admission.finish(flow.reservation, 0, now)
-            self._record(flow.tenant, flow.lane, flow.arrived, flow.prompt, flow.output,
+            self._record(flow.tenant, flow.lane, flow.arrival, flow.prompt_tokens, flow.output,
                          flow.stream, "queue_timeout", now, demoted=flow.demoted)
             if flow.tenant in self.parked:
                 self._unpark(flow.tenant, now)
@@ -656,22 +652,35 @@ class FastReplay:
                    for e in self.endpoints)
 
 
-def replay_fast(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival], *,
+def _enqueued(flow: _Flow) -> int:
+    """The order a queued flow was queued in (the scheduler's ``seq``)."""
+    return flow.seq
+
+
+def replay_fast(config: PickerConfig, spec: PoolSpec,
+                arrivals: Iterable[Arrival] | Iterable[tuple[Any, ...]] | Spool, *,
                 start: float, client_timeout_s: float = 120.0, drain_s: float | None = None,
                 bucket_s: float = 60.0, chunks: int = DEFAULT_CHUNKS,
                 expired: Callable[[], bool] | None = None) -> ReplayResult:
     """Replay ``arrivals`` (in arrival order; ``start``: the unix time of the replay's 0) under
     ``config`` on ``spec``'s pool, event by event (see the module's docstring). The result has
-    the exact replay's form; its ``ticks`` are ``spec.step_s`` steps of the replay's span."""
+    the exact replay's form; its ``ticks`` are ``spec.step_s`` steps of the replay's span.
+    ``arrivals``: ``Arrival``s, plain tuples of their fields, or a ``Spool`` (read as such:
+    ``Spool.rows``)."""
     result = ReplayResult(bucket_s=bucket_s, engines=spec.endpoints, step_s=spec.step_s)
     pool = FastReplay(config, spec, result, client_timeout_s=client_timeout_s, chunks=chunks)
     drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
     last = 0.0
-    source: Iterator[Arrival] = iter(arrivals)
+    source: Iterator[tuple[Any, ...]] = arrivals.rows() if isinstance(arrivals, Spool) \
+        else iter(arrivals)
     next_prune = PRUNE_INTERVAL
+    events, deadlines = pool.events, pool.deadlines
     for count, arrival in enumerate(source, start=1):
-        now = max(last, arrival.arrived - start)
-        pool.advance(now)
+        now = arrival[1] - start  # ``arrived``
+        if now < last:
+            now = last
+        if (events and events[0][0] <= now) or (deadlines and deadlines[0][0] <= now):
+            pool.advance(now)
         pool.now = last = now
         if now >= next_prune:
             pool.prune(now)
@@ -681,12 +690,13 @@ def replay_fast(config: PickerConfig, spec: PoolSpec, arrivals: Iterable[Arrival
             raise TimeoutError(f"the replay ran out of time after {now:,.0f} simulated seconds")
     pool.advance(last + drain)
     end = max(last, pool.last_end)
-    for flow in list(pool.flows.values()) + [f for q in pool.parked.values() for f in q] + [
+    queued = sorted((f for q in pool.in_queue.values() for f in q), key=_enqueued)
+    for flow in queued + [f for q in pool.parked.values() for f in q] + [
             entry[2] for endpoint in pool.endpoints for entry in endpoint.finishing]:
         if not flow.done:
             flow.done = True
             result.unfinished += 1
-            pool._record(flow.tenant, flow.lane, flow.arrived, flow.prompt, flow.output,
+            pool._record(flow.tenant, flow.lane, flow.arrival, flow.prompt_tokens, flow.output,
                          flow.stream, "unfinished", end, demoted=flow.demoted)
     result.ticks = max(1, math.ceil(end / spec.step_s - 1e-9))
     result.busy_engine_ticks = round(pool.busy_s(end) / spec.step_s)

@@ -52,6 +52,8 @@ def test_one_pass_gives_what_the_scan_and_the_replays_read_gave(
     with spool:
         assert list(spool) == expected
         assert list(spool) == expected  # every config reads it again from the first
+        rows = list(spool.rows())  # the fast replay's reading: plain tuples, same fields
+        assert rows == [tuple(a) for a in expected] and all(type(r) is tuple for r in rows)
         assert spool.first == expected[0] and spool.count == len(expected)
     assert skips == alone and reported == alone.messages
     assert (skips.not_json, skips.bad_field, skips.out_of_order) == (2, 1, 1)

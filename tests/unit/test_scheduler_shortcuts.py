@@ -1,6 +1,6 @@
-"""``Scheduler.dispatch_alone``: a request that finds every lane empty is queued and dispatched
-in one step, leaving the scheduler as ``enqueue`` then ``dispatch`` would (the fast replay's
-common case, ``picker.whatif.fast``)."""
+"""The scheduler's shortcuts for the fast replay (``picker.whatif.fast``), each leaving what the
+calls it stands for leave: ``dispatch_alone`` (a request that finds every lane empty is queued
+and dispatched in one step) and ``finish_tokens`` (``finish`` without a ``Usage``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picker.core import LaneSpec, Request, Scheduler
+from picker.core.cost import ContextAwareCost
 from picker.core.request import Usage
 
 LANES = (LaneSpec("hi"), LaneSpec("lo", min_share=0.2))
@@ -131,3 +132,24 @@ def test_it_refuses_what_enqueue_refuses() -> None:
         with pytest.raises(ValueError):  # the policy's own guard
             busy.policy("default").take_alone(  # type: ignore[attr-defined]
                 Request(tenant="b", prompt_tokens=1))
+
+
+@pytest.mark.parametrize("estimate", [0, 10, 500])
+def test_finish_tokens_is_finish_with_a_usage(estimate: int) -> None:
+    ends = []
+    for shortcut in (False, True):
+        scheduler = Scheduler(cost=ContextAwareCost(context_beta=0.01))
+        request = Request(tenant="a", prompt_tokens=120, cached_prompt_tokens=20)
+        scheduler.enqueue(request, 0.0)
+        scheduler.dispatch(request, 0.0)
+        scheduler.charge_estimate(request, estimate)
+        scheduler.charge_output(request, 30)
+        if shortcut:
+            scheduler.finish_tokens(request, 120, 75, 20)
+        else:
+            scheduler.finish(request, Usage(120, 75, 20))
+        ends.append((scheduler.counter("a"), scheduler.service["a"], request.charged,
+                     request.generated, request.estimated_output, request.state))
+    assert ends[0] == ends[1] and ends[0][-1] == "done"
+    with pytest.raises(ValueError):
+        scheduler.finish_tokens(request, 1, 1)  # not running any more
