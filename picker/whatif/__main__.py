@@ -44,8 +44,8 @@ from picker.sim.pool import PoolSpec
 from picker.whatif.coarse import step_scale
 from picker.whatif.fast import replay_fast, unmodelled
 from picker.whatif.log import (
-    Arrival,
     BadField,
+    Row,
     Skips,
     Spool,
     decode,
@@ -55,7 +55,7 @@ from picker.whatif.log import (
     quiet_gc,
     read_arrival_chunks,
 )
-from picker.whatif.replay import Quantiles, ReplayResult, replay
+from picker.whatif.replay import _LOG_RATIO, Quantiles, ReplayResult, _floor, _log, replay
 from picker.whatif.report import plot, table
 
 CONFIGMAP_KEY = "picker.yaml"
@@ -284,54 +284,62 @@ class FigureScan:
         self.first: float | None = None
         self.last: float | None = None
 
-    def add(self, number: int, data: dict[str, Any], arrival: Arrival) -> None:
+    def add(self, number: int, data: dict[str, Any], arrival: Row) -> None:
+        """One record that parsed: ``data`` decoded, ``arrival`` the ``Row`` read from it."""
         # What the record measured goes straight to the sums (no ReplayRecord), each field
         # read once: this runs for every line of a day's log.
         get = data.get
         since, until = self.since, self.until
-        arrived = arrival.arrived
+        _, arrived, tenant, _, _, prompt, output, _, stream, finished = arrival
         queue_ms, ttft_ms, e2e_ms = get("queue_ms"), get("ttft_ms"), get("e2e_ms")
         endpoint, completion = get("endpoint"), get("completion_tokens")
         outcome = get("outcome")
+        timed_ttft = isinstance(ttft_ms, (int, float))
+        timed_e2e = isinstance(e2e_ms, (int, float))
         if (since is None or arrived >= since) and (until is None or arrived < until):
             first = self.first
             if first is None:
                 first = self.first = since if since is not None else arrived
-            last, finished = self.last, arrival.finished
+            last = self.last
             self.last = finished if last is None else max(last, finished)
             at = arrived - first
             served = endpoint is not None
             used = int(completion or 0)
             timed_queue = isinstance(queue_ms, (int, float))
-            timed_ttft = isinstance(ttft_ms, (int, float))
             recorded = self.recorded
             recorded.add_fields(
-                arrival.tenant, str(get("priority_lane") or ""), str(outcome or "ok"),
+                tenant, str(get("priority_lane") or ""), str(outcome or "ok"),
                 get("demoted") is True, at,
                 at + queue_ms / 1000 if served and timed_queue else None,
                 at + ttft_ms / 1000 if timed_ttft else None,
-                at + e2e_ms / 1000 if isinstance(e2e_ms, (int, float)) else at,
-                arrival.prompt_tokens, used)
+                at + e2e_ms / 1000 if timed_e2e else at,
+                prompt, used)
             recorded.output_tokens += used
             if isinstance(endpoint, str):
                 outputs = self.outputs
-                length = arrival.output_tokens or 0
+                length = output or 0
                 if length in outputs:
                     outputs[length] += 1
                 elif len(outputs) < MAX_OUTPUT_LENGTHS:
                     outputs[length] = 1
                 if self.estimate_kv and timed_queue:
-                    began = ttft_ms if arrival.stream and timed_ttft else queue_ms
+                    began = ttft_ms if stream and timed_ttft else queue_ms
                     self.kv.add(endpoint, arrived + began / 1000, finished,
-                                arrival.prompt_tokens + (arrival.output_tokens or 0) / 2,
-                                queue_ms)
+                                prompt + (output or 0) / 2, queue_ms)
         if isinstance(endpoint, str) and endpoint not in self.endpoints \
                 and len(self.endpoints) < MAX_ENDPOINTS:
             self.endpoints.add(endpoint)
-        if outcome == "ok" and get("stream") is not False \
-                and isinstance(ttft_ms, (int, float)) and isinstance(e2e_ms, (int, float)) \
+        if outcome == "ok" and get("stream") is not False and timed_ttft and timed_e2e \
                 and isinstance(completion, int) and completion >= 8 and e2e_ms > ttft_ms:
-            self.per_token.add((e2e_ms - ttft_ms) / 1000 / (completion - 1))
+            # ``self.per_token.add``, inline.
+            value = (e2e_ms - ttft_ms) / 1000 / (completion - 1)
+            per_token = self.per_token
+            per_token.count += 1
+            if value < 1e-6:
+                per_token.zeros += 1
+            else:
+                bins, key = per_token.bins, _floor(_log(value) / _LOG_RATIO)
+                bins[key] = bins.get(key, 0) + 1
 
     def figures(self) -> LogFigures:
         first, last, recorded = self.first, self.last, self.recorded

@@ -206,10 +206,16 @@ def _flag(data: dict[str, Any], name: str) -> bool | None:
     raise BadField(name, f"must be true or false, got {value!r}")
 
 
-def _plain_record(line_number: int, data: dict[str, Any]) -> Arrival | None:
+Row = tuple[Any, ...]
+"""An ``Arrival``'s fields as a plain tuple, in its order: what the one pass over a day's log
+builds, spools and replays (a plain tuple is built, spooled and read back faster than the
+named one)."""
+
+
+def _plain_record(line_number: int, data: dict[str, Any]) -> Row | None:
     """``parse_record`` of a record as the picker writes it today, in one pass of exact type
-    checks (a day's log is millions of them); None for anything else, which ``parse_record``
-    then reads field by field to say what is wrong."""
+    checks (a day's log is millions of them), as a ``Row``; None for anything else, which
+    ``parse_record`` then reads field by field to say what is wrong."""
     get = data.get
     tenant, finished, arrived = get("tenant_id"), get("timestamp"), get("arrived_at")
     prompt, completion = get("prompt_tokens"), get("completion_tokens")
@@ -223,9 +229,9 @@ def _plain_record(line_number: int, data: dict[str, Any]) -> Arrival | None:
             or (stream is not None and type(stream) is not bool) \
             or (cap is not None and (type(cap) is not int or cap < 0)):
         return None
-    return Arrival(line_number, arrived, tenant, model or "", lane, prompt,
-                   completion if get("endpoint") is not None else None, cap,
-                   True if stream is None else stream, finished)
+    return (line_number, arrived, tenant, model or "", lane, prompt,
+            completion if get("endpoint") is not None else None, cap,
+            True if stream is None else stream, finished)
 
 
 def parse_record(line_number: int, data: Any) -> tuple[Arrival, bool]:
@@ -234,7 +240,7 @@ def parse_record(line_number: int, data: Any) -> tuple[Arrival, bool]:
     if type(data) is dict:
         plain = _plain_record(line_number, data)
         if plain is not None:
-            return plain, False
+            return tuple.__new__(Arrival, plain), False
     if not isinstance(data, dict):
         raise BadField("(record)", f"must be a JSON object, got {type(data).__name__}")
     tenant = _text(data, "tenant_id")
@@ -309,14 +315,14 @@ RELEASE_EVERY = 8192
 _new_window = list
 """The reorder window's list (a test counts its sorts)."""
 _arrived_of = operator.itemgetter(1)
-"""An ``Arrival``'s ``arrived``: the reorder window's sort key."""
+"""A row's ``arrived``: the reorder window's sort key."""
 
 
 def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_s: float = 600.0,
                   since: float | None = None, until: float | None = None,
                   size: int | None = None,
                   report: Callable[[str], None] | None = None,
-                  each: Callable[[int, dict[str, Any], Arrival], None] | None = None
+                  each: Callable[[int, dict[str, Any], Row], None] | None = None
                   ) -> Iterator[Arrival]:
     """The usable records of the log at ``path`` (or lines in memory), in arrival order,
     streamed.
@@ -324,22 +330,26 @@ def read_arrivals(path: Path | Sequence[bytes], skips: Skips, *, reorder_window_
     ``since``/``until`` (unix seconds) keep arrivals in ``[since, until)``. ``size``: read only
     the first ``size`` bytes (a live log grows: every config is replayed on the same lines).
     ``report`` gets each message as it is noted (as well as ``skips.messages``). ``each`` sees
-    every record that parses, in the log's order, as it is read (before the window and the
-    order are judged): the CLI's scan of the pool's figures rides on this one decoding pass.
+    every record that parses (a ``Row``), in the log's order, as it is read (before the window
+    and the order are judged): the CLI's scan of the pool's figures rides on this one decoding
+    pass.
     """
+    new = tuple.__new__
     for chunk in read_arrival_chunks(path, skips, reorder_window_s=reorder_window_s,
                                      since=since, until=until, size=size, report=report,
                                      each=each):
-        yield from chunk
+        for row in chunk:
+            yield new(Arrival, row)
 
 
 def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
                         reorder_window_s: float = 600.0, since: float | None = None,
                         until: float | None = None, size: int | None = None,
                         report: Callable[[str], None] | None = None,
-                        each: Callable[[int, dict[str, Any], Arrival], None] | None = None
-                        ) -> Iterator[list[Arrival]]:
-    """``read_arrivals``' arrivals in lists, as the reorder window releases them.
+                        each: Callable[[int, dict[str, Any], Row], None] | None = None
+                        ) -> Iterator[list[Row]]:
+    """``read_arrivals``' arrivals as ``Row``s, in lists, as the reorder window releases
+    them.
 
     The window: a record is released once a record finishing ``reorder_window_s`` after its
     arrival has been read (no request still to come can have arrived before it), in the order
@@ -349,7 +359,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
     and an arrival is judged out of order against that. Only an arrival before that horizon
     can be (what was released is before it), and only then is the window cut at once, so every
     judgement is the heap's. Memory: the window and ``RELEASE_EVERY`` records."""
-    pending: list[Arrival] = _new_window()
+    pending: list[Row] = _new_window()
     sums: dict[str, list[int]] = {}
     """Per tenant, [prompt tokens, served requests] (``PromptMeans``, inline)."""
     total = [0, 0]
@@ -368,7 +378,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
         if report is not None and len(skips.messages) > before:
             report(skips.messages[-1])
 
-    def release(until: float) -> list[Arrival]:
+    def release(until: float) -> list[Row]:
         """The records waiting that arrived at or before ``until``, in order, taken out."""
         nonlocal released
         pending.sort(key=_arrived_of)
@@ -377,7 +387,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
             return []
         out = pending[:cut]
         del pending[:cut]
-        released = out[-1].arrived
+        released = out[-1][1]
         skips.used += cut
         return out
 
@@ -400,20 +410,21 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
                     ending = "" if raw.endswith(b"\n") else " (the last line, cut short)"
                     note("not_json", f"line {number}: not a JSON record{ending}: {exc}; skipped")
                     continue
-            arrival = plain(number, data) if type(data) is dict else None
-            if arrival is not None:
+            row = plain(number, data) if type(data) is dict else None
+            if row is not None:
                 inferred = False
             else:
                 try:
-                    arrival, inferred = parse_record(number, data)
+                    parsed, inferred = parse_record(number, data)
                 except BadField as exc:
                     note("bad_field", f"line {number}: {exc}; skipped")
                     continue
+                row = tuple(parsed)
             if each is not None:
-                each(number, data, arrival)
-            arrived, tenant, prompt = arrival.arrived, arrival.tenant, arrival.prompt_tokens
-            if arrival.finished > latest_finish:
-                latest_finish = arrival.finished
+                each(number, data, row)
+            _, arrived, tenant, _, _, prompt, output, _, _, finished = row
+            if finished > latest_finish:
+                latest_finish = finished
             if arrived < release_at:
                 # Before the horizon: released by now, or out of order. Cut the window to
                 # know exactly what has been released, unless it is out of order already
@@ -436,10 +447,9 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
                 continue
             if inferred:
                 skips.inferred += 1
-            if arrival.output_tokens is None and prompt == 0:
+            if output is None and prompt == 0:
                 seen_total, seen = sums.get(tenant) or total
-                arrival = arrival._replace(
-                    prompt_tokens=max(1, round(seen_total / seen)) if seen else 1)
+                row = (*row[:5], max(1, round(seen_total / seen)) if seen else 1, *row[6:])
                 skips.prompt_guessed += 1
             elif prompt:
                 total[0] += prompt
@@ -450,7 +460,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
                 if seen_sums is not None:
                     seen_sums[0] += prompt
                     seen_sums[1] += 1
-            pending.append(arrival)
+            pending.append(row)
             release_at = latest_finish - reorder_window_s
             fresh += 1
             if fresh >= RELEASE_EVERY:
@@ -478,34 +488,30 @@ class Spool:
 
     def __init__(self) -> None:
         self._file: IO[bytes] = tempfile.TemporaryFile(prefix="fairway-whatif-")  # noqa: SIM115 (closed by close)
-        self._chunk: list[Arrival] = []
+        self._chunk: list[Row] = []
+        """Plain tuples: marshal takes no named ones."""
         self.count = 0
         self.first: Arrival | None = None
 
     def append(self, arrival: Arrival) -> None:
-        if self.first is None:
-            self.first = arrival
-        chunk = self._chunk
-        chunk.append(arrival)
-        self.count += 1
-        if len(chunk) >= SPOOL_CHUNK:
-            self._flush()
+        self.extend([tuple(arrival)])
 
-    def extend(self, arrivals: list[Arrival]) -> None:
-        """``append`` each of ``arrivals``, in order."""
-        if not arrivals:
+    def extend(self, rows: list[Row]) -> None:
+        """Arrivals as ``Row``s (plain tuples, as ``read_arrival_chunks`` gives them), in
+        order."""
+        if not rows:
             return
         if self.first is None:
-            self.first = arrivals[0]
+            self.first = tuple.__new__(Arrival, rows[0])
         chunk = self._chunk
-        chunk.extend(arrivals)
-        self.count += len(arrivals)
+        chunk.extend(rows)
+        self.count += len(rows)
         if len(chunk) >= SPOOL_CHUNK:
             self._flush()
 
     def _flush(self) -> None:
         if self._chunk:
-            data = marshal.dumps(list(map(tuple, self._chunk)))  # marshal takes plain tuples
+            data = marshal.dumps(self._chunk)
             self._file.write(len(data).to_bytes(8, "little"))
             self._file.write(data)
             self._chunk = []
@@ -517,13 +523,13 @@ class Spool:
             for fields in chunk:
                 yield new(Arrival, fields)
 
-    def rows(self) -> Iterator[tuple[Any, ...]]:
+    def rows(self) -> Iterator[Row]:
         """The arrivals from the first as plain tuples of ``Arrival``'s fields, in its order:
         nothing is built an arrival (the fast replay reads them so)."""
         for chunk in self._chunks():
             yield from chunk
 
-    def _chunks(self) -> Iterator[list[tuple[Any, ...]]]:
+    def _chunks(self) -> Iterator[list[Row]]:
         self._flush()
         loads, file = marshal.loads, self._file
         position = 0

@@ -77,6 +77,7 @@ class Quantiles:
         self.count = 0
 
     def add(self, value: float) -> None:
+        # ``ReplayResult.add_fields`` does this inline: a change here goes there too.
         self.count += 1
         if value < 1e-6:
             self.zeros += 1
@@ -203,11 +204,26 @@ class ReplayResult:
             stats.demoted += 1
         if demoted or outcome in OVER_BUDGET_REASONS:
             self.budget_out_s.setdefault(tenant, arrival_s)
+        # ``Quantiles.add``, inline (this runs for every request of the log and of a replay).
         if dispatched_s is not None:
-            stats.queue_wait.add(dispatched_s - arrival_s)
+            quantiles = stats.queue_wait
+            value = dispatched_s - arrival_s
+            quantiles.count += 1
+            if value < 1e-6:
+                quantiles.zeros += 1
+            else:
+                bins, key = quantiles.bins, _floor(_log(value) / _LOG_RATIO)
+                bins[key] = bins.get(key, 0) + 1
         served = completion_tokens
         if first_token_s is not None:
-            stats.ttft.add(first_token_s - arrival_s)
+            quantiles = stats.ttft
+            value = first_token_s - arrival_s
+            quantiles.count += 1
+            if value < 1e-6:
+                quantiles.zeros += 1
+            else:
+                bins, key = quantiles.bins, _floor(_log(value) / _LOG_RATIO)
+                bins[key] = bins.get(key, 0) + 1
             served += prompt_tokens
         elif outcome == "ok":
             served += prompt_tokens  # an embedding: its prompt is its service
