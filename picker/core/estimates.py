@@ -170,7 +170,7 @@ class TenantEstimates:
                      complete: bool = True) -> None:
         """A request produced ``produced`` output tokens. ``complete``: it ended on its own (not
         cancelled, failed, or stopped by its ``max_tokens``); an incomplete one only raises."""
-        sample = float(max(0, produced))
+        sample = float(produced) if produced > 0 else 0.0
         if not stream:
             # Non-streaming output is reserved whole at dispatch and settled on the actual, so
             # a low estimate costs only the tenant itself: a plain moving average, the first
@@ -182,11 +182,18 @@ class TenantEstimates:
             if self._changed is not None:
                 self._changed.add((OUTPUT, tenant, ""))
             return
-        current = self.output(tenant, now, stream=True)
+        # ``self.output(tenant, now, stream=True)`` and ``_put``, inline (per request).
+        table = self._stream
+        learned = table.get(tenant)
+        current = self.default_output if learned is None or now - learned.updated > self.ttl \
+            else learned.value
         if sample < current and not complete:
             return
         alpha = RISE_ALPHA if sample >= current else FALL_ALPHA
-        self._put(self._stream, tenant, _Learned(current + alpha * (sample - current), now))
+        table.pop(tenant, None)
+        table[tenant] = _Learned(current + alpha * (sample - current), now)
+        while len(table) > self.max_tenants:
+            del table[next(iter(table))]
         if self._changed is not None:
             self._changed.add((STREAM, tenant, ""))
 

@@ -88,7 +88,13 @@ class _Flow(Request):
     def __init__(self, tenant: str, lane: str, arrived: float, prompt: int, output: int,
                  stream: bool, cap: int | None, reservation: Reservation | None,
                  demoted: bool) -> None:
-        Request.__init__(self, tenant, prompt, lane, cap or 0, 0, arrived)
+        # ``Request.__init__(self, tenant, prompt, lane, cap or 0, 0, arrived)``, inline (a unit
+        # test holds the two equal).
+        self.tenant, self.prompt_tokens, self.lane = tenant, prompt, lane
+        self.max_output_tokens, self.cached_prompt_tokens, self.arrival = cap or 0, 0, arrived
+        self.id, self.resumes, self.program = "", False, 0
+        self.seq, self.generated, self.estimated_output, self.charged = -1, 0, 0, 0.0
+        self.state = "new"
         self.output, self.stream, self.cap = output, stream, cap
         self.reservation, self.demoted = reservation, demoted
         self.dispatched = -1.0
@@ -572,9 +578,10 @@ class FastReplay:
         first = flow.first if generated and flow.first <= now else None
         self.result.add_fields(tenant, flow.lane, outcome, flow.demoted, flow.arrival,
                                flow.dispatched, first, now, prompt, generated)
-        if tenant in self.parked:
+        if self.parked and tenant in self.parked:
             self._unpark(tenant, now)
-        self.pump(now)
+        if self.queued:
+            self.pump(now)
 
     def _expire(self, now: float) -> None:
         """Queued requests past ``queue.maxWait`` are dropped (``queue_timeout``)."""
@@ -612,10 +619,10 @@ class FastReplay:
     def advance(self, until: float) -> None:
         """Every event due at or before ``until``, in time order (queue timeouts first at a
         tie, as the exact replay drops before it pumps)."""
-        events, deadlines = self.events, self.deadlines
+        events, deadlines, inf = self.events, self.deadlines, math.inf
         while True:
-            event_at = events[0][0] if events else math.inf
-            deadline = deadlines[0][0] if deadlines else math.inf
+            event_at = events[0][0] if events else inf
+            deadline = deadlines[0][0] if deadlines else inf
             if deadline <= event_at and deadline <= until:
                 self.now = deadline
                 self._expire(deadline)

@@ -5,6 +5,7 @@ requests in flight only, not by the log."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import random
@@ -17,7 +18,7 @@ import pytest
 
 from picker.config.schema import PickerConfig
 from picker.config.strict import load
-from picker.core import Scheduler
+from picker.core import Request, Scheduler
 from picker.sim.pool import PoolSpec
 from picker.whatif.__main__ import main
 from picker.whatif.fast import FastReplay, _Endpoint, _Flow, replay_fast, unmodelled
@@ -252,3 +253,14 @@ def test_a_request_finding_the_queue_empty_goes_as_it_would_through_the_queue(
     assert [vars(r) for r in made[0].records] == [vars(r) for r in made[1].records]
     outcomes = {r.outcome for r in made[0].records}
     assert {"ok", "queue_timeout"} <= outcomes  # it queued, and waited past maxWait
+
+
+def test_a_flow_is_the_request_the_gate_would_have_made() -> None:
+    # ``_Flow`` sets the Request's fields itself (per request, no call): every one of them, as
+    # Request's own __init__ would.
+    for cap in (None, 0, 64):
+        flow = _Flow("a", "batch", 12.5, 300, 40, True, cap, None, False)
+        made = Request(tenant="a", prompt_tokens=300, lane="batch", max_output_tokens=cap or 0,
+                       arrival=12.5)
+        for name in (f.name for f in dataclasses.fields(Request)):
+            assert getattr(flow, name) == getattr(made, name), name
