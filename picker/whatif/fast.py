@@ -477,10 +477,16 @@ class FastReplay:
         if limit < now + 4.0 * (steps * self.step_s):  # it may outlast its client: a cancel
             self.order += 1                               # to check then
             heapq.heappush(events, (limit if limit > now else now, self.order, _CANCEL, flow))
-        if flow.stream and self.chunks > 1 and output > 1:
+        chunks = self.chunks
+        if flow.stream and chunks > 1 and output > 1:
             # The stream's first chunks, each charged about when its last token is out.
-            part = output / self.chunks
-            for index in range(1, self.chunks):
+            part = output / chunks
+            if chunks == 2:  # the default: one, without the loop (``part * 1`` is ``part``)
+                self.order += 1
+                heapq.heappush(events, (now + math.ceil(part) * self.step_s, self.order,
+                                        _CHARGE, flow))
+                return
+            for index in range(1, chunks):
                 self.order += 1
                 heapq.heappush(events, (now + math.ceil(part * index) * self.step_s, self.order,
                                         _CHARGE, flow))
@@ -523,9 +529,13 @@ class FastReplay:
         self._reschedule(endpoint)
 
     def _charge(self, flow: _Flow, now: float) -> None:
-        if flow.done or flow.endpoint is None:
+        endpoint = flow.endpoint
+        if flow.done or endpoint is None:
             return
-        tokens = min(flow.output, int(flow.endpoint.at(now) - flow.started + SETTLED))
+        v = endpoint.at(now) if now > endpoint.t else endpoint.v
+        tokens = int(v - flow.started + SETTLED)
+        if tokens > flow.output:
+            tokens = flow.output
         if tokens > flow.out_charged:
             self.scheduler.charge_output(flow, tokens - flow.out_charged)
             flow.out_charged = tokens

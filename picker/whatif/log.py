@@ -399,7 +399,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
             if size is not None and read > size:
                 break
             lines += 1
-            if not raw.strip():
+            if not raw or (raw[0] != 123 and not raw.strip()):  # a record starts with "{"
                 continue
             try:
                 data = _loads(raw)  # ``decode``, inline: this runs for every line
