@@ -301,15 +301,23 @@ class FigureScan:
             if first is None:
                 first = self.first = since if since is not None else arrived
             last = self.last
-            self.last = finished if last is None else max(last, finished)
+            if last is None or finished > last:
+                self.last = finished
             at = arrived - first
             served = endpoint is not None
-            used = int(completion or 0)
+            # ``int(completion or 0)``, ``str(lane or "")``, ``str(outcome or "ok")``; calls only
+            # for what is not already so (a call costs a tenth of a microsecond, a day 4.3 M).
+            used = completion if type(completion) is int else int(completion or 0)
+            lane = get("priority_lane") or ""
+            if type(lane) is not str:
+                lane = str(lane)
+            ended = outcome or "ok"
+            if type(ended) is not str:
+                ended = str(ended)
             timed_queue = isinstance(queue_ms, (int, float))
             recorded = self.recorded
             recorded.add_fields(
-                tenant, str(get("priority_lane") or ""), str(outcome or "ok"),
-                get("demoted") is True, at,
+                tenant, lane, ended, get("demoted") is True, at,
                 at + queue_ms / 1000 if served and timed_queue else None,
                 at + ttft_ms / 1000 if timed_ttft else None,
                 at + e2e_ms / 1000 if timed_e2e else at,

@@ -161,6 +161,10 @@ class ReplayResult:
     step_s: float = 0.0
     unfinished: int = 0
     """Requests still in when the replay stopped (``drain_s`` after the last arrival)."""
+    _quotient: float = field(default=math.nan, repr=False, compare=False)
+    _bucket: int = field(default=0, repr=False, compare=False)
+    """The last request's end ÷ ``bucket_s`` (floored) and its bucket (``int`` of it, called
+    only when it changes)."""
 
     @property
     def duration_s(self) -> float:
@@ -202,7 +206,7 @@ class ReplayResult:
             stats.refused[outcome] = stats.refused.get(outcome, 0) + 1
         if demoted:
             stats.demoted += 1
-        if demoted or outcome in OVER_BUDGET_REASONS:
+        if demoted or (outcome != "ok" and outcome in OVER_BUDGET_REASONS):
             self.budget_out_s.setdefault(tenant, arrival_s)
         # ``Quantiles.add``, inline (this runs for every request of the log and of a replay).
         if dispatched_s is not None:
@@ -230,7 +234,12 @@ class ReplayResult:
         if served:
             stats.prompt_tokens += served - completion_tokens
             stats.completion_tokens += completion_tokens
-            bucket = int((end_s or arrival_s) // self.bucket_s)
+            quotient = (end_s or arrival_s) // self.bucket_s
+            if quotient == self._quotient:  # the bucket of the last request, mostly
+                bucket = self._bucket
+            else:
+                bucket = self._bucket = int(quotient)
+                self._quotient = quotient
             series = self.series.get(tenant)
             if series is None:
                 series = self.series[tenant] = {}
