@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from picker.config.build import admission_rules, cost_function, gate_rules
@@ -250,6 +250,8 @@ class FastReplay:
         self.capped = bool(self.caps) or self.default_cap is not None
         """Whether any tenant has a concurrency cap (else ``_may_queue`` asks only if it is
         parked)."""
+        self.lanes_of: dict[str, str] = {}
+        """Per tenant, its lane (``Gate.lane_of``), for a request that asks for none."""
         self.free: dict[str, bool] = {}
         """Per tenant, whether its admission rules set nothing (no budget, cap or limit): its
         requests skip ``Admission``, which would only count them."""
@@ -284,11 +286,16 @@ class FastReplay:
         else:
             prompt, output = arrival_demand(Arrival._make(arrival), self.known, self.result,
                                             self.default_output)
-        lane = gate.choose_lane(tenant, lane_asked)
-        if lane is None:
-            self._record(tenant, lane_asked or "", now, prompt, output, stream,
-                         LANE_NOT_ALLOWED, now)
-            return
+        if lane_asked is None:  # its tenant's lane (``choose_lane``'s answer), looked up once
+            lane = self.lanes_of.get(tenant)
+            if lane is None:
+                lane = self.lanes_of[tenant] = gate.lane_of(tenant)
+        else:
+            lane = gate.choose_lane(tenant, lane_asked)
+            if lane is None:
+                self._record(tenant, lane_asked or "", now, prompt, output, stream,
+                             LANE_NOT_ALLOWED, now)
+                return
         free = self.free.get(tenant)
         if free is None:
             free = self.free[tenant] = _unbounded(self.admission.rules_for(tenant))
@@ -313,7 +320,8 @@ class FastReplay:
         if clamped is not None and output > clamped:
             output = clamped  # the engine stops at the cap admission sent
         flow = _Flow(tenant, lane, now, prompt, output, stream, clamped, reservation, demoted)
-        if self._may_queue(tenant):
+        if (not parked or tenant not in parked) and (not self.capped or self._may_queue(tenant)):
+            # (``_may_queue``, its common answers inline)
             if not self.queued:
                 # The queue is empty: where it fits now, it goes at once (``pump`` would choose
                 # it), without the queue's round trip.
@@ -658,8 +666,8 @@ class FastReplay:
         gate.estimates.prune(now)
         active = set(self.tenant_queued) | set(self.running) | set(self.parked)
         self.scheduler.forget_idle(active, gate.rules.configured_tenants)
-        if len(self.free) > 4096:
-            self.free = {}  # a cache of the rules: read again when needed
+        if len(self.free) > 4096 or len(self.lanes_of) > 4096:
+            self.free, self.lanes_of = {}, {}  # caches of the rules: read again when needed
 
     def pending(self) -> bool:
         return bool(self.events or self.queued or self.parked)
@@ -688,23 +696,30 @@ def replay_fast(config: PickerConfig, spec: PoolSpec,
     pool = FastReplay(config, spec, result, client_timeout_s=client_timeout_s, chunks=chunks)
     drain = client_timeout_s + config.queue.max_wait if drain_s is None else drain_s
     last = 0.0
-    source: Iterator[tuple[Any, ...]] = arrivals.rows() if isinstance(arrivals, Spool) \
-        else iter(arrivals)
+    # A spool's chunks as they are read back (a loop over lists, not a generator resumed
+    # each arrival); anything else an arrival at a time.
+    chunked: Iterable[list[Any]] = arrivals.chunks() if isinstance(arrivals, Spool) \
+        else ([arrival] for arrival in arrivals)
     next_prune = PRUNE_INTERVAL
-    events, deadlines = pool.events, pool.deadlines
-    for count, arrival in enumerate(source, start=1):
-        now = arrival[1] - start  # ``arrived``
-        if now < last:
-            now = last
-        if (events and events[0][0] <= now) or (deadlines and deadlines[0][0] <= now):
-            pool.advance(now)
-        pool.now = last = now
-        if now >= next_prune:
-            pool.prune(now)
-            next_prune = now + PRUNE_INTERVAL
-        pool.send(arrival, now)
-        if expired is not None and count % EXPIRY_CHECK_STEPS == 0 and expired():
-            raise TimeoutError(f"the replay ran out of time after {now:,.0f} simulated seconds")
+    events, deadlines, send = pool.events, pool.deadlines, pool.send
+    count = 0
+    for chunk in chunked:
+        for arrival in chunk:
+            now = arrival[1] - start  # ``arrived``
+            if now < last:
+                now = last
+            if (events and events[0][0] <= now) or (deadlines and deadlines[0][0] <= now):
+                pool.advance(now)
+            pool.now = last = now
+            if now >= next_prune:
+                pool.prune(now)
+                next_prune = now + PRUNE_INTERVAL
+            send(arrival, now)
+            if expired is not None:
+                count += 1
+                if count % EXPIRY_CHECK_STEPS == 0 and expired():
+                    raise TimeoutError(f"the replay ran out of time after {now:,.0f} "
+                                       "simulated seconds")
     pool.advance(last + drain)
     end = max(last, pool.last_end)
     queued = sorted((f for q in pool.in_queue.values() for f in q), key=_enqueued)

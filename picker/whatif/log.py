@@ -519,17 +519,18 @@ class Spool:
     def __iter__(self) -> Iterator[Arrival]:
         """The arrivals from the first (the spool stays open for the next reading)."""
         new = tuple.__new__
-        for chunk in self._chunks():
+        for chunk in self.chunks():
             for fields in chunk:
                 yield new(Arrival, fields)
 
     def rows(self) -> Iterator[Row]:
         """The arrivals from the first as plain tuples of ``Arrival``'s fields, in its order:
         nothing is built an arrival (the fast replay reads them so)."""
-        for chunk in self._chunks():
+        for chunk in self.chunks():
             yield from chunk
 
-    def _chunks(self) -> Iterator[list[Row]]:
+    def chunks(self) -> Iterator[list[Row]]:
+        """The arrivals from the first as lists of ``Row``s, a chunk at a time."""
         self._flush()
         loads, file = marshal.loads, self._file
         position = 0
