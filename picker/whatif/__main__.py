@@ -291,7 +291,9 @@ class FigureScan:
         get = data.get
         since, until = self.since, self.until
         _, arrived, tenant, _, _, prompt, output, _, stream, finished = arrival
-        queue_ms, ttft_ms, e2e_ms = get("queue_ms"), get("ttft_ms"), get("e2e_ms")
+        queue_ms: Any = get("queue_ms")  # Any: what is a number is tested once, below
+        ttft_ms: Any = get("ttft_ms")
+        e2e_ms: Any = get("e2e_ms")
         endpoint, completion = get("endpoint"), get("completion_tokens")
         outcome = get("outcome")
         timed_ttft = isinstance(ttft_ms, (int, float))
