@@ -206,6 +206,8 @@ def _flag(data: dict[str, Any], name: str) -> bool | None:
     raise BadField(name, f"must be true or false, got {value!r}")
 
 
+_INF = math.inf
+
 Row = tuple[Any, ...]
 """An ``Arrival``'s fields as a plain tuple, in its order: what the one pass over a day's log
 builds, spools and replays (a plain tuple is built, spooled and read back faster than the
@@ -221,8 +223,8 @@ def _plain_record(line_number: int, data: dict[str, Any]) -> Row | None:
     prompt, completion = get("prompt_tokens"), get("completion_tokens")
     model, lane, stream, cap = get("model"), get("lane_asked"), get("stream"), get("max_tokens")
     if type(tenant) is not str or not tenant or type(finished) is not float \
-            or type(arrived) is not float or not (-math.inf < finished < math.inf) \
-            or not (-math.inf < arrived < math.inf) or type(prompt) is not int or prompt < 0 \
+            or type(arrived) is not float or not (-_INF < finished < _INF) \
+            or not (-_INF < arrived < _INF) or type(prompt) is not int or prompt < 0 \
             or type(completion) is not int or completion < 0 \
             or (model is not None and type(model) is not str) \
             or (lane is not None and type(lane) is not str) \
