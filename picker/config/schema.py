@@ -251,8 +251,12 @@ class Capacity:
                               metadata=_camel("growth_room", profile=True))
     """Room for growth, for latency isolation under a flood. A backlogged tenant's request
     (more than one waiting in the picker, or parked) leaves only for an endpoint where it fits
-    once every request there, and itself, have grown to their expected size (prompt + expected
-    output, as replicas judge their leases); a request of a tenant that is not backlogged, or
+    at the peak of the endpoint's use as the streams there, and itself, grow to their expected
+    size (prompt + expected output) and end, each freeing its room once grown: the sum of
+    their expected sizes counted every running request's unwritten output as held at once,
+    room the engine never used, since one started earlier ends first (at 8k, about a tenth
+    of an engine; the isolation profile's tokens on 4 x 8k 0.85-0.88 of the default's with
+    the sum, see README); a request of a tenant that is not backlogged, or
     to an empty endpoint, still needs only its prompt to fit beside what is held now (vLLM's own
     admission), and goes first where the least prefill is outstanding (see
     ``maxPrefillTokens``). The engine then rarely preempts for growth, and the room its

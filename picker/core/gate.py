@@ -77,6 +77,7 @@ from picker.core.selection import (
     free_tokens,
     keeps_reserve,
     observe,
+    peak_growth,
     rank,
     takes_backlogged,
 )
@@ -329,6 +330,11 @@ class Gate:
         that may go ahead of a head that has to wait (see ``pump``)."""
         self._recent: dict[str, Demand] = {}
         """Per tenant: its recent arrivals, sizes and holding time, for the idle reserve."""
+        self._newest: str | None = None
+        """The tenant that arrived last (``_note_arrival``)."""
+        self._newest_other: str | None = None
+        """The tenant that arrived last of all but ``_newest``: with it, who else arrived most
+        recently, whoever asks (``_standing_room``, O(1))."""
         self._reserve = ReserveRules(rules.idle_tenant_reserve, rules.reserve_quantile,
                                      rules.reserve_max_share)
         self.occupancy = Occupancy()
@@ -338,6 +344,9 @@ class Gate:
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
         self._dispatches = 0
+        self._running: dict[str, dict[Passage, None]] = {}
+        """Per endpoint, the requests dispatched there and not yet settled, in dispatch order
+        (the growth room's ``peak_growth``)."""
         self._unseen_prefill: dict[str, dict[Passage, None]] = {}
         """Per endpoint, the streams there whose tokens the picker does not see
         (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
@@ -448,6 +457,7 @@ class Gate:
                         if e.draining and e.inflight_requests == 0]:
             del self.endpoints[address]
             self._unseen_prefill.pop(address, None)
+            self._running.pop(address, None)
             self.inflight_blocks.forget(address)
             if self.prefix_index is not None:
                 self.prefix_index.forget(address)
@@ -650,6 +660,8 @@ class Gate:
                 self._recent[tenant] = new_demand(tokens, now)
             else:
                 demand.arrived(tokens, now, self.rules.idle_tenant_reserve)
+            if tenant != self._newest:
+                self._newest_other, self._newest = self._newest, tenant
 
     def queued_total(self) -> int:
         """Requests waiting (queued and parked)."""
@@ -779,12 +791,22 @@ class Gate:
         the idle-tenant reserve somewhere."""
         capacity = self.rules.capacity
         size: int | None = None  # its expected size, only when a rule needs it (hot path)
+        growth: dict[str, float] | None = None  # per endpoint, its peak_growth (growth room)
+        adds: dict[str, float] = {}  # per candidate, what the request adds to its peak
         if capacity.growth_room or capacity.max_prefill_tokens:
             size = self._projected(passage, now)
             prompt = passage.request.prompt_tokens
-            candidates = [c for c in candidates
-                          if takes_backlogged(c, prompt, size - self._room_held(passage, c),
-                                              now, capacity)]
+            if capacity.growth_room:
+                growth = {}
+                for c in candidates:
+                    growth[c.address] = self._peak_growth(c.address)
+                    own = prompt - self._room_held(passage, c)
+                    adds[c.address] = self._peak_growth(c.address, (size - prompt, own)) + own \
+                        - growth[c.address]
+            candidates = [c for c in candidates if takes_backlogged(
+                c, prompt, adds[c.address] if growth is not None
+                else size - self._room_held(passage, c), now, capacity,
+                None if growth is None else growth[c.address])]
         reserve, total = self._idle_reserve(now, passage.tenant) if candidates else (0.0, 0.0)
         if not reserve and candidates and self._reserve.quantile:
             # Alone, the flood still leaves one request's room for a tenant not yet seen.
@@ -795,17 +817,40 @@ class Gate:
             pool = list(self.endpoints.values())
             if size is None:
                 size = self._projected(passage, now)
-            candidates = [c for c in candidates
-                          if keeps_reserve(pool, c, size, reserve, now, capacity, total)]
+            if growth is not None:
+                for e in pool:
+                    if e.address not in growth:
+                        growth[e.address] = self._peak_growth(e.address)
+            candidates = [c for c in candidates if keeps_reserve(
+                pool, c, size if growth is None else adds[c.address], reserve, now, capacity,
+                total, growth)]
         return candidates
+
+    def _peak_growth(self, address: str, joining: tuple[int, int] | None = None) -> int:
+        """``picker.core.selection.peak_growth`` of the requests running on ``address``, and of
+        ``joining`` (its expected output, the tokens it will hold there now) when given: each
+        stream whose tokens the picker sees grow, from what it holds to its expected size
+        (``projected_tokens``), freeing its own tokens (shared prompt blocks stay) at its end."""
+        growing = [(p.projected_tokens - p.reserved_tokens, p.reserved_tokens - p.prefix_tokens)
+                   for p in self._running.get(address, ())
+                   if p.stream and p.projected_tokens > p.reserved_tokens]
+        if joining is not None:
+            growing.append(joining)
+        return peak_growth(growing)
 
     def _standing_room(self, now: float, tenant: str) -> float:
         """Room kept for a tenant not yet seen while ``tenant`` is the only one seen within the
-        reserve's window (``picker.core.reserve.standing_room``)."""
-        window = self.rules.idle_tenant_reserve
+        reserve's window (``picker.core.reserve.standing_room``).
+
+        O(1): of the others, the one that arrived last tells (``_newest``, ``_newest_other``);
+        if it is past the window, so is every other. One forgotten (``forget_idle``, or past
+        the window at an ``_idle_reserve``) was past it then, and so is now."""
         demand = self._recent.get(tenant)
-        if demand is None or any(other != tenant and now - d.last <= window
-                                 for other, d in self._recent.items()):
+        if demand is None:
+            return 0.0
+        last = self._newest_other if self._newest == tenant else self._newest
+        other = self._recent.get(last) if last is not None else None
+        if other is not None and now - other.last <= self.rules.idle_tenant_reserve:
             return 0.0
         return standing_room(demand.footprint, self._pool_tokens(), self._reserve)
 
@@ -1046,6 +1091,7 @@ class Gate:
         blocks = self._hold_blocks(passage, primary)
         primary.inflight_tokens += passage.reserved_tokens - passage.prefix_tokens + blocks
         primary.inflight_requests += 1
+        self._running.setdefault(primary.address, {})[passage] = None
         primary.sent_since_scrape += 1
         if passage.stream:
             passage.prefilling = True
@@ -1240,6 +1286,11 @@ class Gate:
         self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens,
                            self.scheduler.weights)
         endpoint.inflight_requests -= 1
+        running = self._running.get(endpoint.address)
+        if running is not None:
+            running.pop(passage, None)
+            if not running:
+                del self._running[endpoint.address]
         endpoint.completed_since_scrape += 1
         endpoint.released_since_scrape += freed
         if answered:
@@ -1326,6 +1377,12 @@ class Gate:
         if passage.prefilling and not passage.output_seen:
             self._unseen_prefill.get(primary.address, {}).pop(passage, None)
             self._unseen_prefill.setdefault(served.address, {})[passage] = None
+        running = self._running.get(primary.address)
+        if running is not None:
+            running.pop(passage, None)
+            if not running:
+                del self._running[primary.address]
+        self._running.setdefault(served.address, {})[passage] = None
         passage.endpoint = served
         if passage.prefix_blocks and self.prefix_index is not None:
             # The prompt is in the server's cache now (the primary never computed it).

@@ -14,7 +14,7 @@ those few.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -255,23 +255,50 @@ def fits(endpoint: EndpointState, now: float, rules: CapacityRules,
 
 
 def free_tokens(endpoint: EndpointState, now: float, rules: CapacityRules,
-                projected: bool = True) -> float:
+                projected: bool = True, growth: float | None = None) -> float:
     """Tokens the endpoint will still have free once its running requests have grown to their
-    expected size (``projected=False``: free now); 0 when it takes nothing (draining, ejected,
-    engine queue full)."""
+    expected size (``projected=False``: free now; ``growth``: at the peak of its use as they
+    grow and end, ``growth`` above its use now, ``peak_growth``); 0 when it takes nothing
+    (draining, ejected, engine queue full)."""
     if not endpoint.in_service(now) or waiting(endpoint, now, rules) >= rules.max_waiting:
         return 0.0
     used = occupancy(endpoint, now, rules)
     own = float(endpoint.inflight_tokens)
     if projected:
-        used = max(used, endpoint.projected_tokens)
-        own = max(own, endpoint.projected_tokens)
+        expected = endpoint.projected_tokens if growth is None \
+            else endpoint.inflight_tokens + growth
+        used = max(used, expected)
+        own = max(own, expected)
     budget = endpoint.budget(rules.fallback_budget)
     return max(0.0, min(budget - used, endpoint.share * budget - own))
 
 
-def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_tokens: int,
-                     now: float, rules: CapacityRules) -> bool:
+def peak_growth(growing: Iterable[tuple[int, int]]) -> int:
+    """By how many tokens an endpoint's use rises above its use now at its peak, if nothing
+    else joins: each of ``growing``, (tokens it is still expected to grow by, tokens it holds
+    now that its end frees), grows by one token an engine step, as a decoding request does,
+    and ends once grown, freeing what it held. Requests that neither grow nor end by the
+    picker's count (non-streaming ones, streams past their expected size) are left out: what
+    they hold stays. O(n log n).
+
+    The sum of the running requests' expected sizes (``projected_tokens``) is the use if all of
+    them were at their end at once; but a request ends as it reaches it, and one started
+    earlier ends first. Under a flood an endpoint's requests are at every stage of their
+    output, so its use peaks about now: the sum counts the unwritten output of every running
+    request as held (8k pools, outputs 150-250 beside prompts 600-900: about a tenth of the
+    engine), room the engine never uses."""
+    items = sorted(growing, reverse=True)
+    total = sum(held for _, held in items)
+    held = peak = 0
+    for count, (rest, own) in enumerate(items, 1):
+        held += own
+        # Just before the count-th longest ends: it and the longer ones, each grown by ``rest``.
+        peak = max(peak, held + count * rest)
+    return max(0, peak - total)
+
+
+def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_tokens: float,
+                     now: float, rules: CapacityRules, growth: float | None = None) -> bool:
     """Whether an endpoint that has room (``has_room``) should take a backlogged tenant's
     request of this prompt, expected to grow to ``projected_tokens``. Two rules, each off by
     default, hold such a request back; a request of a tenant that is not backlogged is never
@@ -281,7 +308,9 @@ def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_toke
       their expected size (``free_tokens``). Admitting on the prompt alone fills the engine's
       cache with requests that still have to grow; the engine then preempts (recompute) as they
       do, and a light tenant's request sent there finds no free blocks (a waiting request never
-      preempts in vLLM V1) until the growth has used up what was left.
+      preempts in vLLM V1) until the growth has used up what was left. With ``growth`` (the
+      gate's way), judged at the peak of the endpoint's use as its requests grow and end: the
+      endpoint's ``peak_growth`` without it, and ``projected_tokens`` what it adds to the peak.
     * ``max_prefill_tokens``: the endpoint's outstanding prefill (``prefill_tokens``) plus this
       prompt stays within the bound (an endpoint with none outstanding takes any prompt). The
       engine computes running requests' prompt chunks before a waiting request's, and a step
@@ -294,11 +323,13 @@ def takes_backlogged(endpoint: EndpointState, prompt_tokens: int, projected_toke
     bound = rules.max_prefill_tokens
     if bound and endpoint.prefill_tokens and endpoint.prefill_tokens + prompt_tokens > bound:
         return False
-    return not rules.growth_room or free_tokens(endpoint, now, rules) >= projected_tokens
+    return not rules.growth_room or \
+        free_tokens(endpoint, now, rules, growth=growth) >= projected_tokens
 
 
-def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: int,
-                  reserve: float, now: float, rules: CapacityRules, total: float = 0.0) -> bool:
+def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens: float,
+                  reserve: float, now: float, rules: CapacityRules, total: float = 0.0,
+                  growth: Mapping[str, float] | None = None) -> bool:
     """Whether, with a request expected to grow to ``tokens`` on ``chosen``, some endpoint will
     still have ``reserve`` tokens free, and the pool ``total`` (``picker.core.reserve``: room
     for a light tenant's next requests, spread wherever they go; the readiness below is asked
@@ -310,13 +341,18 @@ def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens:
     prefill (outstanding there, or the one ``chosen`` is about to start) is room the light
     request waits a prefill for. Only where ``chosen`` is the sole endpoint in service does its
     room count: nothing readier exists, and holding the flood would leave the pool idle.
+
+    ``growth``: each endpoint's ``peak_growth`` (by address), the room judged at the peak of its
+    use; ``tokens`` is then what the request adds to ``chosen``'s peak. None: at the sum of
+    the expected sizes (``projected_tokens``).
     """
     ready = rules.ready_reserve and any(
         e is not chosen and e.in_service(now) for e in endpoints)
     kept = False
     pooled = 0.0
     for endpoint in endpoints:
-        free = free_tokens(endpoint, now, rules)
+        free = free_tokens(endpoint, now, rules,
+                           growth=None if growth is None else growth[endpoint.address])
         if endpoint is chosen:
             free -= tokens
         pooled += max(0.0, free)

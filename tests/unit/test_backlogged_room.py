@@ -16,7 +16,13 @@ from picker.config.strict import load
 from picker.core import LaneSpec, Scheduler, Usage
 from picker.core.admission import Admission, TenantRules
 from picker.core.gate import Gate, GateRules, Passage
-from picker.core.selection import CapacityRules, EndpointState, keeps_reserve, takes_backlogged
+from picker.core.selection import (
+    CapacityRules,
+    EndpointState,
+    keeps_reserve,
+    peak_growth,
+    takes_backlogged,
+)
 from picker.errors import ConfigError
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -250,3 +256,55 @@ def test_growth_room_sends_a_light_request_where_its_prefill_starts_soonest(
     light = _admit(gate, "light", 50)
     # A has more room; B has no prompt outstanding.
     assert light.endpoint is not None and light.endpoint.address == (B if growth_room else A)
+
+
+# -- growth room at the peak of an endpoint's use --
+
+def _staggered(gate: Gate) -> list[Passage]:
+    """Five flood requests left running, 100-token prompts expected to grow to 200 each, at
+    every stage of their output (0, 20, 40, 60, 80 tokens written): 700 tokens held, 1,000
+    projected, five more waiting."""
+    running, waiting = _backlog(gate)
+    for passage in running[5:]:
+        gate.complete(passage, Usage(100, 0, 0), "ok", 1.0)
+    assert all(p.dispatched_at is None for p in waiting)  # the five at the same stage: 1,000
+    for written, passage in zip((0, 20, 40, 60, 80), running[:5], strict=True):
+        for _ in range(written):
+            gate.charge_output(passage, 1)
+    endpoint = gate.endpoints[A]
+    assert (endpoint.inflight_tokens, endpoint.projected_tokens) == (700, 1000)
+    return waiting
+
+
+def test_growth_room_judges_the_peak_of_use_as_requests_grow_and_end() -> None:
+    """The sum of the running requests' expected sizes says 1,000 (no room); but the one 80
+    tokens in ends 20 steps from now, before the others have grown by much: their use peaks
+    at 800 (the four that remain, 20 steps on), 920 with one more request of 200 beside them
+    (just before the one 80 tokens in ends), 1,040 with two."""
+    gate = _gate(growth_room=True)
+    waiting = _staggered(gate)
+    gate.pump(2.0)
+    assert [p.dispatched_at for p in waiting] == [2.0, None, None, None, None]
+
+
+def test_peak_growth() -> None:
+    assert peak_growth([]) == 0
+    assert peak_growth([(100, 100)]) == 100  # alone: grows to its end
+    assert peak_growth([(0, 50)]) == 0  # at its end now
+    # Staggered: (rest, held) 100/100, 80/120, 60/140, 40/160, 20/180 peaks at 800 (700 now).
+    assert peak_growth([(20, 180), (60, 140), (100, 100), (40, 160), (80, 120)]) == 100
+    # The same stage: all grow to the end together.
+    assert peak_growth([(50, 150)] * 3) == 150
+
+
+def test_non_streaming_and_overrunning_requests_hold_what_they_hold() -> None:
+    gate = _gate(growth_room=True)
+    whole = _admit(gate, "a", 300, stream=False)  # 300 + 100 reserved at dispatch
+    over = _admit(gate, "b", 100)
+    for _ in range(150):  # past its expected 100
+        gate.charge_output(over, 1)
+    assert gate._peak_growth(A) == 0
+    assert gate._peak_growth(A, (100, 100)) == 100
+    gate.complete(whole, Usage(300, 100, 0), "ok", 3.0)
+    gate.complete(over, Usage(100, 150, 0), "ok", 3.0)
+    assert not gate._running

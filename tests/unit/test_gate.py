@@ -401,6 +401,11 @@ class GateMachine(RuleBasedStateMachine):
                     assert first_token or not passage.prefilling
             assert set(self.gate._unseen_prefill.get(endpoint.address, {})) == {
                 p for p in mine if p.prefilling and not p.output_seen}
+            # The growth room's registry of what runs where (``Gate._peak_growth``).
+            assert set(self.gate._running.get(endpoint.address, {})) == set(mine)
+        assert all(self.gate._running.values())  # an endpoint with nothing running: no entry
+        for endpoint in endpoints:
+            mine = [p for p in self.running() if p.endpoint is endpoint]
             assert endpoint.prefill_tokens == sum(p.request.prompt_tokens for p in mine
                                                   if p.prefilling)
             # Sent beyond the room into the engine's queue: until its prefill ends (a stream)

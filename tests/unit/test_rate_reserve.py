@@ -7,6 +7,7 @@ next."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -25,6 +26,7 @@ from picker.core.reserve import (
     poisson_quantile,
     pool_reserve,
     reserved_requests,
+    standing_room,
     tenant_reserve,
 )
 from picker.core.selection import CapacityRules
@@ -291,3 +293,39 @@ def test_a_flood_alone_leaves_room_for_a_tenant_not_yet_seen(quantile: float) ->
     newcomer = _send(gate, "new", 1_500, 1.1)
     assert (newcomer.dispatched_at == 1.1) is bool(quantile)
     assert gate._standing_room(1.2, "flood") == 0.0  # "new" is seen now
+
+
+def _standing_room_by_scan(gate: Gate, now: float, tenant: str) -> float:
+    """``Gate._standing_room`` as it was, a walk over every tenant seen recently."""
+    window = gate.rules.idle_tenant_reserve
+    demand = gate._recent.get(tenant)
+    if demand is None or any(other != tenant and now - d.last <= window
+                             for other, d in gate._recent.items()):
+        return 0.0
+    return standing_room(demand.footprint, gate._pool_tokens(), gate._reserve)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_standing_room_needs_no_walk_over_the_tenants(seed: int) -> None:
+    """``_standing_room`` is O(1), from the last two tenants to arrive, and answers as the walk
+    over every recent tenant did: arrivals of a few tenants at random gaps (some past the
+    window), the recent ones forgotten now and then (``forget_idle``, ``_idle_reserve``)."""
+    rng = random.Random(seed)
+    gate = _gate(window=5.0)
+    tenants = ["flood", "a", "b", "c"]
+    now, asked, kept = 0.0, 0, 0
+    for _ in range(400):
+        now += rng.choice([0.1, 0.5, 2.0, 6.0])
+        tenant = rng.choice(tenants[:1] * 4 + tenants)
+        gate._note_arrival(tenant, rng.randrange(500, 3_000), now)
+        if rng.random() < 0.1:
+            gate.forget_idle(now + rng.choice([0.0, 3.0, 7.0]))
+        if rng.random() < 0.1:
+            gate._idle_reserve(now, tenant)
+        for later in (0.0, 1.0, 4.9, 5.0, 5.1, 12.0):
+            for who in tenants:
+                expected = _standing_room_by_scan(gate, now + later, who)
+                assert gate._standing_room(now + later, who) == expected
+                asked += 1
+                kept += expected > 0
+    assert 0 < kept < asked  # both answers occur
