@@ -187,16 +187,17 @@ class PeerPlan:
 
     @property
     def prefix_blocks(self) -> tuple[str, ...]:
-        """The prefix measure's order: fairway with affinity (inline, and on the meter stream)
-        and upstream twice each, fairway without affinity once in the middle (A D B C B D A:
-        every picker's mean position in the run the same; seven blocks a workload keep the run
-        near 15 minutes, so the variant that only shows what affinity buys runs once)."""
+        """The prefix measure's order: fairway with affinity (inline, and on the meter stream),
+        upstream and the CPython gRPC floor twice each, fairway without affinity once in the
+        middle (A D B F C F B D A: every picker's mean position in the run the same; nine
+        blocks a workload keep the run near 15 minutes, so the variant that only shows what
+        affinity buys runs once)."""
         if self.order:
             by_letter = {letter: peer for peer, letter in PREFIX_LETTERS.items()}
             return tuple(by_letter[letter] for letter in self.order)
         return PREFIX_PEERS if self.quick else (
-            PREFIX_AFFINITY, PREFIX_METER, "upstream", PREFIX_PLAIN, "upstream", PREFIX_METER,
-            PREFIX_AFFINITY)
+            PREFIX_AFFINITY, PREFIX_METER, "upstream", PREFIX_FLOOR, PREFIX_PLAIN, PREFIX_FLOOR,
+            "upstream", PREFIX_METER, PREFIX_AFFINITY)
 
     @property
     def prefix_workloads(self) -> dict[str, str]:
@@ -719,6 +720,15 @@ def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
     return out
 
 
+DEFAULT_ORDERS = frozenset({"ADBFCFBDA", "ABCD", "ADBCBDA", "ABCBA"})
+"""Orders of letters a run got without ``--blocks``: this default and quick's, and the defaults
+of runs kept in ``peer.json`` from before the floor (F) ran, or the meter stream (D)."""
+
+SPLIT_KEYS = ("client_mean", "picker_queue_wait_mean", "picker_first_byte_mean",
+              "engine_ttft_mean", "engine_waiting_mean", "engine_running_mean",
+              "picker_queued_mean")
+"""``ttft_split``'s figures, averaged over a picker's blocks in the summary."""
+
 PREFIX_HIT_RATE_SLACK = 0.02
 """The issue's goal: the engines' hit rate within 2 points of upstream's, or better."""
 
@@ -754,12 +764,19 @@ def prefix_summary(data: dict[str, Any]) -> dict[str, Any]:
                 "ttft_p95_ms": pooled(mine, lambda r: r["ttft_ms"]["p95"]),
                 "ok": sum(r["ok"] for r in mine), "requests": sum(r["requests"] for r in mine),
                 "picker_cpu_s": pooled(mine, lambda r: r["picker_cpu_s"]),
+                "picker_cpu_ms_per_request": pooled(
+                    mine, lambda r: r["picker_cpu_s"] / r["requests"] * 1000
+                    if r["requests"] else None),
+                "split_ms": {key: pooled(mine, lambda r, k=key: r.get("split_ms", {}).get(k))
+                             for key in SPLIT_KEYS} if all("split_ms" in r for r in mine)
+                else None,
                 "tenants": tenants,
             }
         # The issue's goal is judged on the same Envoy as upstream's (inline); fairway's own
         # configuration is shown against upstream beside it.
         out[workload] = {"pickers": per,
                          "goals": prefix_goals(per.get(PREFIX_AFFINITY), per.get("upstream")),
+                         "goals_floor": prefix_goals(per.get(PREFIX_FLOOR), per.get("upstream")),
                          "goals_meter_stream": prefix_goals(per.get(PREFIX_METER),
                                                             per.get("upstream"))}
     return out
@@ -1075,6 +1092,9 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
     agent_block = data.get("agent_block_s") or 0.0
     order = " ".join(PREFIX_LETTERS[p] for p in data["blocks_order"])
     meter = PREFIX_METER in data["blocks_order"]
+    floor = PREFIX_FLOOR in data["blocks_order"]
+    letters = order.replace(" ", "")
+    blocks_flag = "" if letters in DEFAULT_ORDERS else f" --blocks {letters}"
     timings = "; ".join(
         f"{w} {t['timing']['duration_s']:g} s"
         + (f" (units start until {t['timing']['stop_s']:g} s)" if t["timing"]["stop_s"] else "")
@@ -1086,7 +1106,7 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
         + (f", agent programs alone in blocks of {agent_block:g} s" if agent_block else ""), "",
         "`python -m bench.peer --only prefix"
         + (f" --prefix-scale {scale:g}" if scale != 1 else "")
-        + (f" --agent-block {agent_block:g}" if agent_block else "")
+        + (f" --agent-block {agent_block:g}" if agent_block else "") + blocks_flag
         + "`. The same Envoy and two simulated vLLM servers with prefix caching (`"
         + " ".join(data["server_args"]) + "`: `bench.prefix`'s pool) "
         f"behind each picker: A = {PREFIX_AFFINITY} (`routing.prefixAffinity` at its "
@@ -1097,6 +1117,11 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
            "configuration: the response metered on a second ext_proc stream in observability "
            "mode, so streamed chunks do not wait for the picker; A, B and C send every chunk "
            "through the picker and wait for its answer)" if meter else "")
+        + (f", F = {PREFIX_FLOOR} (`bench/floor_epp.py` on upstream's Envoy configuration: "
+           "grpc.aio over TLS, as fairway serves, routing each request to the endpoint with the "
+           "fewest in flight and echoing every chunk, nothing else: what any Python picker pays "
+           "on this path before it decides anything, the floor fairway's CPU is judged "
+           "against)" if floor else "")
         + "; blocks "
         f"in the order {order}, each a fresh stack. Blocks are shorter than the files' "
         f"durations, which are sized for the pool simulator: {timings}; requests still running "
@@ -1140,6 +1165,38 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
                   "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
                   "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
         lines += [_goal_row(workload, g) for workload, g in beside]
+    floors = [(w, got["goals_floor"]) for w, got in summary.items() if got.get("goals_floor")]
+    if floors:
+        met = sum(v is True for _, g in floors for v in g.values())
+        total = sum(len(g) for _, g in floors)
+        lines += ["", f"The same checks for the {PREFIX_FLOOR} against upstream (no picker's "
+                  f"work at all on upstream's Envoy configuration; shown, not a verdict: {met} of "
+                  f"{total}):", "",
+                  "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
+                  "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
+        lines += [_goal_row(workload, g) for workload, g in floors]
+    splits = [(w, peer, n) for w, got in summary.items() for peer, n in got["pickers"].items()
+              if n.get("split_ms")]
+    if splits:
+        lines += ["", "Where the time to first token goes (means over the window, then over the "
+                  "picker's blocks): the client's TTFT; fairway's picker: held in its fair queue, "
+                  "and from its arrival there (the request's body read and parsed) to the first "
+                  "response byte it saw (fairway only: the others export neither); the engines' "
+                  "own TTFT (arrival at the server to its first token: its waiting queue and "
+                  "prefill); the engines' mean waiting requests; and the picker's CPU per request "
+                  "(its CPU a block ÷ requests sent).", "",
+                  "| workload | picker | client TTFT mean ms | picker queue wait ms | picker "
+                  "arrival → first byte ms | engine TTFT ms | engine waiting | picker CPU ms a "
+                  "request |", "|---|---|---|---|---|---|---|---|"]
+        for workload, peer, n in splits:
+            sp = n["split_ms"]
+            lines.append(f"| {workload} | {peer} | {_fmt(sp['client_mean'], ',.0f')} | "
+                         f"{_fmt(sp['picker_queue_wait_mean'], '.1f')} | "
+                         f"{_fmt(sp['picker_first_byte_mean'], ',.0f')} | "
+                         f"{_fmt(sp['engine_ttft_mean'], ',.0f')} | "
+                         f"{_fmt(sp['engine_waiting_mean'], '.2f')} | "
+                         f"{_fmt(n['picker_cpu_ms_per_request'], '.1f')} |")
+    if beside:
         short = [f"{w} ({n['ok']:,} of {n['requests']:,})" for w, got in summary.items()
                  if (n := got["pickers"].get(PREFIX_METER)) and n["ok"] < n["requests"]]
         if short:
