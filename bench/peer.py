@@ -1293,7 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
         data["generated"] = dict.fromkeys(MEASURES, data["generated"])
     with tempfile.TemporaryDirectory(prefix="fairway-peer-") as tmp:
         workdir = Path(tmp)
-        with ControlPlane(workdir / "control-plane").start() as plane:
+        with ControlPlane(workdir / "control-plane") as plane:  # __enter__ starts it
             peers = Peers(UpstreamPool(plane, workdir).prepare())
             data.update({"quick": plan.quick, "envoy": envoy_version(),
                          "upstream_release": RELEASE, "ladder": list(plan.ladder)})
