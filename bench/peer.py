@@ -46,7 +46,11 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +81,7 @@ from bench.gateway.overhead import (
     OVERHEAD_RATE,
     RawTarget,
     alternate,
+    envoy_stats,
     raw_post,
 )
 from picker.sim.analysis import widest_swing
@@ -122,6 +127,21 @@ class PeerPlan:
     """``--agent-block``: measure 6 runs the agent programs alone, in blocks this long, so that
     the 30-call tenant's tasks finish and their completion p95 is reported (0: every workload
     in ``PREFIX_TIMING``'s blocks)."""
+    workloads: tuple[str, ...] = ()
+    """``--workload``: measure 6 on these workloads only (``PREFIX_WORKLOADS``' file names,
+    e.g. ``system_prompt``), for iterating on one; () all."""
+    order: str = ""
+    """``--blocks``: measure 6's pickers in this order of letters (``PREFIX_LETTERS``, e.g.
+    ``ABBA``), for iterating; "" the full order (``prefix_blocks``)."""
+    block_s: float = 0.0
+    """``--block-seconds``: measure 6's blocks this long (sessions and programs starting until
+    the same share of the block as in ``PREFIX_TIMING``); 0: ``PREFIX_TIMING``'s."""
+    diagnose: Path | None = None
+    """``--diagnose DIR``: the Python pickers (fairway's, the floor) are sampled by py-spy and
+    Envoy's ext_proc counters read at each block's end, into DIR, one file each per block
+    (diagnosis, not a result: sampling costs the picker CPU)."""
+    trace: bool = False
+    """``--trace``: with ``diagnose``, fairway's pickers also write their trace."""
 
     @property
     def share_duration(self) -> float:
@@ -167,19 +187,25 @@ class PeerPlan:
 
     @property
     def prefix_blocks(self) -> tuple[str, ...]:
-        """The prefix measure's order: fairway with affinity (inline, and on the meter stream)
-        and upstream twice each, fairway without affinity once in the middle (A D B C B D A:
-        every picker's mean position in the run the same; seven blocks a workload keep the run
-        near 15 minutes, so the variant that only shows what affinity buys runs once)."""
+        """The prefix measure's order: fairway with affinity (inline, and on the meter stream),
+        upstream and the CPython gRPC floor twice each, fairway without affinity once in the
+        middle (A D B F C F B D A: every picker's mean position in the run the same; nine
+        blocks a workload keep the run near 15 minutes, so the variant that only shows what
+        affinity buys runs once)."""
+        if self.order:
+            by_letter = {letter: peer for peer, letter in PREFIX_LETTERS.items()}
+            return tuple(by_letter[letter] for letter in self.order)
         return PREFIX_PEERS if self.quick else (
-            PREFIX_AFFINITY, PREFIX_METER, "upstream", PREFIX_PLAIN, "upstream", PREFIX_METER,
-            PREFIX_AFFINITY)
+            PREFIX_AFFINITY, PREFIX_METER, "upstream", PREFIX_FLOOR, PREFIX_PLAIN, PREFIX_FLOOR,
+            "upstream", PREFIX_METER, PREFIX_AFFINITY)
 
     @property
     def prefix_workloads(self) -> dict[str, str]:
         """Measure 6's workloads: all, or the agent programs alone with ``agent_block_s``."""
         if self.agent_block_s:
             return {AGENT_WORKLOAD: PREFIX_WORKLOADS[AGENT_WORKLOAD]}
+        if self.workloads:
+            return {k: v for k, v in PREFIX_WORKLOADS.items() if v in self.workloads}
         return PREFIX_WORKLOADS
 
     def prefix_timing(self, workload: str) -> PrefixTiming:
@@ -189,6 +215,10 @@ class PeerPlan:
             return PrefixTiming(self.agent_block_s, 5.0,
                                 stop_s=max(10.0, self.agent_block_s - AGENT_TAIL_S))
         timing = PREFIX_TIMING[workload]
+        if self.block_s:
+            scale = self.block_s / timing.duration_s
+            timing = PrefixTiming(self.block_s, min(timing.warmup_s, self.block_s / 3),
+                                  None if timing.stop_s is None else timing.stop_s * scale)
         if not self.quick:
             return timing
         return PrefixTiming(timing.duration_s / 2, timing.warmup_s / 2,
@@ -211,10 +241,17 @@ PREFIX_METER = "fairway + affinity, meter stream"
 """fairway's recommended Envoy configuration (``response_path="meter-stream"``, as the overhead
 measure's "fairway, meter stream"): the response is metered on a second ext_proc stream that
 Envoy does not wait for, so streamed chunks no longer round-trip through the picker."""
+PREFIX_FLOOR = "CPython gRPC floor"
+"""``bench.floor_epp`` behind the inline Envoy: grpc.aio routing each request to the endpoint
+with the fewest in flight and echoing every chunk, nothing else (``--blocks`` F only: what any
+Python picker pays on this path before it decides anything)."""
 PREFIX_PEERS = (PREFIX_AFFINITY, "upstream", PREFIX_PLAIN, PREFIX_METER)
-PREFIX_LETTERS = {PREFIX_AFFINITY: "A", "upstream": "B", PREFIX_PLAIN: "C", PREFIX_METER: "D"}
+PREFIX_SHOWN = (*PREFIX_PEERS, PREFIX_FLOOR)
+"""Every picker a prefix block may run (the floor only when ``--blocks`` names it)."""
+PREFIX_LETTERS = {PREFIX_AFFINITY: "A", "upstream": "B", PREFIX_PLAIN: "C", PREFIX_METER: "D",
+                  PREFIX_FLOOR: "F"}
 PREFIX_SHORT = {PREFIX_AFFINITY: "fairway", "upstream": "upstream", PREFIX_PLAIN: "fairway",
-                PREFIX_METER: "fairway-meter"}
+                PREFIX_METER: "fairway-meter", PREFIX_FLOOR: "floor"}
 """Block labels (work directories)."""
 PREFIX_WORKLOADS = {"system prompt": "system_prompt", "chat sessions": "chat", "rag": "rag",
                     "agent programs": "agent"}
@@ -289,6 +326,21 @@ class Peers:
                             picker_port=ports.grpc, access_log=stack.access_log,
                             response_path="inline", picker_tls=True, identity="trusted-client",
                             endpoints=stack.endpoint_addresses)
+
+
+def floor_envoy(stack: Stack) -> dict[str, Any]:
+    """Start ``bench.floor_epp`` on the stack's servers; the inline Envoy, dialling it."""
+    process = subprocess.Popen([sys.executable, "-m", "bench.floor_epp", "--endpoints",
+                                ",".join(stack.endpoint_addresses)], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    stack.processes.append(process)
+    assert process.stdout is not None
+    ports = dict(process.stdout.readline().split() for _ in range(2))
+    stack.metrics_port = int(ports["metrics"])
+    return envoy_config(listen_port=stack.gateway_port, admin_port=stack.admin_port,
+                        picker_port=int(ports["ext_proc"]), access_log=stack.access_log,
+                        response_path="inline", picker_tls=True, identity="trusted-client",
+                        endpoints=stack.endpoint_addresses)
 
 
 def fairway_config(traffic: Traffic, engine_policy: str,
@@ -527,19 +579,95 @@ def prefix_run(run: GatewayRun, tenants: Sequence[str]) -> dict[str, Any]:
             "sent_cost_share": sent_share[name],
         }
     cpu = run.resources.get("cpu_s", {})
+    pool = pool_numbers(run)
     return {
         "label": run.label, "picker": run.policy, "window_s": [t1, t2],
-        "pool_tokens_per_s": pool_numbers(run)["server_output_tokens_per_s"],
+        "pool_tokens_per_s": pool["server_output_tokens_per_s"],
+        "split_ms": ttft_split(run, ttft, pool),
         "prefix_hit_rate": hits / queries if queries else None,
         "ttft_ms": {"p50": percentile_ms(ttft, 50), "p95": percentile_ms(ttft, 95),
                     "n": len(ttft)},
         "requests": len(run.records), "ok": sum(r.ok for r in run.records),
         "errors": sum(not r.ok for r in run.records),
         "picker_cpu_s": sum(v for k, v in cpu.items() if k.rsplit("/", 1)[-1] in ("picker", "epp")),
+        "cpu_s": {k.rsplit("/", 1)[-1]: v for k, v in cpu.items()},
         "loadavg": [run.resources.get("loadavg_before"), run.resources.get("loadavg_after")],
         "wall_s": run.resources.get("wall_s"),
         "tenants": per,
     }
+
+
+def _window_mean_ms(run: GatewayRun, series: Callable[[str], Any], name: str) -> float | None:
+    """The mean of histogram ``name`` over the observations made in the run's window (ms)."""
+    count = run.delta(series(f"{name}_count"))
+    return run.delta(series(f"{name}_sum")) / count * 1000 if count else None
+
+
+def ttft_split(run: GatewayRun, ttft: Sequence[float], pool: dict[str, Any]) -> dict[str, Any]:
+    """Where a request's time to first token went, as means over the window: the client's TTFT,
+    the time fairway's picker held it in its fair queue and from its arrival there to the first
+    response byte it saw (fairway only: upstream exports neither), the engines' own TTFT (arrival
+    at the server to its first token: its waiting queue and prefill), and the engines' mean
+    waiting and running requests and the picker's mean queue."""
+    return {
+        "client_mean": statistics.fmean(ttft) * 1000 if ttft else None,
+        "picker_queue_wait_mean": _window_mean_ms(run, run.picker_series,
+                                                  "fairway_queue_wait_seconds"),
+        "picker_first_byte_mean": _window_mean_ms(run, run.picker_series,
+                                                  "fairway_ttft_seconds"),
+        "engine_ttft_mean": _window_mean_ms(run, run.server_series,
+                                            "vllm:time_to_first_token_seconds"),
+        "engine_waiting_mean": pool["mean_engine_waiting"],
+        "engine_running_mean": pool["mean_running"],
+        "picker_queued_mean": pool["mean_picker_queued"],
+    }
+
+
+@contextlib.contextmanager
+def _py_spy(stack: Stack, out: Path) -> Any:
+    """py-spy samples ``stack``'s picker (collapsed stacks into ``out``) while the block runs."""
+    found = shutil.which("py-spy")
+    picker = stack.picker_processes[0] if stack.picker_processes else next(
+        (p for p in stack.processes if isinstance(p.args, list)
+         and "bench.floor_epp" in p.args), None)
+    if found is None or picker is None:
+        yield
+        return
+    spy = subprocess.Popen([found, "record", "--pid", str(picker.pid),
+                            "--rate", "200", "--format", "raw", "--output", str(out),
+                            "--nonblocking", *(["--native"] if os.environ.get(
+                                "FAIRWAY_PY_SPY_NATIVE") else [])],
+                           stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            out.with_suffix(".envoy.json").write_text(json.dumps(envoy_stats(stack)))
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
+def trace_holds(path: Path, window: tuple[float, float]) -> dict[str, Any]:
+    """From a picker trace (``picker.dispatch.trace``): the share of its lines in the block's
+    window at which the picker held requests, and, over those, how often each endpoint gave
+    each ``picker.core.holds`` reason for not taking the head."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if '"eps"' in line]
+    if not lines:
+        return {}
+    t0 = lines[0]["t"]
+    inside = [line for line in lines if window[0] <= line["t"] - t0 <= window[1]]
+    held = [line for line in inside if line["q"]]
+    reasons: dict[str, int] = {}
+    for line in held:
+        for endpoint in line["eps"]:
+            reasons[endpoint["why"]] = reasons.get(endpoint["why"], 0) + 1
+    return {"lines": len(inside), "held_fraction": len(held) / len(inside) if inside else None,
+            "queued_max": max((line["q"] for line in inside), default=0),
+            "reasons": reasons}
 
 
 def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
@@ -560,13 +688,29 @@ def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
         for i, peer in enumerate(plan.prefix_blocks):
             label = f"prefix-{name}-{i}-{PREFIX_SHORT[peer]}"
             stack_peer = "upstream" if peer == "upstream" else "fairway"
-            stack = peers.stack(stack_peer, workdir / label, server_args=PREFIX_SERVER_ARGS,
-                                picker_config=prefix_config(
-                                    traffic, peer in (PREFIX_AFFINITY, PREFIX_METER)),
-                                response_path="meter-stream" if peer == PREFIX_METER
-                                else "inline")
-            rows.append(prefix_run(run_stack(label, peer, stack, traffic, window,
-                                             plan.sample_interval), tenants))
+            if peer == PREFIX_FLOOR:
+                stack_peer = "floor"
+                stack = Stack(workdir / label, with_picker=False, envoy_bootstrap=floor_envoy,
+                              server_args=list(PREFIX_SERVER_ARGS))
+            else:
+                stack = peers.stack(stack_peer, workdir / label,
+                                    server_args=PREFIX_SERVER_ARGS,
+                                    picker_config=prefix_config(
+                                        traffic, peer in (PREFIX_AFFINITY, PREFIX_METER)),
+                                    response_path="meter-stream" if peer == PREFIX_METER
+                                    else "inline")
+            during = None
+            if plan.diagnose is not None and stack_peer in ("fairway", "floor"):
+                plan.diagnose.mkdir(parents=True, exist_ok=True)
+                if stack_peer == "fairway" and plan.trace:
+                    stack.picker_args += ["--trace", str(plan.diagnose / f"{label}.trace")]
+                spied = plan.diagnose / f"{label}.py-spy.txt"
+                during = functools.partial(_py_spy, out=spied)
+            row = prefix_run(run_stack(label, peer, stack, traffic, window,
+                                       plan.sample_interval, during), tenants)
+            if plan.diagnose is not None and stack_peer == "fairway" and plan.trace:
+                row["holds"] = trace_holds(plan.diagnose / f"{label}.trace", window)
+            rows.append(row)
         out["by_workload"][workload] = {
             "traffic": f"bench/traffic/prefix_{name}.yaml",
             "timing": dataclasses.asdict(timing), "tenants": tenants, "blocks": rows}
@@ -575,6 +719,15 @@ def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
     out["summary"] = prefix_summary(out)
     return out
 
+
+DEFAULT_ORDERS = frozenset({"ADBFCFBDA", "ABCD", "ADBCBDA", "ABCBA"})
+"""Orders of letters a run got without ``--blocks``: this default and quick's, and the defaults
+of runs kept in ``peer.json`` from before the floor (F) ran, or the meter stream (D)."""
+
+SPLIT_KEYS = ("client_mean", "picker_queue_wait_mean", "picker_first_byte_mean",
+              "engine_ttft_mean", "engine_waiting_mean", "engine_running_mean",
+              "picker_queued_mean")
+"""``ttft_split``'s figures, averaged over a picker's blocks in the summary."""
 
 PREFIX_HIT_RATE_SLACK = 0.02
 """The issue's goal: the engines' hit rate within 2 points of upstream's, or better."""
@@ -586,7 +739,7 @@ def prefix_summary(data: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for workload, got in data["by_workload"].items():
         per: dict[str, Any] = {}
-        for peer in PREFIX_PEERS:
+        for peer in PREFIX_SHOWN:
             mine = [r for r in got["blocks"] if r["picker"] == peer]
             if not mine:
                 continue
@@ -611,12 +764,19 @@ def prefix_summary(data: dict[str, Any]) -> dict[str, Any]:
                 "ttft_p95_ms": pooled(mine, lambda r: r["ttft_ms"]["p95"]),
                 "ok": sum(r["ok"] for r in mine), "requests": sum(r["requests"] for r in mine),
                 "picker_cpu_s": pooled(mine, lambda r: r["picker_cpu_s"]),
+                "picker_cpu_ms_per_request": pooled(
+                    mine, lambda r: r["picker_cpu_s"] / r["requests"] * 1000
+                    if r["requests"] else None),
+                "split_ms": {key: pooled(mine, lambda r, k=key: r.get("split_ms", {}).get(k))
+                             for key in SPLIT_KEYS} if all("split_ms" in r for r in mine)
+                else None,
                 "tenants": tenants,
             }
         # The issue's goal is judged on the same Envoy as upstream's (inline); fairway's own
         # configuration is shown against upstream beside it.
         out[workload] = {"pickers": per,
                          "goals": prefix_goals(per.get(PREFIX_AFFINITY), per.get("upstream")),
+                         "goals_floor": prefix_goals(per.get(PREFIX_FLOOR), per.get("upstream")),
                          "goals_meter_stream": prefix_goals(per.get(PREFIX_METER),
                                                             per.get("upstream"))}
     return out
@@ -932,6 +1092,9 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
     agent_block = data.get("agent_block_s") or 0.0
     order = " ".join(PREFIX_LETTERS[p] for p in data["blocks_order"])
     meter = PREFIX_METER in data["blocks_order"]
+    floor = PREFIX_FLOOR in data["blocks_order"]
+    letters = order.replace(" ", "")
+    blocks_flag = "" if letters in DEFAULT_ORDERS else f" --blocks {letters}"
     timings = "; ".join(
         f"{w} {t['timing']['duration_s']:g} s"
         + (f" (units start until {t['timing']['stop_s']:g} s)" if t["timing"]["stop_s"] else "")
@@ -943,7 +1106,7 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
         + (f", agent programs alone in blocks of {agent_block:g} s" if agent_block else ""), "",
         "`python -m bench.peer --only prefix"
         + (f" --prefix-scale {scale:g}" if scale != 1 else "")
-        + (f" --agent-block {agent_block:g}" if agent_block else "")
+        + (f" --agent-block {agent_block:g}" if agent_block else "") + blocks_flag
         + "`. The same Envoy and two simulated vLLM servers with prefix caching (`"
         + " ".join(data["server_args"]) + "`: `bench.prefix`'s pool) "
         f"behind each picker: A = {PREFIX_AFFINITY} (`routing.prefixAffinity` at its "
@@ -954,6 +1117,11 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
            "configuration: the response metered on a second ext_proc stream in observability "
            "mode, so streamed chunks do not wait for the picker; A, B and C send every chunk "
            "through the picker and wait for its answer)" if meter else "")
+        + (f", F = {PREFIX_FLOOR} (`bench/floor_epp.py` on upstream's Envoy configuration: "
+           "grpc.aio over TLS, as fairway serves, routing each request to the endpoint with the "
+           "fewest in flight and echoing every chunk, nothing else: what any Python picker pays "
+           "on this path before it decides anything, the floor fairway's CPU is judged "
+           "against)" if floor else "")
         + "; blocks "
         f"in the order {order}, each a fresh stack. Blocks are shorter than the files' "
         f"durations, which are sized for the pool simulator: {timings}; requests still running "
@@ -997,6 +1165,38 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
                   "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
                   "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
         lines += [_goal_row(workload, g) for workload, g in beside]
+    floors = [(w, got["goals_floor"]) for w, got in summary.items() if got.get("goals_floor")]
+    if floors:
+        met = sum(v is True for _, g in floors for v in g.values())
+        total = sum(len(g) for _, g in floors)
+        lines += ["", f"The same checks for the {PREFIX_FLOOR} against upstream (no picker's "
+                  f"work at all on upstream's Envoy configuration; shown, not a verdict: {met} of "
+                  f"{total}):", "",
+                  "| workload | tokens/s ≥ upstream | TTFT p50 ≤ upstream | TTFT p95 ≤ upstream | "
+                  "hit rate ≥ upstream − 2 points |", "|---|---|---|---|---|"]
+        lines += [_goal_row(workload, g) for workload, g in floors]
+    splits = [(w, peer, n) for w, got in summary.items() for peer, n in got["pickers"].items()
+              if n.get("split_ms")]
+    if splits:
+        lines += ["", "Where the time to first token goes (means over the window, then over the "
+                  "picker's blocks): the client's TTFT; fairway's picker: held in its fair queue, "
+                  "and from its arrival there (the request's body read and parsed) to the first "
+                  "response byte it saw (fairway only: the others export neither); the engines' "
+                  "own TTFT (arrival at the server to its first token: its waiting queue and "
+                  "prefill); the engines' mean waiting requests; and the picker's CPU per request "
+                  "(its CPU a block ÷ requests sent).", "",
+                  "| workload | picker | client TTFT mean ms | picker queue wait ms | picker "
+                  "arrival → first byte ms | engine TTFT ms | engine waiting | picker CPU ms a "
+                  "request |", "|---|---|---|---|---|---|---|---|"]
+        for workload, peer, n in splits:
+            sp = n["split_ms"]
+            lines.append(f"| {workload} | {peer} | {_fmt(sp['client_mean'], ',.0f')} | "
+                         f"{_fmt(sp['picker_queue_wait_mean'], '.1f')} | "
+                         f"{_fmt(sp['picker_first_byte_mean'], ',.0f')} | "
+                         f"{_fmt(sp['engine_ttft_mean'], ',.0f')} | "
+                         f"{_fmt(sp['engine_waiting_mean'], '.2f')} | "
+                         f"{_fmt(n['picker_cpu_ms_per_request'], '.1f')} |")
+    if beside:
         short = [f"{w} ({n['ok']:,} of {n['requests']:,})" for w, got in summary.items()
                  if (n := got["pickers"].get(PREFIX_METER)) and n["ok"] < n["requests"]]
         if short:
@@ -1062,9 +1262,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure 6 on the agent programs alone, in blocks this long (tasks "
                              f"start until {AGENT_TAIL_S:g} s before the end), so that the "
                              "30-call tenant's tasks finish (kept as a section of its own)")
+    parser.add_argument("--workload", choices=sorted(PREFIX_WORKLOADS.values()),
+                        action="append", help="measure 6 on this workload only (repeatable; "
+                        "for iterating: write to another --out)")
+    parser.add_argument("--blocks", default="", metavar="LETTERS",
+                        help="measure 6's pickers in this order, e.g. ABBA (A fairway + "
+                        "affinity, B upstream, C fairway without affinity, D fairway + "
+                        "affinity on the meter stream)")
+    parser.add_argument("--block-seconds", type=float, default=0.0, metavar="SECONDS",
+                        help="measure 6's blocks this long (default: PREFIX_TIMING's)")
+    parser.add_argument("--diagnose", type=Path, metavar="DIR",
+                        help="the Python pickers are sampled by py-spy (when on PATH) and "
+                        "Envoy's ext_proc counters read, into DIR")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --diagnose: fairway's pickers also write their trace (picker "
+                        "serve --trace) into DIR; each block's hold reasons in the JSON")
     args = parser.parse_args(argv)
+    if args.blocks and set(args.blocks) - set(PREFIX_LETTERS.values()):
+        parser.error(f"--blocks takes the letters {sorted(PREFIX_LETTERS.values())}")
     plan = PeerPlan(quick=args.quick, prefix_scale=args.prefix_scale,
-                    agent_block_s=args.agent_block)
+                    agent_block_s=args.agent_block, workloads=tuple(args.workload or ()),
+                    order=args.blocks, block_s=args.block_seconds, diagnose=args.diagnose,
+                    trace=args.trace)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "peer_quick" if plan.quick else "peer"
@@ -1074,7 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
         data["generated"] = dict.fromkeys(MEASURES, data["generated"])
     with tempfile.TemporaryDirectory(prefix="fairway-peer-") as tmp:
         workdir = Path(tmp)
-        with ControlPlane(workdir / "control-plane").start() as plane:
+        with ControlPlane(workdir / "control-plane") as plane:  # __enter__ starts it
             peers = Peers(UpstreamPool(plane, workdir).prepare())
             data.update({"quick": plan.quick, "envoy": envoy_version(),
                          "upstream_release": RELEASE, "ladder": list(plan.ladder)})

@@ -149,6 +149,8 @@ def process_cpu(stacks: Sequence[Stack]) -> dict[str, float]:
                 servers += 1
             elif "picker" in args and "serve" in args:
                 name = "picker"
+            elif "bench.floor_epp" in args:
+                name = "epp"
             elif Path(args[0]).name == "envoy":
                 name = "envoy"
             else:
@@ -226,6 +228,7 @@ SERVER_METRICS = frozenset({
     "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:num_requests_waiting",
     "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
 })
 
 
@@ -471,12 +474,16 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
 
 
 def run_stack(label: str, policy: str, stack: Stack, traffic: Traffic,
-              window: tuple[float, float], sample_interval: float) -> GatewayRun:
+              window: tuple[float, float], sample_interval: float,
+              during: Callable[[Stack], contextlib.AbstractContextManager[Any]] | None = None,
+              ) -> GatewayRun:
     """``traffic`` through ``stack`` (started here, stopped after), sampling its picker's and
-    servers' metrics every ``sample_interval``."""
+    servers' metrics every ``sample_interval``; ``during``: a context entered once the stack
+    runs, around the traffic (e.g. a profiler attached to the picker)."""
     print(f"  {label}: {policy}, {traffic.duration_s:g} s of traffic", flush=True)
     resources: dict[str, Any] = {}
-    with stack, measured(resources, lambda: [stack]):
+    with stack, measured(resources, lambda: [stack]), \
+            (during(stack) if during is not None else contextlib.nullcontext()):
         result, sampler = asyncio.run(drive(stack, traffic, sample_interval))
     return GatewayRun(label, policy, traffic.duration_s, window, result, sampler.samples,
                       resources, sampler.failures)

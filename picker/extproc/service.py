@@ -981,11 +981,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if message.observability_mode:
                     await self._meter(message, messages)
                     return
+                chunk_reply: pb.ProcessingResponse | None = None
                 try:
-                    replies = await exchange.handle(message)
+                    if message.WhichOneof("request") == "response_body":
+                        # Every streamed chunk of the inline response path: metered and
+                        # answered here, without a coroutine or a list per chunk.
+                        body = message.response_body
+                        exchange._on_response_body(body)
+                        chunk_reply = _body("response_body", body.body, body.end_of_stream) \
+                            if exchange.echo_response else _RESPONSE_BODY_CONTINUE
+                    else:
+                        replies = await exchange.handle(message)
                 except Exception as error:  # the one guard: a bug must not fail the stream bare
                     self.count_fault(error)
                     replies = exchange.fault(error)
+                    chunk_reply = None
+                if chunk_reply is not None:
+                    yield chunk_reply
+                    if exchange.done and exchange.ticket is None:
+                        return
+                    continue
                 if exchange.routed and exchange.body_complete:
                     exchange.release_body()
                 if meter_id is not None and exchange.ticket is not None and not handed_over:

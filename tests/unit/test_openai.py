@@ -385,3 +385,41 @@ def test_tool_call_arguments_count_as_text() -> None:
     expected = (text_quarters("get_weather") + text_quarters('{"city": "Paris", "unit": "c"}')
                 ) // 4
     assert expected > 1 and meter.feed(_sse(chunk)) == expected
+
+
+def _fed_whole(chunks: list[bytes]) -> ResponseMeter:
+    meter = ResponseMeter(True)
+    for chunk in chunks:
+        meter.feed(chunk)
+    meter.finish()
+    return meter
+
+
+def test_a_chunk_of_one_event_is_read_as_the_buffered_path_reads_it() -> None:
+    """The streamed chunk path reads a chunk holding exactly one event without buffering it:
+    what it counts, and the usage and finish reason it keeps, are those of the same bytes split
+    anywhere (the buffered path)."""
+    events = [
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":" the quick"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"\\u00e9t\\u00e9"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,'
+        b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n',
+        b"data: [DONE]\n\n"]
+    whole = _fed_whole(events)
+    split = _fed_whole([b"".join(events)[i:i + 7] for i in range(0, len(b"".join(events)), 7)])
+    assert whole.counted_tokens == split.counted_tokens > 0
+    assert whole.usage == split.usage == Usage(9, 3, 4)
+    assert whole.finish_reason == split.finish_reason == "length"
+    assert whole.done and split.done
+
+
+def test_a_payload_with_more_than_one_json_value_counts_nothing() -> None:
+    """As ``json.loads`` refuses it ("Extra data"), so does the chunk path's decoder."""
+    meter = ResponseMeter(True)
+    assert meter.feed(b'data: {"choices":[{"delta":{"content":"abc"}}]} {"x":1}\n\n') == 0
+    assert meter.feed(b'data: {"choices":[{"delta":{"content":"abc"}}]}\n\n') == 1
+    # CRLF-separated and several events in one chunk take the buffered path, same counts.
+    assert meter.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n'
+                      b'data: {"choices":[{"delta":{"content":"b"}}]}\r\n\r\n') == 2

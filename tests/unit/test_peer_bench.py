@@ -15,8 +15,9 @@ from bench.gateway.common import GatewayRun, Sample
 from bench.peer import (
     PEERS,
     PREFIX_AFFINITY,
+    PREFIX_FLOOR,
     PREFIX_METER,
-    PREFIX_PEERS,
+    PREFIX_SHOWN,
     QUOTE_END,
     QUOTE_START,
     PeerPlan,
@@ -249,7 +250,7 @@ def test_agent_blocks_run_the_agent_programs_alone_until_their_tasks_can_finish(
 
 def test_the_meter_stream_variant_is_shown_beside_the_goals_it_does_not_judge() -> None:
     order = PeerPlan(quick=False).prefix_blocks
-    assert set(order) == set(PREFIX_PEERS)
+    assert set(order) == set(PREFIX_SHOWN)
     # Every picker's mean position in the run the same: a drift of the machine cancels.
     mean = {p: sum(i for i, q in enumerate(order) if q == p) / order.count(p) for p in order}
     assert set(mean.values()) == {(len(order) - 1) / 2}
@@ -265,3 +266,28 @@ def test_the_meter_stream_variant_is_shown_beside_the_goals_it_does_not_judge() 
     assert any(f"{PREFIX_METER} against upstream" in line and "3 of 4" in line
                for line in lines)
     assert "| rag | yes | **no** | yes | yes |" in lines
+
+
+def test_the_floor_is_shown_beside_upstream_with_where_the_time_goes() -> None:
+    """Block F (the CPython gRPC floor) gets the issue's checks against upstream, shown and not
+    judged, and a table splits every picker's TTFT where the blocks measured it; an order of
+    blocks other than the default is named in the command line."""
+    data = _prefix_data(1.0)
+    split = {"client_mean": 50.0, "picker_queue_wait_mean": None,
+             "picker_first_byte_mean": None, "engine_ttft_mean": 20.0,
+             "engine_waiting_mean": 0.2, "engine_running_mean": 9.0, "picker_queued_mean": 0.0}
+    floor = dict(data["by_workload"]["rag"]["blocks"][1], picker=PREFIX_FLOOR,
+                 ttft_ms={"p50": 3.0, "p95": 2.0}, split_ms=split)
+    for block in data["by_workload"]["rag"]["blocks"]:
+        block["split_ms"] = split
+    data["by_workload"]["rag"]["blocks"].append(floor)
+    data["blocks_order"].append(PREFIX_FLOOR)
+    data["summary"] = prefix_summary(data)
+    assert data["summary"]["rag"]["goals_floor"]["ttft_p50"] is False
+    lines = _prefix_tables(data)
+    assert any(f"{PREFIX_FLOOR} against upstream" in line and "3 of 4" in line
+               for line in lines)
+    assert any(line.startswith(f"| rag | {PREFIX_FLOOR} | 50 | – | – | 20 | 0.20 |")
+               for line in lines)
+    assert "--blocks ABF" in lines[3]
+    assert PeerPlan(quick=False, order="FB").prefix_blocks == (PREFIX_FLOOR, "upstream")
