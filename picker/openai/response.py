@@ -151,22 +151,25 @@ def _content_tokens(event: dict[str, Any]) -> int:
     its text (``_step_tokens``)."""
     tokens = 0
     for choice in event.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            content, reasoning = delta.get("content"), delta.get("reasoning_content")
-            calls = delta.get("tool_calls")
-            if content or reasoning or calls:
-                quarters = _quarters_of(content) + _quarters_of(reasoning)
-                if calls:
-                    quarters += _tool_calls_quarters(calls)
-                tokens += _step_tokens(quarters)
-        else:
-            text = choice.get("text")
-            if text:
-                tokens += _step_tokens(_quarters_of(text))
+        if isinstance(choice, dict):
+            tokens += _choice_tokens(choice)
     return tokens
+
+
+def _choice_tokens(choice: dict[str, Any]) -> int:
+    """Output tokens one choice of an SSE event carries (a chat delta or a completion's text)."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        content, reasoning = delta.get("content"), delta.get("reasoning_content")
+        calls = delta.get("tool_calls")
+        if not (content or reasoning or calls):
+            return 0
+        quarters = _quarters_of(content) + _quarters_of(reasoning)
+        if calls:
+            quarters += _tool_calls_quarters(calls)
+        return _step_tokens(quarters)
+    text = choice.get("text")
+    return _step_tokens(_quarters_of(text)) if text else 0
 
 
 def _step_tokens(quarters: int) -> int:
@@ -334,19 +337,7 @@ class ResponseMeter:
             for choice in choices:
                 if not isinstance(choice, dict):
                     continue
-                delta = choice.get("delta")
-                if isinstance(delta, dict):
-                    content, reasoning = delta.get("content"), delta.get("reasoning_content")
-                    calls = delta.get("tool_calls")
-                    if content or reasoning or calls:
-                        quarters = _quarters_of(content) + _quarters_of(reasoning)
-                        if calls:
-                            quarters += _tool_calls_quarters(calls)
-                        tokens += _step_tokens(quarters)
-                else:
-                    text = choice.get("text")
-                    if text:
-                        tokens += _step_tokens(_quarters_of(text))
+                tokens += _choice_tokens(choice)
                 reason = choice.get("finish_reason")
                 if isinstance(reason, str) and reason:
                     self.finish_reason = reason
