@@ -852,7 +852,11 @@ def test_metering_records_completed_cancelled_and_timed_out_requests(
     assert (done["prompt_tokens"], done["completion_tokens"]) == (usage["prompt_tokens"],
                                                                   usage["completion_tokens"])
     assert done["completion_tokens"] == 7
-    assert done["cached_prompt_tokens"] == 0
+    # Every prompt of this module starts with the same words, so the engine may find the first
+    # block cached, depending on which endpoint earlier tests' requests reached: the record
+    # carries what the engine reported, whatever it was.
+    reported = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert done["cached_prompt_tokens"] == reported
     assert done["endpoint"] in sim_stack.endpoint_addresses
     assert done["cost"] == done["prompt_tokens"] + 2 * done["completion_tokens"]
     # In order, and in milliseconds: no less than the engine's 7 steps of 5 ms, no more than
