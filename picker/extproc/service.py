@@ -463,13 +463,7 @@ class _Exchange:
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)))]
         if kind == "response_body":
-            # Every streamed chunk comes here on the inline path: observe_response's work for a
-            # body, without asking the message its kind again.
-            body = message.response_body
-            self._on_response_body(body)
-            if self.echo_response:
-                return [_body("response_body", body.body, body.end_of_stream)]
-            return [_RESPONSE_BODY_CONTINUE]
+            return [self.answer_response_body(message.response_body)]
         if kind == "response_trailers":
             self.observe_response(message)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -774,6 +768,15 @@ class _Exchange:
         if message.end_of_stream:
             self._finish()
 
+    def answer_response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        """A streamed response chunk of the inline path, metered, and the reply Envoy waits for
+        (the chunk echoed in full-duplex mode). Every chunk comes here: observe_response's work
+        for a body, without asking the message its kind again."""
+        self._on_response_body(body)
+        if self.echo_response:
+            return _body("response_body", body.body, body.end_of_stream)
+        return _RESPONSE_BODY_CONTINUE
+
     def _on_response_body(self, body: pb.HttpBody) -> None:
         ticket = self.ticket
         if ticket is not None and ticket.outcome is None:
@@ -986,10 +989,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     if message.WhichOneof("request") == "response_body":
                         # Every streamed chunk of the inline response path: metered and
                         # answered here, without a coroutine or a list per chunk.
-                        body = message.response_body
-                        exchange._on_response_body(body)
-                        chunk_reply = _body("response_body", body.body, body.end_of_stream) \
-                            if exchange.echo_response else _RESPONSE_BODY_CONTINUE
+                        chunk_reply = exchange.answer_response_body(message.response_body)
                     else:
                         replies = await exchange.handle(message)
                 except Exception as error:  # the one guard: a bug must not fail the stream bare
