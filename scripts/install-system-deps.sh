@@ -40,19 +40,22 @@ if [ "$(id -u)" -ne 0 ]; then
     fi
 fi
 
+# Another apt (a second checkout's setup, unattended-upgrades at boot) may hold the dpkg lock:
+# wait for it rather than fail (apt >= 1.9.11, Debian 11 and later).
+apt_wait=(-o DPkg::Lock::Timeout=600)
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 install() {
     # policy-rc.d: a package's post-install must not start its service (nothing may listen
     # beyond what a test starts).
     ${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 \
-        apt-get install -y -q --no-install-recommends "${packages[@]}" >>"$log" 2>&1
+        apt-get "${apt_wait[@]}" install -y -q --no-install-recommends "${packages[@]}" >>"$log" 2>&1
 }
 
 echo "install-system-deps: installing ${packages[*]} (apt)"
 # Try with the package lists at hand first; refresh them only when that fails.
 if ! install; then
-    if ! ${as_root[@]+"${as_root[@]}"} apt-get update -q >>"$log" 2>&1 || ! install; then
+    if ! ${as_root[@]+"${as_root[@]}"} apt-get "${apt_wait[@]}" update -q >>"$log" 2>&1 || ! install; then
         cat "$log" >&2
         fail "apt-get could not install ${packages[*]} (output above)"
     fi
