@@ -167,7 +167,8 @@ class StoreModel:
         self.estimates: dict[tuple[str, str, str], tuple[float, float]] = {}
         self.applied: dict[str, int] = {}
         self.leases: dict[str, tuple[float, float, float]] = {}
-        """replica -> (held or granted, granted, stamp)."""
+        """replica -> (what it may hold: its grant, its previous grant or what it holds, the
+        largest; granted; stamp)."""
         self.demands: dict[str, tuple[dict[tuple[str, str], float], dict[str, float]]] = {}
 
     def _refilled(self, key: tuple[str, str], now: float) -> float:
@@ -196,15 +197,19 @@ class StoreModel:
                 del self.estimates[estimate]
             else:
                 learned[estimate] = (value, max(0.0, now - stamp))
-        others = 0.0
-        for other, (holds, _, stamp) in list(self.leases.items()):
+        others = previous = 0.0
+        for other, (holds, granted, stamp) in list(self.leases.items()):
             if now - stamp > self.lease_expiry:
                 del self.leases[other]
                 self.demands.pop(other, None)
             elif other != replica:
                 others += holds
+            else:
+                previous = granted
         grant = max(0.0, min(target, 1.0 - others))
-        self.leases[replica] = (max(grant, held), grant, now)
+        # Until this answer reaches the replica it may still fill its previous grant: a lower
+        # grant is left to the others only from its next exchange.
+        self.leases[replica] = (max(grant, held, previous), grant, now)
         self.demands[replica] = (dict(demand or {}), dict(floors or {}))
         peers = {r: d for r, d in self.demands.items() if r != replica and r in self.leases}
         return StoreReply(dict(self.counters), levels, learned, grant, peers)

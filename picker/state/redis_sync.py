@@ -16,7 +16,7 @@ Keys (one hash tag, so a Redis Cluster keeps them on one shard; ``P`` is ``redis
     {P}:estimates      hash  "kind\\x1ftenant\\x1fmodel" -> "value stamp" (dropped after the
                        estimates' ttl)
     {P}:applied:<id>   the last batch number applied for replica <id> (expires after an hour)
-    {P}:leases         hash  replica -> "held grant stamp": each replica's lease (dropped once
+    {P}:leases         hash  replica -> "may-hold grant stamp": each replica's lease (dropped once
                        silent for maxStaleness)
     {P}:demands        hash  replica -> its demand per lane and tenant, and its queue's floors
 
@@ -173,15 +173,17 @@ end
 -- hold if more: running requests grow), so that the grants never sum above 1.
 local replica, target, held, expiry = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]),
                                        tonumber(ARGV[i + 3])
-local others = 0
+local others, previous = 0, 0
 local demands = {}
 all = redis.call('HGETALL', KEYS[6])
 for j = 1, #all, 2 do
-  local ack, _, stamp = string.match(all[j + 1], '(%S+) (%S+) (%S+)')
+  local ack, granted, stamp = string.match(all[j + 1], '(%S+) (%S+) (%S+)')
   if now - tonumber(stamp) > expiry then
     redis.call('HDEL', KEYS[6], all[j])
     redis.call('HDEL', KEYS[7], all[j])
-  elseif all[j] ~= replica then
+  elseif all[j] == replica then
+    previous = tonumber(granted)
+  else
     others = others + tonumber(ack)
     local demand = redis.call('HGET', KEYS[7], all[j])
     if demand then
@@ -191,8 +193,10 @@ for j = 1, #all, 2 do
   end
 end
 local grant = math.max(0, math.min(target, 1 - others))
-redis.call('HSET', KEYS[6], replica, string.format('%.17g %.17g %.17g', math.max(grant, held),
-                                                   grant, now))
+-- Until this answer reaches the replica it may still fill its previous grant: a lower grant is
+-- left to the others only from its next exchange.
+redis.call('HSET', KEYS[6], replica, string.format('%.17g %.17g %.17g',
+                                                   math.max(grant, held, previous), grant, now))
 redis.call('HSET', KEYS[7], replica, ARGV[i + 4])
 for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[6], KEYS[7]}) do
   redis.call('EXPIRE', key, ARGV[3])

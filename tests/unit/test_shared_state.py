@@ -313,3 +313,28 @@ def test_a_store_reservation_the_gate_does_not_keep_goes_back(case: str, sent_ba
                now=0.0, prereserved=needs)
     changes = take_changes(gate.scheduler, gate.admission, 0.0)
     assert sum(b.change for b in changes.budgets) == sent_back
+
+
+def test_a_lowered_grant_is_left_to_the_others_only_once_its_replica_has_heard_it() -> None:
+    """A replica fills its last grant until the next answer reaches it: a grant lowered by an
+    exchange still in flight must not be handed to another replica meanwhile (a rolling update
+    under load summed 1.01 of the pool)."""
+    store, nothing = StoreModel(), Changes((), ())
+    assert store.exchange("a", 1, nothing, 0.0, target=0.6).grant == pytest.approx(0.6)
+    assert store.exchange("b", 1, nothing, 0.0, target=0.4).grant == pytest.approx(0.4)
+    # a asks for less; its answer (0.3) is on its way and a may still fill 0.6 meanwhile.
+    assert store.exchange("a", 2, nothing, 0.1, target=0.3).grant == pytest.approx(0.3)
+    in_force_a = 0.6
+    grant_b = store.exchange("b", 2, nothing, 0.1, target=0.7).grant
+    assert in_force_a + grant_b <= 1.0 + 1e-9, grant_b
+    # a's next exchange shows it heard 0.3: the rest is b's.
+    store.exchange("a", 3, nothing, 0.2, target=0.3)
+    assert store.exchange("b", 3, nothing, 0.2, target=0.7).grant == pytest.approx(0.7)
+
+
+def test_what_a_replica_holds_beyond_its_grants_stays_its_own() -> None:
+    store, nothing = StoreModel(), Changes((), ())
+    store.exchange("a", 1, nothing, 0.0, target=0.5)
+    store.exchange("a", 2, nothing, 0.1, target=0.2, held=0.8)
+    store.exchange("a", 3, nothing, 0.2, target=0.2, held=0.8)
+    assert store.exchange("b", 1, nothing, 0.2, target=1.0).grant == pytest.approx(0.2)
