@@ -287,7 +287,24 @@ def peak_growth(growing: Iterable[tuple[int, int]]) -> int:
     output, so its use peaks about now: the sum counts the unwritten output of every running
     request as held (8k pools, outputs 150-250 beside prompts 600-900: about a tenth of the
     engine), room the engine never uses."""
+    return _peak_above_now(sorted(growing, reverse=True))
+
+
+def peak_growth_with(growing: Iterable[tuple[int, int]],
+                     joining: tuple[int, int]) -> tuple[int, int]:
+    """``peak_growth(growing)`` and ``peak_growth`` of ``growing`` with ``joining`` among them,
+    sorting ``growing`` once (the gate asks both of every candidate endpoint for a backlogged
+    tenant's request: its peak now, and what the request adds to it)."""
     items = sorted(growing, reverse=True)
+    without = _peak_above_now(items)
+    # Longest first: ``joining`` goes before the first it outlasts (equal ones are alike).
+    at = next((i for i, item in enumerate(items) if item < joining), len(items))
+    items.insert(at, joining)
+    return without, _peak_above_now(items)
+
+
+def _peak_above_now(items: list[tuple[int, int]]) -> int:
+    """``peak_growth`` of ``items`` sorted longest first."""
     total = sum(held for _, held in items)
     held = peak = 0
     for count, (rest, own) in enumerate(items, 1):

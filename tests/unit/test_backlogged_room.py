@@ -21,6 +21,7 @@ from picker.core.selection import (
     EndpointState,
     keeps_reserve,
     peak_growth,
+    peak_growth_with,
     takes_backlogged,
 )
 from picker.errors import ConfigError
@@ -297,6 +298,29 @@ def test_peak_growth() -> None:
     assert peak_growth([(50, 150)] * 3) == 150
 
 
+@pytest.mark.parametrize("growing", [
+    [], [(100, 100)], [(0, 50)], [(50, 150)] * 3,
+    [(20, 180), (60, 140), (100, 100), (40, 160), (80, 120)],
+    [(7, 3), (7, 3), (0, 9), (12, 1), (3, 40), (60, 0)]])
+@pytest.mark.parametrize("joining", [(0, 0), (60, 140), (7, 3), (7, 2), (200, 50), (1, 500)])
+def test_peak_growth_with_a_request_joining_sorts_once_and_agrees(
+        growing: list[tuple[int, int]], joining: tuple[int, int]) -> None:
+    assert peak_growth_with(growing, joining) == (peak_growth(growing),
+                                                  peak_growth([*growing, joining]))
+
+
+def test_running_registry_is_kept_only_with_the_growth_room() -> None:
+    gate = _gate()
+    running, _ = _backlog(gate)
+    assert gate._running is None  # the default: nothing to maintain a request
+    gate.set_rules(GateRules(capacity=CapacityRules(fallback_budget=1000, growth_room=True)))
+    assert gate._running is not None and set(gate._running[A]) == set(running)
+    gate.complete(running[0], Usage(100, 0, 0), "ok", 1.0)
+    assert running[0] not in gate._running[A]
+    gate.set_rules(GateRules(capacity=CapacityRules(fallback_budget=1000)))
+    assert gate._running is None
+
+
 def test_non_streaming_and_overrunning_requests_hold_what_they_hold() -> None:
     gate = _gate(growth_room=True)
     whole = _admit(gate, "a", 300, stream=False)  # 300 + 100 reserved at dispatch
@@ -304,7 +328,7 @@ def test_non_streaming_and_overrunning_requests_hold_what_they_hold() -> None:
     for _ in range(150):  # past its expected 100
         gate.charge_output(over, 1)
     assert gate._peak_growth(A) == 0
-    assert gate._peak_growth(A, (100, 100)) == 100
+    assert peak_growth_with(gate._growing(A), (100, 100)) == (0, 100)
     gate.complete(whole, Usage(300, 100, 0), "ok", 3.0)
     gate.complete(over, Usage(100, 150, 0), "ok", 3.0)
     assert not gate._running
