@@ -226,6 +226,32 @@ def test_keeps_reserve_judges_readiness() -> None:
     assert keeps_reserve([chosen], chosen, 700, 300, 0.0, rules)
 
 
+def test_a_ready_reserve_is_judged_on_the_room_free_now() -> None:
+    """The ready endpoint needs the light request's room now (it is admitted on the blocks
+    free at the engine's next step); the room its output grows into is kept at the peak,
+    wherever it is. Judged at the peak on the ready endpoint too, the flood was held off it
+    while its streams had room left to grow into (2 x 8k at 1 request/s: 0.779 of the
+    default's tokens, 0.866 judged now)."""
+    rules = CapacityRules(fallback_budget=1000, growth_room=True, ready_reserve=True)
+    chosen, ready = EndpointState(A), EndpointState(B)
+    ready.inflight_tokens = ready.inflight_requests = 1
+    ready.inflight_tokens = 500  # its streams grow by 300 at their peak: 200 free then
+    growth = {A: 0.0, B: 300.0}
+    # 500 free on the ready endpoint now; the peak's 300 kept on the chosen one (1000 - 200).
+    assert keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    # Not where it computes a prompt, nor with less than the reserve free now.
+    ready.prefill_tokens = 1
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    ready.prefill_tokens = 0
+    ready.inflight_tokens = 701
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    # Nor when no endpoint keeps the peak's room (the chosen one then grows into it).
+    ready.inflight_tokens = 500
+    assert not keeps_reserve([chosen, ready], chosen, 701, 300, 0.0, rules, 300, growth)
+    # Nor when the pool's total is not kept.
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 1001, growth)
+
+
 # -- config --
 
 def test_the_config_keys_reach_the_gate_rules() -> None:
