@@ -92,10 +92,10 @@ def measure(name: str, endpoints: int, light_rate: float | None = None, *,
     if compare is not None:
         row["compared"] = variant(run_mode(size, mode, engines, warmup_s=warmup_s,
                                            capacity={"profile": "isolation", **compare}))
-    for variant in ("isolation", "compared"):
-        if variant in row:
-            row[variant]["vs_default"] = (row[variant]["tokens_per_s"]
-                                          / row["throughput"]["tokens_per_s"])
+    for judged in ("isolation", "compared"):
+        if judged in row:
+            row[judged]["vs_default"] = (row[judged]["tokens_per_s"]
+                                         / row["throughput"]["tokens_per_s"])
     return row
 
 

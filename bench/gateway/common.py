@@ -460,14 +460,15 @@ def run_gateway(label: str, policy: str, traffic: Traffic, weights: dict[str, fl
                 window: tuple[float, float], workdir: Path, plan: Plan,
                 idle_tenant_reserve: str | None = None, *,
                 server_args: Sequence[str] = tuple(POOL_SERVER_ARGS),
-                picker_config: dict[str, Any] | None = None) -> GatewayRun:
+                picker_config: dict[str, Any] | None = None,
+                endpoints: int = POOL_ENDPOINTS) -> GatewayRun:
     """``traffic`` through a fresh stack (Envoy, picker with ``policy``, a pool of
-    ``POOL_ENDPOINTS`` servers started with ``server_args``, the contended pool's by default);
+    ``endpoints`` servers started with ``server_args``, the contended pool's by default);
     ``idle_tenant_reserve`` overrides the plan's, ``picker_config`` sections are merged over the
     run's."""
     reserve = plan.idle_tenant_reserve if idle_tenant_reserve is None else idle_tenant_reserve
     config = merge_sections(picker_overrides(traffic, weights, reserve), picker_config or {})
-    stack = Stack(workdir / label, policy=policy, endpoints=POOL_ENDPOINTS,
+    stack = Stack(workdir / label, policy=policy, endpoints=endpoints,
                   server_args=list(server_args), picker_config=config,
                   response_path=plan.response_path, secure_serving=plan.secure_serving)
     return run_stack(label, policy, stack, traffic, window, plan.sample_interval)

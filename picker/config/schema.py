@@ -291,17 +291,22 @@ class Capacity:
     profile's (``throughput``: ``0``, ``isolation``: ``4096``)."""
     ready_reserve: bool = field(default=None,  # type: ignore[assignment]
                                 metadata=_camel("ready_reserve", profile=True))
-    """With ``idleTenantReserve``: keep the reserve where a light tenant's request starts at the
-    engine's next step, on an endpoint computing no prompt. A step runs its prompt chunks to
-    the end and vLLM finishes a running request's prompt before starting a waiting one's, so
-    room on an endpoint busy with a flood's prefill is room a light request waits that prefill
-    for (a step of 8,192 prompt tokens lasts longer than a light request alone waits for its
-    first token). A backlogged tenant's request then leaves only while another endpoint in
-    service, with no prefill outstanding, keeps the room: flood prefills take turns across the
-    pool. Not work-conserving: prefill-bound engines lose throughput while one endpoint at a
-    time stays out of prefill, less as the pool widens. Measured in the pool simulator
-    (``bench/isolation_together.py``, priority engines, with ``idleTenantReserve: 10s``,
-    ``growthRoom`` and ``maxPrefillTokens: 4096``, three seeds a size, 8k to 500k tokens of KV):
+    """With ``idleTenantReserve``: keep room for a light tenant's next request where it starts
+    at the engine's next step, on an endpoint computing no prompt. A step runs its prompt
+    chunks to the end and vLLM finishes a running request's prompt before starting a waiting
+    one's, so room on an endpoint busy with a flood's prefill is room a light request waits
+    that prefill for (a step of 8,192 prompt tokens lasts longer than a light request alone
+    waits for its first token). A backlogged tenant's request then leaves only while another
+    endpoint in service, with no prefill outstanding, has that room free now (the request is
+    admitted on the blocks free at the engine's next step; the room its output grows into is
+    kept at the peak of use, on any endpoint): flood prefills take turns across the pool.
+    Judged at the peak on that endpoint too, the flood was kept off it while its streams had
+    room left to grow into (2 x 8k at 1 request/s: 0.779 of the default's tokens; judged
+    now, 0.866, see README). Not work-conserving: prefill-bound engines lose throughput while
+    one endpoint at a time stays out of prefill, less as the pool widens. Measured in the pool
+    simulator (``bench/isolation_together.py``, priority engines, with ``idleTenantReserve:
+    10s``, ``growthRoom`` and ``maxPrefillTokens: 4096``, three seeds a size, 8k to 500k
+    tokens of KV, before the peak rules):
     a light tenant's p95 TTFT under a flood 1.00 to 1.26 times its p95 alone on two endpoints
     (1.00 to 1.87 without it), at 0.73 to 0.91 of the default's tokens (0.91 to 1.05 without);
     1.00 to 1.09 on four endpoints at 0.87 to 1.00; 1.00 on eight at 0.95 to 1.04 (8k and

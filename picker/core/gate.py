@@ -78,6 +78,7 @@ from picker.core.selection import (
     keeps_reserve,
     observe,
     peak_growth,
+    peak_growth_with,
     rank,
     takes_backlogged,
 )
@@ -344,9 +345,11 @@ class Gate:
         self._lane_rank = rules.lane_rank()
         self._next_prune = now + PRUNE_INTERVAL
         self._dispatches = 0
-        self._running: dict[str, dict[Passage, None]] = {}
+        self._running: dict[str, dict[Passage, None]] | None = \
+            {} if rules.capacity.growth_room else None
         """Per endpoint, the requests dispatched there and not yet settled, in dispatch order
-        (the growth room's ``peak_growth``)."""
+        (the growth room's ``peak_growth``); None without ``growth_room``, which alone reads
+        it (no insert and pop a request on the default's hot path)."""
         self._unseen_prefill: dict[str, dict[Passage, None]] = {}
         """Per endpoint, the streams there whose tokens the picker does not see
         (``Passage.output_seen`` false) and that are ``prefilling``, in dispatch order."""
@@ -367,9 +370,21 @@ class Gate:
             self._set_affinity(rules.affinity)
         if rules.sessions != self.rules.sessions:
             self._set_sessions(rules.sessions)
+        if rules.capacity.growth_room != (self._running is not None):
+            self._running = self._running_now() if rules.capacity.growth_room else None
         self.rules = rules
         self._lane_rank = rules.lane_rank()
         self.estimates.default_output = float(rules.default_output_tokens)
+
+    def _running_now(self) -> dict[str, dict[Passage, None]]:
+        """``_running`` from the requests in the gate (rules that turn ``growth_room`` on)."""
+        running: dict[str, dict[Passage, None]] = {}
+        dispatched = [p for p in self.passages.values()
+                      if p.dispatched_at is not None and p.endpoint is not None]
+        for passage in sorted(dispatched, key=lambda p: p.dispatch_seq):
+            assert passage.endpoint is not None
+            running.setdefault(passage.endpoint.address, {})[passage] = None
+        return running
 
     def _set_affinity(self, affinity: AffinityRules | None) -> None:
         """A new bound keeps what is remembered (trimmed at the next dispatch); a new block
@@ -457,7 +472,8 @@ class Gate:
                         if e.draining and e.inflight_requests == 0]:
             del self.endpoints[address]
             self._unseen_prefill.pop(address, None)
-            self._running.pop(address, None)
+            if self._running is not None:
+                self._running.pop(address, None)
             self.inflight_blocks.forget(address)
             if self.prefix_index is not None:
                 self.prefix_index.forget(address)
@@ -799,10 +815,11 @@ class Gate:
             if capacity.growth_room:
                 growth = {}
                 for c in candidates:
-                    growth[c.address] = self._peak_growth(c.address)
                     own = prompt - self._room_held(passage, c)
-                    adds[c.address] = self._peak_growth(c.address, (size - prompt, own)) + own \
-                        - growth[c.address]
+                    peak, joined = peak_growth_with(self._growing(c.address),
+                                                    (size - prompt, own))
+                    growth[c.address] = peak
+                    adds[c.address] = joined + own - peak
             candidates = [c for c in candidates if takes_backlogged(
                 c, prompt, adds[c.address] if growth is not None
                 else size - self._room_held(passage, c), now, capacity,
@@ -826,17 +843,19 @@ class Gate:
                 total, growth)]
         return candidates
 
-    def _peak_growth(self, address: str, joining: tuple[int, int] | None = None) -> int:
-        """``picker.core.selection.peak_growth`` of the requests running on ``address``, and of
-        ``joining`` (its expected output, the tokens it will hold there now) when given: each
-        stream whose tokens the picker sees grow, from what it holds to its expected size
-        (``projected_tokens``), freeing its own tokens (shared prompt blocks stay) at its end."""
-        growing = [(p.projected_tokens - p.reserved_tokens, p.reserved_tokens - p.prefix_tokens)
-                   for p in self._running.get(address, ())
-                   if p.stream and p.projected_tokens > p.reserved_tokens]
-        if joining is not None:
-            growing.append(joining)
-        return peak_growth(growing)
+    def _peak_growth(self, address: str) -> int:
+        """``picker.core.selection.peak_growth`` of the requests running on ``address``
+        (``_growing``)."""
+        return peak_growth(self._growing(address))
+
+    def _growing(self, address: str) -> list[tuple[int, int]]:
+        """The requests running on ``address`` as ``peak_growth`` takes them: each stream whose
+        tokens the picker sees grow, (what it has yet to grow by to its expected size,
+        ``projected_tokens``; its own tokens, shared prompt blocks left out, that its end
+        frees). Only with ``growth_room`` (``_running`` is kept for it alone)."""
+        running = self._running.get(address, ()) if self._running is not None else ()
+        return [(p.projected_tokens - p.reserved_tokens, p.reserved_tokens - p.prefix_tokens)
+                for p in running if p.stream and p.projected_tokens > p.reserved_tokens]
 
     def _standing_room(self, now: float, tenant: str) -> float:
         """Room kept for a tenant not yet seen while ``tenant`` is the only one seen within the
@@ -1091,7 +1110,8 @@ class Gate:
         blocks = self._hold_blocks(passage, primary)
         primary.inflight_tokens += passage.reserved_tokens - passage.prefix_tokens + blocks
         primary.inflight_requests += 1
-        self._running.setdefault(primary.address, {})[passage] = None
+        if self._running is not None:
+            self._running.setdefault(primary.address, {})[passage] = None
         primary.sent_since_scrape += 1
         if passage.stream:
             passage.prefilling = True
@@ -1286,15 +1306,21 @@ class Gate:
         self.occupancy.add(passage.lane, passage.tenant, -passage.reserved_tokens,
                            self.scheduler.weights)
         endpoint.inflight_requests -= 1
-        running = self._running.get(endpoint.address)
-        if running is not None:
-            running.pop(passage, None)
-            if not running:
-                del self._running[endpoint.address]
+        if self._running is not None:
+            self._unrun(passage, endpoint.address)
         endpoint.completed_since_scrape += 1
         endpoint.released_since_scrape += freed
         if answered:
             record_success(endpoint.health, now, self.rules.health)
+
+    def _unrun(self, passage: Passage, address: str) -> None:
+        """The request no longer runs on ``address`` (``_running``, kept)."""
+        assert self._running is not None
+        running = self._running.get(address)
+        if running is not None:
+            running.pop(passage, None)
+            if not running:
+                del self._running[address]
 
     def _learn(self, passage: Passage, usage: Usage, outcome: str, reported: bool,
                now: float) -> None:
@@ -1377,12 +1403,9 @@ class Gate:
         if passage.prefilling and not passage.output_seen:
             self._unseen_prefill.get(primary.address, {}).pop(passage, None)
             self._unseen_prefill.setdefault(served.address, {})[passage] = None
-        running = self._running.get(primary.address)
-        if running is not None:
-            running.pop(passage, None)
-            if not running:
-                del self._running[primary.address]
-        self._running.setdefault(served.address, {})[passage] = None
+        if self._running is not None:
+            self._unrun(passage, primary.address)
+            self._running.setdefault(served.address, {})[passage] = None
         passage.endpoint = served
         if passage.prefix_blocks and self.prefix_index is not None:
             # The prompt is in the server's cache now (the primary never computed it).

@@ -162,9 +162,10 @@ class CapacityRules:
     """A backlogged tenant's request goes to an endpoint only while the prefill outstanding
     there, its own prompt included, stays within this (``takes_backlogged``); 0: no bound."""
     ready_reserve: bool = False
-    """The idle-tenant reserve counts only on an endpoint that computes no prompt: none
-    outstanding there (``prefill_tokens``), and not the one a backlogged tenant's request is
-    about to go to (``keeps_reserve``); False: on any endpoint with the room."""
+    """A light tenant's next request must also find its room free now on an endpoint that
+    computes no prompt: none outstanding there (``prefill_tokens``), and not the one a
+    backlogged tenant's request is about to go to (``keeps_reserve``); False: the reserve on
+    any endpoint with the room."""
     engine_queue: int = 0
     """Requests an endpoint without room may still take, into its engine's own queue, while
     fewer than this of the picker's wait there (``EndpointState.engine_queued``): a request
@@ -287,7 +288,24 @@ def peak_growth(growing: Iterable[tuple[int, int]]) -> int:
     output, so its use peaks about now: the sum counts the unwritten output of every running
     request as held (8k pools, outputs 150-250 beside prompts 600-900: about a tenth of the
     engine), room the engine never uses."""
+    return _peak_above_now(sorted(growing, reverse=True))
+
+
+def peak_growth_with(growing: Iterable[tuple[int, int]],
+                     joining: tuple[int, int]) -> tuple[int, int]:
+    """``peak_growth(growing)`` and ``peak_growth`` of ``growing`` with ``joining`` among them,
+    sorting ``growing`` once (the gate asks both of every candidate endpoint for a backlogged
+    tenant's request: its peak now, and what the request adds to it)."""
     items = sorted(growing, reverse=True)
+    without = _peak_above_now(items)
+    # Longest first: ``joining`` goes before the first it outlasts (equal ones are alike).
+    at = next((i for i, item in enumerate(items) if item < joining), len(items))
+    items.insert(at, joining)
+    return without, _peak_above_now(items)
+
+
+def _peak_above_now(items: list[tuple[int, int]]) -> int:
+    """``peak_growth`` of ``items`` sorted longest first."""
     total = sum(held for _, held in items)
     held = peak = 0
     for count, (rest, own) in enumerate(items, 1):
@@ -332,21 +350,28 @@ def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens:
                   growth: Mapping[str, float] | None = None) -> bool:
     """Whether, with a request expected to grow to ``tokens`` on ``chosen``, some endpoint will
     still have ``reserve`` tokens free, and the pool ``total`` (``picker.core.reserve``: room
-    for a light tenant's next requests, spread wherever they go; the readiness below is asked
-    of the next one's room only).
+    for a light tenant's next requests, spread wherever they go).
 
-    With ``ready_reserve`` the room must also be where a light tenant's request starts at the
-    engine's next step: vLLM runs a step's prompt chunks to the end and computes a running
-    request's remaining prompt before a waiting one's, so room on an endpoint busy with a
-    prefill (outstanding there, or the one ``chosen`` is about to start) is room the light
-    request waits a prefill for. Only where ``chosen`` is the sole endpoint in service does its
-    room count: nothing readier exists, and holding the flood would leave the pool idle.
+    With ``ready_reserve`` a light tenant's next request must also find, on an endpoint other
+    than ``chosen`` that computes no prompt, room for ``reserve`` now: vLLM runs a step's
+    prompt chunks to the end and computes a running request's remaining prompt before a
+    waiting one's, so room on an endpoint busy with a prefill (outstanding there, or the one
+    ``chosen`` is about to start) is room the light request waits a prefill for. Now, not at
+    the peak of that endpoint's use: the light request is admitted at the engine's next step
+    on the blocks free then, and its output grows later, into the room kept at the peak
+    (wherever it is: the request, of a better engine priority, takes it by preemption if its
+    endpoint has none). Readiness judged at the peak as well held the flood off the ready
+    endpoint whenever its streams had room left to grow into, so that one endpoint filled
+    while the other drained: 2 x 8k at 1 request/s held 0.70 of the KV (0.82 without
+    readiness), 0.779 of the default's tokens. Only where ``chosen`` is the sole endpoint in
+    service does readiness not count: nothing readier exists, and holding the flood would
+    leave the pool idle.
 
     ``growth``: each endpoint's ``peak_growth`` (by address), the room judged at the peak of its
     use; ``tokens`` is then what the request adds to ``chosen``'s peak. None: at the sum of
     the expected sizes (``projected_tokens``).
     """
-    ready = rules.ready_reserve and any(
+    unready = rules.ready_reserve and any(
         e is not chosen and e.in_service(now) for e in endpoints)
     kept = False
     pooled = 0.0
@@ -356,13 +381,14 @@ def keeps_reserve(endpoints: list[EndpointState], chosen: EndpointState, tokens:
         if endpoint is chosen:
             free -= tokens
         pooled += max(0.0, free)
-        if ready and (endpoint is chosen or endpoint.prefill_tokens > 0):
-            continue
+        if unready and endpoint is not chosen and not endpoint.prefill_tokens and \
+                free_tokens(endpoint, now, rules, projected=False) >= reserve:
+            unready = False
         if free >= reserve:
             kept = True
-            if total <= reserve:
-                return True
-    return kept and pooled >= total
+        if kept and not unready and total <= reserve:
+            return True
+    return kept and not unready and pooled >= total
 
 
 class Scorer(Protocol):

@@ -21,6 +21,7 @@ from picker.core.selection import (
     EndpointState,
     keeps_reserve,
     peak_growth,
+    peak_growth_with,
     takes_backlogged,
 )
 from picker.errors import ConfigError
@@ -225,6 +226,32 @@ def test_keeps_reserve_judges_readiness() -> None:
     assert keeps_reserve([chosen], chosen, 700, 300, 0.0, rules)
 
 
+def test_a_ready_reserve_is_judged_on_the_room_free_now() -> None:
+    """The ready endpoint needs the light request's room now (it is admitted on the blocks
+    free at the engine's next step); the room its output grows into is kept at the peak,
+    wherever it is. Judged at the peak on the ready endpoint too, the flood was held off it
+    while its streams had room left to grow into (2 x 8k at 1 request/s: 0.779 of the
+    default's tokens, 0.866 judged now)."""
+    rules = CapacityRules(fallback_budget=1000, growth_room=True, ready_reserve=True)
+    chosen, ready = EndpointState(A), EndpointState(B)
+    ready.inflight_tokens = ready.inflight_requests = 1
+    ready.inflight_tokens = 500  # its streams grow by 300 at their peak: 200 free then
+    growth = {A: 0.0, B: 300.0}
+    # 500 free on the ready endpoint now; the peak's 300 kept on the chosen one (1000 - 200).
+    assert keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    # Not where it computes a prompt, nor with less than the reserve free now.
+    ready.prefill_tokens = 1
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    ready.prefill_tokens = 0
+    ready.inflight_tokens = 701
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 300, growth)
+    # Nor when no endpoint keeps the peak's room (the chosen one then grows into it).
+    ready.inflight_tokens = 500
+    assert not keeps_reserve([chosen, ready], chosen, 701, 300, 0.0, rules, 300, growth)
+    # Nor when the pool's total is not kept.
+    assert not keeps_reserve([chosen, ready], chosen, 200, 300, 0.0, rules, 1001, growth)
+
+
 # -- config --
 
 def test_the_config_keys_reach_the_gate_rules() -> None:
@@ -297,6 +324,29 @@ def test_peak_growth() -> None:
     assert peak_growth([(50, 150)] * 3) == 150
 
 
+@pytest.mark.parametrize("growing", [
+    [], [(100, 100)], [(0, 50)], [(50, 150)] * 3,
+    [(20, 180), (60, 140), (100, 100), (40, 160), (80, 120)],
+    [(7, 3), (7, 3), (0, 9), (12, 1), (3, 40), (60, 0)]])
+@pytest.mark.parametrize("joining", [(0, 0), (60, 140), (7, 3), (7, 2), (200, 50), (1, 500)])
+def test_peak_growth_with_a_request_joining_sorts_once_and_agrees(
+        growing: list[tuple[int, int]], joining: tuple[int, int]) -> None:
+    assert peak_growth_with(growing, joining) == (peak_growth(growing),
+                                                  peak_growth([*growing, joining]))
+
+
+def test_running_registry_is_kept_only_with_the_growth_room() -> None:
+    gate = _gate()
+    running, _ = _backlog(gate)
+    assert gate._running is None  # the default: nothing to maintain a request
+    gate.set_rules(GateRules(capacity=CapacityRules(fallback_budget=1000, growth_room=True)))
+    assert gate._running is not None and set(gate._running[A]) == set(running)
+    gate.complete(running[0], Usage(100, 0, 0), "ok", 1.0)
+    assert running[0] not in gate._running[A]
+    gate.set_rules(GateRules(capacity=CapacityRules(fallback_budget=1000)))
+    assert gate._running is None
+
+
 def test_non_streaming_and_overrunning_requests_hold_what_they_hold() -> None:
     gate = _gate(growth_room=True)
     whole = _admit(gate, "a", 300, stream=False)  # 300 + 100 reserved at dispatch
@@ -304,7 +354,7 @@ def test_non_streaming_and_overrunning_requests_hold_what_they_hold() -> None:
     for _ in range(150):  # past its expected 100
         gate.charge_output(over, 1)
     assert gate._peak_growth(A) == 0
-    assert gate._peak_growth(A, (100, 100)) == 100
+    assert peak_growth_with(gate._growing(A), (100, 100)) == (0, 100)
     gate.complete(whole, Usage(300, 100, 0), "ok", 3.0)
     gate.complete(over, Usage(100, 150, 0), "ok", 3.0)
     assert not gate._running

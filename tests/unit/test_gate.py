@@ -339,6 +339,14 @@ class GateMachine(RuleBasedStateMachine):
         self.gate.pump(self.now)
 
     @rule()
+    def toggle_growth_room(self) -> None:
+        """A reload turns the growth room on or off with requests running."""
+        rules = self.gate.rules
+        self.gate.set_rules(replace(rules, capacity=replace(
+            rules.capacity, growth_room=not rules.capacity.growth_room)))
+        self.gate.pump(self.now)
+
+    @rule()
     def toggle_third_endpoint(self) -> None:
         self.e3 = not self.e3
         self.gate.set_endpoints({**BUDGETS, **({E3: 800} if self.e3 else {})})
@@ -401,9 +409,17 @@ class GateMachine(RuleBasedStateMachine):
                     assert first_token or not passage.prefilling
             assert set(self.gate._unseen_prefill.get(endpoint.address, {})) == {
                 p for p in mine if p.prefilling and not p.output_seen}
-            # The growth room's registry of what runs where (``Gate._peak_growth``).
-            assert set(self.gate._running.get(endpoint.address, {})) == set(mine)
-        assert all(self.gate._running.values())  # an endpoint with nothing running: no entry
+        # The growth room's registry of what runs where (``Gate._peak_growth``), kept only
+        # while the growth room is on (nothing to maintain on the default's hot path).
+        registry = self.gate._running
+        if not self.gate.rules.capacity.growth_room:
+            assert registry is None
+        else:
+            assert registry is not None
+            for endpoint in endpoints:
+                mine = [p for p in self.running() if p.endpoint is endpoint]
+                assert set(registry.get(endpoint.address, {})) == set(mine)
+            assert all(registry.values())  # an endpoint with nothing running: no entry
         for endpoint in endpoints:
             mine = [p for p in self.running() if p.endpoint is endpoint]
             assert endpoint.prefill_tokens == sum(p.request.prompt_tokens for p in mine
@@ -466,8 +482,11 @@ class GateMachine(RuleBasedStateMachine):
     def work_is_conserved(self) -> None:
         """With the reserve off: when the fair queue holds a request, no endpoint has room for
         its head, nor for a light tenant's request of the head's lane or higher that fits
-        beside the tokens in flight (``Gate._light_request``)."""
+        beside the tokens in flight (``Gate._light_request``). Not while the growth room is on
+        (``toggle_growth_room``): it holds a backlogged tenant's request on purpose."""
         gate, now = self.gate, self.now
+        if gate.rules.capacity.growth_room:
+            return
         head_request = gate.scheduler.peek(now)
         if head_request is None:
             return
