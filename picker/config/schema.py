@@ -227,7 +227,8 @@ class Capacity:
     ``routing.prefixAffinity`` routes by it (with affinity, a prompt is also charged at dispatch
     as cached as far as the endpoint was sent it). The picker cuts each prompt's text into
     chained blocks for it (``routing.prefixAffinity.blockChars``, 256 characters without
-    affinity; its CPU: bench/results/prefix_scorer.md). Measured in the pool simulator
+    affinity): 25 us of CPU a request at a 2k-token prompt, 41 at 4k, hashing included
+    (bench/results/prefix_scorer.md). Measured in the pool simulator
     (bench/results/prefix.md) without affinity, a tenant's 2,000-token system prompt on every
     request: pool tokens/s 5,588 -> 6,646 (pass-through's), TTFT p50 1,220 -> 20 ms, p95 35 s
     -> 30 ms, against counting every prompt whole. Set false in front of
@@ -631,9 +632,9 @@ class PrefixAffinity:
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
     sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). ``engineCache``, here
     before, moved to ``capacity.engineCache``: the engines' cache decides the room whether or
-    not affinity is on. About 75 us of CPU per request at a 16,000-character prompt (30 of them
-    the shared-block room, which ``capacity.engineCache`` costs without affinity too) and 116
-    bytes per remembered block at most, under 1 MB an endpoint at the default bound
+    not affinity is on. About 48 us of CPU per request at a 16,000-character prompt (41 of them
+    the hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
+    too) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default bound
     (bench/results/prefix_scorer.md)."""
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
