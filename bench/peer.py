@@ -687,6 +687,7 @@ def exp_prefix(peers: Peers, plan: PeerPlan, workdir: Path) -> dict[str, Any]:
                            "scale": plan.prefix_scale,
                            "agent_block_s": plan.agent_block_s,
                            "blocks_order": list(plan.prefix_blocks),
+                           "engine_cache": True,
                            "loadavg_start": loadavg(), "by_workload": {}}
     started = time.monotonic()
     for workload, name in plan.prefix_workloads.items():
@@ -1141,7 +1142,11 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
         f"behind each picker: A = {PREFIX_AFFINITY} (`routing.prefixAffinity` at its "
         f"defaults), B = upstream (its default scheduling profile: queue and KV-cache scorers at "
         f"weight 2, prefix-cache scorer at 3; flow control with {FAIRNESS_POLICY} at "
-        f"queueDepthThreshold {FAIRNESS_QUEUE_DEPTH}), C = {PREFIX_PLAIN}"
+        f"queueDepthThreshold {FAIRNESS_QUEUE_DEPTH}), C = {PREFIX_PLAIN} (load alone "
+        + ("decides where; `capacity.engineCache` at its default: a prompt block shared by "
+           "requests running on an endpoint counted once in its room, as in A)"
+           if data.get("engine_cache") else "decides where; a run from before "
+           "`capacity.engineCache`: every request's whole prompt counted in the room)")
         + (f", D = {PREFIX_METER} (A's picker config on fairway's recommended Envoy "
            "configuration: the response metered on a second ext_proc stream in observability "
            "mode, so streamed chunks do not wait for the picker; A, B and C send every chunk "
