@@ -1,18 +1,22 @@
-"""What does prefix affinity cost the picker per request, and per endpoint in memory?
+"""What does prefix affinity cost the picker per request, and per endpoint in memory? And the
+shared blocks' room alone (``capacity.engineCache`` without affinity)?
 
 ``python -m bench.prefix_scorer`` measures, at a 4k-token chat prompt (16,000 characters: a
-12,000-character system prompt and a 4,000-character question), the CPU time
-(``time.process_time``, the best of ``--rounds`` interleaved rounds, so that other processes on
-a busy machine do not count) of:
+12,000-character system prompt and a 4,000-character question) and at a 2k-token one (8,000
+characters: 6,000 and 2,000), the CPU time (``time.process_time``, the best of ``--rounds``
+interleaved rounds, so that other processes on a busy machine do not count) of:
 
 * hashing the body's text into chained blocks (``picker.openai.prefix.prompt_blocks``), at
   several ``blockChars``;
 * a request's whole passage through the gate (admit, rank, dispatch, settle) on a pool of
-  ``--endpoints`` endpoints whose indexes are full (``maxBlocksPerEndpoint`` blocks of other
-  prompts each), with affinity and without: the difference is what the scorer adds in the core;
+  ``--endpoints`` endpoints: counting its whole prompt in the room (``capacity.engineCache:
+  false``, no blocks: what the picker did without affinity before), counting its blocks once
+  in the room (the default, without affinity), and with affinity too, its indexes full
+  (``maxBlocksPerEndpoint`` blocks of other prompts each): the differences are what each adds
+  in the core;
 
 and the memory an endpoint's full index holds (``tracemalloc``). The scorer's cost per request
-is the hashing plus the gate's difference.
+is the hashing plus the gate's difference; the room's alone, without affinity, likewise.
 
 It also runs the pool simulator (4 engines of 16k tokens, chat sessions and agent programs
 sharing prefixes, 20 s) with one, two and three active-active pickers, each request reaching a
@@ -61,9 +65,18 @@ def _text(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-def _body(rng: random.Random) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "system", "content": _text(rng, 12_000)},
-                                       {"role": "user", "content": _text(rng, 4_000)}]}
+def _body(rng: random.Random, tokens: int = 4000) -> dict[str, Any]:
+    """A chat prompt of about ``tokens`` tokens (four characters a token), three quarters of
+    it the system prompt."""
+    chars = 4 * tokens
+    return {"model": "m", "messages": [
+        {"role": "system", "content": _text(rng, chars * 3 // 4)},
+        {"role": "user", "content": _text(rng, chars // 4)}]}
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " / ".join(f.read().split()[:3])
 
 
 def _best(fn: Callable[[], None], rounds: int) -> float:
@@ -76,9 +89,9 @@ def _best(fn: Callable[[], None], rounds: int) -> float:
     return best
 
 
-def _gate(endpoints: int, affinity: AffinityRules | None) -> Gate:
-    gate = Gate(GateRules(affinity=affinity), Scheduler([LaneSpec("default")]),
-                Admission({}, TenantRules()), now=0.0)
+def _gate(endpoints: int, affinity: AffinityRules | None, engine_cache: bool = True) -> Gate:
+    gate = Gate(GateRules(affinity=affinity, engine_cache=engine_cache),
+                Scheduler([LaneSpec("default")]), Admission({}, TenantRules()), now=0.0)
     gate.set_endpoints({f"10.0.0.{i}:8000": 10_000_000 for i in range(endpoints)})
     if gate.prefix_index is not None and affinity is not None:
         filler = random.Random(7)
@@ -88,17 +101,61 @@ def _gate(endpoints: int, affinity: AffinityRules | None) -> Gate:
     return gate
 
 
-def _cycle(gate: Gate, blocks: tuple[int, ...], chars: int) -> Callable[[], None]:
+def _cycle(gate: Gate, blocks: tuple[int, ...], chars: int,
+           tokens: int = 4000) -> Callable[[], None]:
     clock = [0.0]
 
     def once() -> None:
         clock[0] += 0.001
-        passage = gate.admit(Passage, "t", None, model="m", prompt_tokens=4000, max_tokens=100,
-                             stream=True, now=clock[0], prefix_blocks=blocks, prefix_chars=chars)
+        passage = gate.admit(Passage, "t", None, model="m", prompt_tokens=tokens,
+                             max_tokens=100, stream=True, now=clock[0], prefix_blocks=blocks,
+                             prefix_chars=chars)
         assert isinstance(passage, Passage) and passage.dispatched_at is not None
-        gate.complete(passage, Usage(4000, 100, 0), "ok", clock[0])
+        assert bool(passage.prefix_block_chars) is bool(blocks) and gate.rules.engine_cache
+        gate.complete(passage, Usage(tokens, 100, 0), "ok", clock[0])
 
     return once
+
+
+def _cycle_whole(gate: Gate, tokens: int) -> Callable[[], None]:
+    """The request's whole prompt in the room: no blocks (engines without a cache)."""
+    clock = [0.0]
+
+    def once() -> None:
+        clock[0] += 0.001
+        passage = gate.admit(Passage, "t", None, model="m", prompt_tokens=tokens,
+                             max_tokens=100, stream=True, now=clock[0])
+        assert isinstance(passage, Passage) and passage.dispatched_at is not None
+        gate.complete(passage, Usage(tokens, 100, 0), "ok", clock[0])
+
+    return once
+
+
+def _per_request(endpoints: int, max_blocks: int, tokens: int, rounds: int,
+                 rng: random.Random) -> dict[str, Any]:
+    """At a prompt of ``tokens``: hashing at 256 characters a block, and a request's passage
+    through the gate with its whole prompt counted, its blocks counted once (no affinity), and
+    with affinity (indexes full), best of interleaved rounds."""
+    block_chars = 256
+    body = _body(rng, tokens)
+    blocks, chars = prompt_blocks("m", body, ApiKind.CHAT, block_chars)
+    hashing = 1e6 * _best(lambda: prompt_blocks("m", body, ApiKind.CHAT, block_chars) and None,
+                          rounds)
+    cycles = {
+        "whole": _cycle_whole(_gate(endpoints, None, engine_cache=False), tokens),
+        "room": _cycle(_gate(endpoints, None), blocks, chars, tokens),
+        "affinity": _cycle(_gate(endpoints, AffinityRules(1.0, block_chars, max_blocks)),
+                           blocks, chars, tokens),
+    }
+    best = dict.fromkeys(cycles, float("inf"))
+    for _ in range(rounds):  # interleaved: each gate's best over the same stretch of time
+        for name, once in cycles.items():
+            best[name] = min(best[name], _best(once, 1))
+    gate_us = {name: 1e6 * value for name, value in best.items()}
+    return {"prompt_chars": chars, "blocks": len(blocks), "hashing_us": hashing,
+            "gate_us": gate_us,
+            "room_us_per_request": hashing + gate_us["room"] - gate_us["whole"],
+            "affinity_us_per_request": hashing + gate_us["affinity"] - gate_us["whole"]}
 
 
 def _index_bytes(blocks: int) -> int:
@@ -139,7 +196,8 @@ def _replicas() -> dict[str, dict[int, tuple[float, float]]]:
         rates: dict[int, tuple[float, float]] = {}
         for pickers in (1, 2, 3):
             pair = []
-            for sections in ({}, {"routing": {"prefixAffinity": {}}}):
+            modes: tuple[dict[str, Any], ...] = ({}, {"routing": {"prefixAffinity": {}}})
+            for sections in modes:
                 config = load(PickerConfig, {"tenants": [{"id": t["name"]} for t in tenants],
                                              **sections})
                 run = simulate(config, traffic, POOL, drain_s=30,
@@ -157,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-blocks", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_scorer")
     args = parser.parse_args(argv)
+    load_before = _loadavg()
     rng = random.Random(28)
     body = _body(rng)
     text_chars = sum(len(m["content"]) for m in body["messages"])
@@ -167,57 +226,62 @@ def main(argv: list[str] | None = None) -> int:
             "us": 1e6 * _best(lambda b=block_chars: prompt_blocks(  # type: ignore[misc]
                 "m", body, ApiKind.CHAT, b) and None, args.rounds)}
     block_chars = 256
-    blocks, chars = prompt_blocks("m", body, ApiKind.CHAT, block_chars)
-    rules = AffinityRules(1.0, block_chars, args.max_blocks)
-    plain, affine = _gate(args.endpoints, None), _gate(args.endpoints, rules)
-    plain_once, affine_once = _cycle(plain, (), 0), _cycle(affine, blocks, chars)
-    # Interleaved rounds: each gate's best over the same stretch of machine time.
-    best_plain = best_affine = float("inf")
-    for _ in range(args.rounds):
-        best_plain = min(best_plain, _best(plain_once, 1))
-        best_affine = min(best_affine, _best(affine_once, 1))
+    sizes = {tokens: _per_request(args.endpoints, args.max_blocks, tokens, args.rounds,
+                                  random.Random(tokens)) for tokens in (2000, 4000)}
+    four = sizes[4000]
     memory = {n: _index_bytes(n) for n in (1024, args.max_blocks)}
     replicas = _replicas()
-    gate_extra = 1e6 * (best_affine - best_plain)
+    load = (load_before, _loadavg())
     most = memory[args.max_blocks] + 32 * args.max_blocks
     result = {
         "prompt_chars": text_chars, "endpoints": args.endpoints,
         "max_blocks_per_endpoint": args.max_blocks, "rounds": args.rounds,
-        "hashing": hashing,
-        "gate_us": {"without": 1e6 * best_plain, "with": 1e6 * best_affine},
-        "scorer_us_per_request": hashing[block_chars]["us"] + gate_extra,
+        "loadavg": list(load), "hashing": hashing,
+        "per_request": {str(t): v for t, v in sizes.items()},
+        "scorer_us_per_request": four["affinity_us_per_request"],
+        "room_us_per_request": {str(t): v["room_us_per_request"] for t, v in sizes.items()},
         "index_bytes": memory,
         "replicas_hit_rate": {w: {str(n): list(r) for n, r in rates.items()}
                               for w, rates in replicas.items()},
     }
     lines = [
-        "# Prefix affinity: CPU per request and memory per endpoint",
+        "# Prefix affinity and the shared blocks' room: CPU per request, memory per endpoint",
         "",
         f"`python -m bench.prefix_scorer` (best of {args.rounds} rounds of {BATCH}, CPU time, "
-        "on the shared 2-core machine). A chat prompt of "
+        f"on the shared 2-core machine, load average {load[0]} at its start and {load[1]} at "
+        "its end). A chat prompt of "
         f"{text_chars:,} characters (about 4k tokens: a 12,000-character system prompt and a "
-        "4,000-character question).",
+        "4,000-character question), and one of about 2k tokens (6,000 and 2,000 characters).",
         "",
-        "## Hashing the body's text (`picker.openai.prefix.prompt_blocks`)",
+        "## Hashing the body's text (`picker.openai.prefix.prompt_blocks`), 4k tokens",
         "",
         "| blockChars | blocks | µs per request |",
         "|---:|---:|---:|",
         *(f"| {b} | {h['blocks']} | {h['us']:.1f} |" for b, h in hashing.items()),
         "",
-        f"## In the gate ({args.endpoints} endpoints, each index full: "
+        f"## In the gate ({args.endpoints} endpoints; with affinity each index full: "
         f"{args.max_blocks:,} blocks of other prompts)",
         "",
-        "A request's admit, rank, dispatch and settle, its prompt held on one endpoint:",
+        "A request's admit, rank, dispatch and settle, alone on the pool, blockChars "
+        f"{block_chars}. Whole prompt: `capacity.engineCache: false`, no blocks cut (what the "
+        "picker did without affinity before the engine cache became its own setting); "
+        "blocks counted once: the default without affinity; with affinity: "
+        "`routing.prefixAffinity` at its defaults. Per request: hashing plus the gate's "
+        "difference from the whole-prompt row.",
         "",
-        "| | µs per request |",
-        "|---|---:|",
-        f"| least-loaded only | {1e6 * best_plain:.1f} |",
-        f"| with prefix affinity (blockChars {block_chars}) | {1e6 * best_affine:.1f} |",
-        f"| difference | {gate_extra:.1f} |",
+        "| prompt | blocks | hashing µs | gate µs: whole prompt | blocks counted once "
+        "| with affinity | per request µs: blocks counted once | with affinity |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *(f"| {t // 1000}k tokens ({v['prompt_chars']:,} chars) | {v['blocks']} | "
+          f"{v['hashing_us']:.1f} | {v['gate_us']['whole']:.1f} | {v['gate_us']['room']:.1f} | "
+          f"{v['gate_us']['affinity']:.1f} | {v['room_us_per_request']:.1f} | "
+          f"{v['affinity_us_per_request']:.1f} |" for t, v in sizes.items()),
         "",
-        f"**Scorer cost per request at a 4k-token prompt: {result['scorer_us_per_request']:.1f} "
+        f"**Scorer cost per request at a 4k-token prompt: {four['affinity_us_per_request']:.1f} "
         f"µs** (hashing at blockChars {block_chars} plus the gate's difference; the goal is "
-        "at most 100 µs).",
+        "at most 100 µs). The shared blocks' room alone (`capacity.engineCache`, on by "
+        f"default, affinity off): {sizes[2000]['room_us_per_request']:.1f} µs a request at "
+        f"2k tokens, {four['room_us_per_request']:.1f} µs at 4k.",
         "",
         "## Memory per endpoint (`tracemalloc`)",
         "",
@@ -240,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "4 engines of 16k tokens, 20 s, 4 sessions or tasks a tenant, each request reaching a "
         "picker at random; the engines' prefix hit rate (hits / queried prompt tokens):",
         "",
-        "| workload | pickers | least-loaded | with affinity |",
+        "| workload | pickers | without affinity | with affinity |",
         "|---|---:|---:|---:|",
         *(f"| {w} | {n} | {r[0]:.3f} | {r[1]:.3f} |"
           for w, rates in replicas.items() for n, r in rates.items()),

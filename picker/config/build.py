@@ -69,6 +69,7 @@ def gate_rules(config: PickerConfig) -> GateRules:
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
                        for t in config.tenants},
         configured_tenants=frozenset(t.id for t in config.tenants),
+        engine_cache=config.capacity.engine_cache,
         affinity=affinity_rules(config),
         sessions=session_rules(config),
         charge_sent_to_budgets=config.cost.budget_tokens == "sent")
@@ -80,8 +81,7 @@ def affinity_rules(config: PickerConfig) -> AffinityRules | None:
     if a is None:
         return None
     return AffinityRules(weight=a.weight, block_chars=a.block_chars,
-                         max_blocks_per_endpoint=a.max_blocks_per_endpoint,
-                         engine_cache=a.engine_cache)
+                         max_blocks_per_endpoint=a.max_blocks_per_endpoint)
 
 
 def session_rules(config: PickerConfig) -> SessionRules | None:

@@ -11,7 +11,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import BadRequest, ConfigError
@@ -220,6 +220,22 @@ class Capacity:
     default_output_tokens: int = field(default=256,
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
+    engine_cache: bool = field(default=True, metadata=_camel("engine_cache"))
+    """The engines cache prefixes (vLLM V1's automatic prefix caching, on unless started with
+    ``--no-enable-prefix-caching``): a prompt block that requests running on one endpoint share
+    counts once in its room, as the engine stores it once, whether or not
+    ``routing.prefixAffinity`` routes by it (with affinity, a prompt is also charged at dispatch
+    as cached as far as the endpoint was sent it). The picker cuts each prompt's text into
+    chained blocks for it (``routing.prefixAffinity.blockChars``, 256 characters without
+    affinity): 25 us of CPU a request at a 2k-token prompt, 41 at 4k, hashing included
+    (bench/results/prefix_scorer.md). Measured in the pool simulator
+    (bench/results/prefix.md) without affinity, a tenant's 2,000-token system prompt on every
+    request: pool tokens/s 5,588 -> 6,646 (pass-through's), TTFT p50 1,220 -> 20 ms, p95 35 s
+    -> 30 ms, against counting every prompt whole. Set false in front of
+    engines without a prefix cache: left true there, the picker sends past what they hold and
+    their own queues decide the order (weights 1:2:3 on shared system prompts served
+    74 / 26 / 0 %); false counts each request's whole prompt in the room and charges it as
+    computed."""
     profile: Literal["throughput", "isolation"] = "throughput"
     """The latency-isolation settings as one switch (``CAPACITY_PROFILES``). ``throughput``
     (default): work-conserving, no request is held while an endpoint has room
@@ -613,18 +629,22 @@ class PrefixAffinity:
     with their roles, system, tools, documents) is cut into blocks whose hashes chain as vLLM's do;
     each picker replica remembers, per endpoint, the blocks it sent there (least recently sent
     forgotten first). The fair queue still decides which request goes next, and capacity where it
-    may go; affinity only orders the endpoints that have room. Each replica learns from its own
+    may go; affinity only orders the endpoints that have room (a prompt block shared by requests
+    running on one endpoint counts once in its room with or without affinity:
+    ``capacity.engineCache``). Each replica learns from its own
     dispatches only: with several replicas a conversation's turns keep their endpoint as long as the
     gateway sends them to the same replica, and otherwise fall back to load (a cache miss, never a
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
-    sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). With it, a prompt block that
-    requests running on one endpoint share counts once in that endpoint's room, as the engine's
-    prefix cache stores it once. Set engineCache false in front of engines without a prefix cache
-    (vLLM V1 caches by default): left true there, the picker sends past their room and their own
-    queues decide the order (weights 1:2:3 on shared system prompts served 74 / 26 / 0 %,
-    bench/results/prefix.md). About 75 us of CPU per request at a 16,000-character prompt (30 of
-    them the shared-block room) and 116 bytes per remembered block at most, under 1 MB an endpoint
-    at the default bound (bench/results/prefix_scorer.md)."""
+    sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). ``engineCache``, here
+    before, moved to ``capacity.engineCache``: the engines' cache decides the room whether or
+    not affinity is on. About 48 us of CPU per request at a 16,000-character prompt (41 of them
+    the hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
+    too) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default bound
+    (bench/results/prefix_scorer.md)."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "engineCache": "it is capacity.engineCache now (the engines' prefix cache counts in the "
+                       "room with or without affinity)"}
 
     weight: float = field(default=1.0, metadata={"ge": 0})
     """What a whole prompt found on an endpoint adds to its score beside load (the least-loaded
@@ -633,16 +653,11 @@ class PrefixAffinity:
     alone decides."""
     block_chars: int = field(default=256, metadata=_camel("block_chars", ge=16, le=65536))
     """Bytes of prompt text per block (characters, for ASCII text): about 64 tokens, four of
-    vLLM's 16-token blocks. Smaller blocks match shorter shared prefixes and cost more CPU."""
+    vLLM's 16-token blocks. Smaller blocks match shorter shared prefixes and cost more CPU. The
+    blocks ``capacity.engineCache`` counts in the room are these (256 without affinity)."""
     max_blocks_per_endpoint: int = field(default=8192, metadata=_camel(
         "max_blocks_per_endpoint", ge=1, le=10_000_000))
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
-    engine_cache: bool = field(default=True, metadata=_camel("engine_cache"))
-    """The engines cache prefixes (vLLM V1's default): a prompt block shared by requests running
-    on one endpoint counts once in its room, as the engine stores it once, and a prompt is
-    charged at dispatch as cached as far as the endpoint was sent it. False in front of engines
-    without a prefix cache (vLLM's --no-enable-prefix-caching): each request's whole prompt
-    counts in the room and is charged as computed, and affinity only orders the endpoints."""
 
 
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
@@ -706,10 +721,9 @@ class Routing:
     """Method and path pairs routed without admission or charge."""
     prefix_affinity: PrefixAffinity | None = field(default=None,
                                                    metadata=_camel("prefix_affinity"))
-    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off). A
-    prompt block shared by requests running on one endpoint counts once in its room, as an
-    engine with a prefix cache (vLLM V1's default) stores it; in front of engines without one,
-    set ``engineCache: false``."""
+    """Route a request towards the endpoint likely to hold its prompt's prefix (unset: off: load
+    alone decides where; a prompt block shared by requests running on one endpoint still counts
+    once in its room, as ``capacity.engineCache`` says)."""
     sessions: Sessions | None = None
     """Programs and sessions: the key a request carries in ``header`` (set by the gateway or
     the application) keeps a session's calls on the endpoint of its previous call while that

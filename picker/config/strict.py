@@ -8,7 +8,8 @@ names the field (``tenants[1].arrivals[0].rate: must be >= 0``). Field metadata 
 ``duration`` (a float of seconds: a number, or Go's duration syntax as Kubernetes and the picker
 itself write it, ``250ms``, ``60s``, ``1m30s``, ``1h2m3.5s``, ``1.5h``, plus ``d`` for days).
 Cross-field rules live in the dataclass's ``__post_init__``, raising ``ConfigError`` with a path
-relative to the object.
+relative to the object. A key that moved elsewhere is named in the class's ``MOVED_KEYS`` (old
+key to where it went, in words): writing it at the old place is an error that says where.
 
 YAML is read by ``safe_load`` (``yaml.safe_load`` with one difference: a mapping key written
 twice is an error naming its path and both lines, where PyYAML would keep the last silently).
@@ -266,9 +267,12 @@ def _load_dataclass(cls: Any, value: Any, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     known = {_key(f) for f in fields}
+    moved: dict[str, str] = getattr(cls, "MOVED_KEYS", {})
     for key in value:
         if key not in known:
             where = f"{path}.{key}" if path else str(key)
+            if key in moved:
+                raise ConfigError(where, f"moved: {moved[key]}")
             raise ConfigError(where, f"unknown key; expected one of {', '.join(sorted(known))}")
     kwargs = {}
     for field in fields:

@@ -51,6 +51,7 @@ from picker.core.health import HealthRules, on_dispatch, record_failure, record_
 from picker.core.lanes import Scheduler
 from picker.core.occupancy import Occupancy
 from picker.core.prefix import (
+    DEFAULT_BLOCK_CHARS,
     AffinityRules,
     InflightBlocks,
     PrefixIndex,
@@ -150,6 +151,12 @@ class GateRules:
     """Lanes a tenant may ask for (its own included)."""
     configured_tenants: frozenset[str] = frozenset()
     """Tenants the config names: their service totals are kept while they idle."""
+    engine_cache: bool = True
+    """The engines cache prefixes (vLLM V1's default; ``capacity.engineCache``): a prompt block
+    shared by requests running on one endpoint counts once in its room, as the engine stores it
+    once, whether or not affinity routes by it; with affinity, a prompt is also expected cached
+    at dispatch as far as the endpoint was sent it. False (engines without a prefix cache):
+    neither."""
     affinity: AffinityRules | None = None
     """Prefix affinity (``picker.core.prefix``): among endpoints where a request fits, prefer
     the one holding more of its prompt; None: load alone decides."""
@@ -162,6 +169,14 @@ class GateRules:
 
     def lane_rank(self) -> dict[str, int]:
         return {lane.name: i for i, lane in enumerate(self.lanes)}
+
+    def block_chars(self) -> int:
+        """The block size a request's prompt is cut with for ``Gate.admit`` (the affinity's,
+        else ``DEFAULT_BLOCK_CHARS``); 0: its blocks would serve nothing (no engine cache
+        assumed, no affinity), so none need be cut."""
+        if self.affinity is not None:
+            return self.affinity.block_chars
+        return DEFAULT_BLOCK_CHARS if self.engine_cache else 0
 
 
 @dataclass(eq=False)
@@ -216,7 +231,8 @@ class Passage:
     """A stream dispatched whose first output token has not come back: its prompt counts in its
     endpoint's ``prefill_tokens``."""
     prefix_blocks: tuple[int, ...] = ()
-    """The prompt's chained block hashes (``picker.openai.prefix``); empty: no affinity."""
+    """The prompt's chained block hashes (``picker.openai.prefix``); empty: neither affinity
+    nor an engine cache to count them for."""
     prefix_chars: int = 0
     """Length of the text those blocks were cut from."""
     prefix_tokens: int = 0
@@ -224,8 +240,9 @@ class Passage:
     counted on its endpoint through ``Gate.inflight_blocks`` (once per distinct block) rather
     than as its own."""
     prefix_block_chars: int = 0
-    """The block size its blocks were cut with (the affinity rules' at admission); 0: its
-    blocks, if any, take no part in the room (``Gate.inflight_blocks``)."""
+    """The block size its blocks were cut with (``GateRules.block_chars`` at admission); 0:
+    its blocks, if any, take no part in the room (``Gate.inflight_blocks``): no engine cache
+    was assumed when it was admitted."""
     session: SessionId | None = None
     """(tenant, key) of the session or program it belongs to (``rules.sessions``); None: none."""
     engine_queued: bool = False
@@ -564,8 +581,9 @@ class Gate:
         them back. ``output_seen``: see ``Passage.output_seen``. ``choices``: the output
         sequences it asks for (``max(n, best_of)``); ``max_model_len``: the model's context,
         which bounds the output of a request without ``max_tokens`` (None: unknown).
-        ``prefix_blocks``, ``prefix_chars``: its prompt's block hashes and the text's length
-        (``picker.openai.prefix``), for prefix affinity. ``session``: the session or program
+        ``prefix_blocks``, ``prefix_chars``: its prompt's block hashes, cut at
+        ``rules.block_chars()``, and the text's length (``picker.openai.prefix``), for the
+        shared blocks' room and prefix affinity. ``session``: the session or program
         key the request carries (``picker.core.sessions.session_key``), scoped here by
         ``tenant``; ignored without ``rules.sessions``.
         """
@@ -632,12 +650,13 @@ class Gate:
             subset=subset, request_id=request_id, reservation=decision.reservation,
             demoted=decision.demoted, max_tokens=clamped if clamped != max_tokens else None,
             output_seen=output_seen, choices=choices)
-        if self.prefix_index is not None and prefix[0] and self.rules.affinity is not None:
+        if prefix[0] and (self.rules.engine_cache or self.prefix_index is not None):
             passage.prefix_blocks, passage.prefix_chars = prefix
             # (blocks are cut from text: always, in practice); prefix_block_chars turns on the
-            # shared blocks' room, which an engine without a prefix cache does not have.
-            if passage.prefix_chars > 0 and self.rules.affinity.engine_cache:
-                passage.prefix_block_chars = self.rules.affinity.block_chars
+            # shared blocks' room, which an engine without a prefix cache does not have, with
+            # affinity or without.
+            if passage.prefix_chars > 0 and self.rules.engine_cache:
+                passage.prefix_block_chars = self.rules.block_chars()
         if session is not None and self.sessions is not None:
             # Scoped by the tenant the identity resolved: a key never reaches another's session.
             passage.session = (tenant, session)
@@ -1135,7 +1154,7 @@ class Gate:
             return
         blocks = passage.prefix_blocks
         request = passage.request
-        if affinity.engine_cache:  # an engine without a prefix cache computes every token
+        if self.rules.engine_cache:  # an engine without a prefix cache computes every token
             request.cached_prompt_tokens = cached_estimate(
                 request.prompt_tokens, index.matched(endpoint.address, blocks),
                 affinity.block_chars, passage.prefix_chars)

@@ -17,6 +17,11 @@ Each picker replica learns from its own dispatches (see docs/configuration.md
 ``routing.prefixAffinity``): the index is a routing hint, not state whose loss costs anything
 but a cache miss, and exchanging it through the shared store every sync interval would cost
 more than it saves.
+
+The room is another matter (``InflightBlocks``): an engine that caches prefixes stores a block
+that requests running on it share once, whoever routed them there, so the blocks in flight are
+counted once whenever the engines are known to cache (``capacity.engineCache``), affinity or
+not; affinity only adds the preference for where a prompt was sent before.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ class AffinityRules:
     """Bytes of prompt text per block (characters, for ASCII text)."""
     max_blocks_per_endpoint: int = 8192
     """Blocks remembered per endpoint, least recently sent forgotten first."""
-    engine_cache: bool = True
-    """The engines cache prefixes: a prompt block shared by requests running on one endpoint
-    counts once in its room, as the engine stores it, and a prompt is expected cached as far as
-    the endpoint was sent it. False (engines without a prefix cache): neither."""
+
+
+DEFAULT_BLOCK_CHARS = 256
+"""The block size prompts are cut with when no affinity rules give one: the engines' shared
+blocks are counted once in the room (``InflightBlocks``) with or without affinity."""
 
 
 class PrefixIndex:

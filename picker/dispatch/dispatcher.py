@@ -290,9 +290,11 @@ class Dispatcher:
         """
         self._check_serving()
         prereserved = await self._reserve_in_store(tenant, inference)
-        affinity = self.gate.rules.affinity
-        blocks, chars = ((), 0) if affinity is None else prompt_blocks(
-            inference.model, inference.body, inference.kind, affinity.block_chars)
+        # The prompt's blocks: for the room its shared blocks take once (engines that cache
+        # prefixes) and for prefix affinity; none when neither is configured.
+        block_chars = self.gate.rules.block_chars()
+        blocks, chars = ((), 0) if not block_chars else prompt_blocks(
+            inference.model, inference.body, inference.kind, block_chars)
         ticket = _admitted(self.gate.admit(
             functools.partial(Ticket, inference=inference), tenant, lane,
             model=inference.model, prompt_tokens=inference.prompt_tokens,

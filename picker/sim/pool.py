@@ -517,11 +517,12 @@ class _Pool:
         picker = self._picker_for(planned.tenant)
         build = functools.partial(build, picker=picker)
         gate = self.gates[picker]
-        # Prefix affinity hashes the token ids as the dispatcher hashes a body's text: blocks
-        # of about blockChars / 4 tokens (four characters a token), chained the same way.
-        affinity = gate.rules.affinity
-        blocks, size = ((), 0) if affinity is None or planned.token_ids is None else \
-            token_blocks(self.traffic.model, planned.token_ids, max(1, affinity.block_chars // 4))
+        # The token ids are hashed as the dispatcher hashes a body's text (for the shared
+        # blocks' room and prefix affinity): blocks of about blockChars / 4 tokens (four
+        # characters a token), chained the same way.
+        block_chars = gate.rules.block_chars()
+        blocks, size = ((), 0) if not block_chars or planned.token_ids is None else \
+            token_blocks(self.traffic.model, planned.token_ids, max(1, block_chars // 4))
         passage = gate.admit(
             build, planned.tenant, None, model=self.traffic.model,
             prompt_tokens=planned.prompt_tokens, max_tokens=planned.max_tokens,

@@ -17,6 +17,7 @@ from bench.peer import (
     PREFIX_AFFINITY,
     PREFIX_FLOOR,
     PREFIX_METER,
+    PREFIX_PLAIN,
     PREFIX_SHOWN,
     QUOTE_END,
     QUOTE_START,
@@ -234,6 +235,29 @@ def test_the_goals_line_says_met_only_when_every_goal_is() -> None:
     missed = _prefix_tables(_prefix_data(5.0))  # TTFT p50 over upstream's: 3 of 4 met
     assert any("(met: no, 3 of 4):" in line for line in missed)
     assert not any("met: yes" in line for line in missed)
+
+
+def test_every_fairway_variant_and_the_floor_get_the_checks_the_verdict_is_affinitys() -> None:
+    """One table a picker that ran beside upstream, in the order of ``GOAL_CHECKS``, each with
+    its own count; only the first (fairway with affinity, inline) says met or not; a stored run
+    without the summary key of a later table still renders it (judged from its pickers)."""
+    data = _prefix_data(1.0)
+    blocks = data["by_workload"]["rag"]["blocks"]
+    for picker, p50 in ((PREFIX_PLAIN, 5.0), (PREFIX_METER, 1.0), (PREFIX_FLOOR, 5.0)):
+        blocks.append(dict(blocks[0], picker=picker, ttft_ms={"p50": p50, "p95": 2.0}))
+        data["blocks_order"].append(picker)
+    data["summary"] = prefix_summary(data)
+    assert data["summary"]["rag"]["goals_plain"]["ttft_p50"] is False
+    del data["summary"]["rag"]["goals_plain"]
+    heads = [line for line in _prefix_tables(data) if "against upstream (" in line]
+    assert heads == [
+        f"The issue's goals, {PREFIX_AFFINITY} against upstream (met: yes):",
+        f"The same checks for {PREFIX_METER} against upstream (fairway's own Envoy "
+        "configuration, not upstream's; shown, not the issue's verdict: 4 of 4):",
+        f"The same checks for {PREFIX_PLAIN} against upstream (what affinity buys; shown, not "
+        "the issue's verdict: 3 of 4):",
+        f"The same checks for the {PREFIX_FLOOR} against upstream (no picker's work at all on "
+        "upstream's Envoy configuration; shown, not a verdict: 3 of 4):"]
 
 
 def test_agent_blocks_run_the_agent_programs_alone_until_their_tasks_can_finish() -> None:

@@ -306,7 +306,7 @@ def test_a_request_served_by_a_fallback_teaches_the_index_where_it_went() -> Non
         len(passage.prefix_blocks)
 
 
-def test_a_drained_endpoint_is_forgotten_and_without_affinity_no_hashes_are_kept() -> None:
+def test_a_drained_endpoint_is_forgotten_and_without_affinity_no_index_is_kept() -> None:
     gate = make_gate()
     passage = send(gate, chat("question " * 100), 400)
     assert passage.endpoint is not None and gate.prefix_index is not None
@@ -317,7 +317,15 @@ def test_a_drained_endpoint_is_forgotten_and_without_affinity_no_hashes_are_kept
     assert gate.prefix_index.size(address) == 0
     gate.set_rules(GateRules())
     assert gate.prefix_index is None
-    plain = send(gate, chat("question " * 100), 400)
+    # The engines still cache: the blocks count in the room while the request runs, and no
+    # index remembers them after, nor expects any part of the prompt cached.
+    cached = send(gate, chat("question " * 100), 400)
+    assert cached.prefix_blocks and cached.prefix_block_chars
+    assert cached.request.cached_prompt_tokens == 0
+    gate.complete(cached, Usage(400, 1), "ok", 2.0)
+    assert all(gate.inflight_blocks.blocks(a) == 0 for a in gate.endpoints)
+    gate.set_rules(GateRules(engine_cache=False))
+    plain = send(gate, chat("question " * 100), 400, now=3.0)
     assert plain.prefix_blocks == () and plain.request.cached_prompt_tokens == 0
 
 

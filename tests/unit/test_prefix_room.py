@@ -34,9 +34,9 @@ def chat(*turns: str, system: str = SYSTEM) -> dict[str, Any]:
 
 def make_gate(budgets: dict[str, int], *, weight: float = 1.0, engine_cache: bool = True,
               **rules: Any) -> Gate:
-    gate_rules = GateRules(affinity=AffinityRules(weight=weight, block_chars=BLOCK,
-                                                  max_blocks_per_endpoint=1000,
-                                                  engine_cache=engine_cache), **rules)
+    gate_rules = GateRules(engine_cache=engine_cache,
+                           affinity=AffinityRules(weight=weight, block_chars=BLOCK,
+                                                  max_blocks_per_endpoint=1000), **rules)
     gate = Gate(gate_rules, Scheduler([LaneSpec("default")]),
                 Admission({}, TenantRules()), now=0.0)
     gate.set_endpoints(budgets)
