@@ -177,9 +177,9 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
             numbers[f"ttft_ratio_{part}"] = p95 / alone_steady if p95 and alone_steady else None
         numbers["tokens_vs_fcfs"] = numbers["tokens_per_s"] / fcfs if fcfs else None
     default = results.get(DEFAULT_MODE)
-    for numbers in results.values():
+    for mode, numbers in results.items():
         numbers["tokens_vs_default"] = numbers["tokens_per_s"] / default["tokens_per_s"] \
-            if default and default["tokens_per_s"] else None
+            if default and default["tokens_per_s"] and mode not in BASELINES else None
 
 
 def run_size(size: Size, scale: float, workdir: Path, plan: Plan,

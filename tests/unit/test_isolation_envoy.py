@@ -64,4 +64,5 @@ def test_isolation_tokens_are_judged_against_the_default() -> None:
                                                        "tokens_per_s": 850.0}}
     _ratios(results)
     assert results["isolation profile, priority engines"]["tokens_vs_default"] == 0.85
+    assert results["light alone"]["tokens_vs_default"] is None  # a baseline: not judged
     assert (tokens_goal_vs_default(2), tokens_goal_vs_default(4)) == (0.80, 0.90)
