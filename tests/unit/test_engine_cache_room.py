@@ -29,7 +29,7 @@ from picker.openai import InferenceRequest
 from picker.openai.paths import ApiKind
 from picker.openai.prefix import prompt_blocks
 from picker.sim.load import percentile
-from picker.sim.pool import PoolSpec, simulate
+from picker.sim.pool import PoolRecord, PoolSpec, simulate
 from picker.sim.traffic import load_traffic
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -160,17 +160,25 @@ def test_auto_counts_shared_blocks_once_only_where_a_read_said_the_engine_caches
         assert gate.inflight_blocks.blocks(endpoint.address) == 0
 
 
-def _no_cache_run(engine_cache: Any) -> list[tuple[str, float | None, float | None]]:
-    data = {"duration_s": 8, "seed": 28, "timeout_s": 60, "tenants": [
+def _system_prompt_sim(engine_cache: Any, duration: float,
+                       engines_cache: bool = True) -> list[PoolRecord]:
+    """bench.prefix's system-prompt shape (a heavy tenant at 60 requests/s and a light one at
+    4, each prompt a 2,000-token system prompt and a question) on its pool, vtc without
+    affinity."""
+    data = {"duration_s": duration, "seed": 28, "timeout_s": 60, "tenants": [
         {"name": name, "rate": rate, "system_prompt_tokens": 2000, "prompt_tokens": [20, 80],
          "output_tokens": [40, 160], "stream_fraction": 1.0, "include_usage": True}
         for name, rate in (("heavy", 60), ("light", 4))]}
     config = load(PickerConfig, {"tenants": [{"id": "heavy"}, {"id": "light"}],
                                  "capacity": {"engineCache": engine_cache}})
-    run = simulate(config, load_traffic(data), PoolSpec(
+    return simulate(config, load_traffic(data), PoolSpec(
         endpoints=2, kv_budget_tokens=65536, max_num_batched_tokens=8192,
-        prefill_s_per_token=0.00005, enable_prefix_caching=False), drain_s=30)
-    return [(r.tenant, r.dispatched_s, r.end_s) for r in run.records]
+        prefill_s_per_token=0.00005, enable_prefix_caching=engines_cache), drain_s=30).records
+
+
+def _no_cache_run(engine_cache: Any) -> list[tuple[str, float | None, float | None]]:
+    return [(r.tenant, r.dispatched_s, r.end_s)
+            for r in _system_prompt_sim(engine_cache, 8, engines_cache=False)]
 
 
 def test_auto_in_front_of_engines_without_a_cache_is_false_to_the_request() -> None:
@@ -217,17 +225,9 @@ async def test_the_dispatcher_counts_a_shared_system_prompt_once_without_affinit
 # -- the pool simulator: a shared system prompt on every request, vtc without affinity --
 
 def _system_prompt_run(engine_cache: bool) -> list[float]:
-    data = {"duration_s": 12, "seed": 28, "timeout_s": 60, "tenants": [
-        {"name": name, "rate": rate, "system_prompt_tokens": 2000, "prompt_tokens": [20, 80],
-         "output_tokens": [40, 160], "stream_fraction": 1.0, "include_usage": True}
-        for name, rate in (("heavy", 60), ("light", 4))]}
-    config = load(PickerConfig, {"tenants": [{"id": "heavy"}, {"id": "light"}],
-                                 "capacity": {"engineCache": engine_cache}})
-    run = simulate(config, load_traffic(data), PoolSpec(
-        endpoints=2, kv_budget_tokens=65536, max_num_batched_tokens=8192,
-        prefill_s_per_token=0.00005), drain_s=30)
-    assert run.records and all(r.outcome == "ok" for r in run.records)
-    return [r.dispatched_s - r.arrival_s for r in run.records if r.dispatched_s is not None]
+    records = _system_prompt_sim(engine_cache, 12)
+    assert records and all(r.outcome == "ok" for r in records)
+    return [r.dispatched_s - r.arrival_s for r in records if r.dispatched_s is not None]
 
 
 def test_in_the_pool_simulator_shared_prompts_no_longer_wait_in_the_picker() -> None:
