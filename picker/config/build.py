@@ -69,7 +69,8 @@ def gate_rules(config: PickerConfig) -> GateRules:
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
                        for t in config.tenants},
         configured_tenants=frozenset(t.id for t in config.tenants),
-        engine_cache=config.capacity.engine_cache,
+        engine_cache=config.capacity.engine_cache is not False,
+        learn_engine_cache=config.capacity.engine_cache == "auto",
         affinity=affinity_rules(config),
         sessions=session_rules(config),
         charge_sent_to_budgets=config.cost.budget_tokens == "sent")

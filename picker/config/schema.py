@@ -220,22 +220,27 @@ class Capacity:
     default_output_tokens: int = field(default=256,
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
-    engine_cache: bool = field(default=True, metadata=_camel("engine_cache"))
-    """The engines cache prefixes (vLLM V1's automatic prefix caching, on unless started with
-    ``--no-enable-prefix-caching``): a prompt block that requests running on one endpoint share
-    counts once in its room, as the engine stores it once, whether or not
-    ``routing.prefixAffinity`` routes by it (with affinity, a prompt is also charged at dispatch
-    as cached as far as the endpoint was sent it). The picker cuts each prompt's text into
-    chained blocks for it (``routing.prefixAffinity.blockChars``, 256 characters without
-    affinity): 25 us of CPU a request at a 2k-token prompt, 41 at 4k, hashing included
-    (bench/results/prefix_scorer.md). Measured in the pool simulator
-    (bench/results/prefix.md) without affinity, a tenant's 2,000-token system prompt on every
-    request: pool tokens/s 5,588 -> 6,646 (pass-through's), TTFT p50 1,220 -> 20 ms, p95 35 s
-    -> 30 ms, against counting every prompt whole. Set false in front of
-    engines without a prefix cache: left true there, the picker sends past what they hold and
-    their own queues decide the order (weights 1:2:3 on shared system prompts served
-    74 / 26 / 0 %); false counts each request's whole prompt in the room and charges it as
-    computed."""
+    engine_cache: bool | Literal["auto"] = field(default="auto",
+                                                 metadata=_camel("engine_cache"))
+    """Whether the engines cache prefixes (vLLM V1's automatic prefix caching, on unless
+    started with ``--no-enable-prefix-caching``). Where they do, a prompt block that requests
+    running on one endpoint share counts once in its room, as the engine stores it once,
+    whether or not ``routing.prefixAffinity`` routes by it (with affinity, a prompt is also
+    charged at dispatch as cached as far as the endpoint was sent it); where they do not, each
+    request's whole prompt counts and is charged as computed. ``auto`` (default): per endpoint,
+    as the ``enable_prefix_caching`` label of its ``vllm:cache_config_info`` says (a page
+    without the label counts as caching), prompts counted whole until its first read;
+    ``true`` / ``false``: for every endpoint, whatever it says. The picker cuts each prompt's
+    text into chained blocks for it (``routing.prefixAffinity.blockChars``, 256 characters
+    without affinity): 25 us of CPU a request at a 2k-token prompt, 41 at 4k, hashing included
+    (bench/results/prefix_scorer.md). Measured in the pool simulator (bench/results/prefix.md)
+    without affinity, a tenant's 2,000-token system prompt on every request: pool tokens/s
+    5,588 -> 6,646 (pass-through's), TTFT p50 1,220 -> 20 ms, p95 35 s -> 30 ms, against
+    counting every prompt whole. Wrong, it costs fairness: engines without a prefix cache
+    behind ``true`` are sent past what they hold and their own queues decide the order
+    (weights 1:2:3 on shared system prompts served 100 / 0 / 0 % without affinity, 74 / 26 / 0
+    with it; ``auto`` and ``false`` 16.7 / 33.4 / 49.9, bench/results/prefix.md, "fairness
+    with prefix caching"); engines with one behind ``false`` are held below their room."""
     profile: Literal["throughput", "isolation"] = "throughput"
     """The latency-isolation settings as one switch (``CAPACITY_PROFILES``). ``throughput``
     (default): work-conserving, no request is held while an endpoint has room

@@ -157,6 +157,12 @@ class GateRules:
     once, whether or not affinity routes by it; with affinity, a prompt is also expected cached
     at dispatch as far as the endpoint was sent it. False (engines without a prefix cache):
     neither."""
+    learn_engine_cache: bool = False
+    """With ``engine_cache``: each endpoint as its engine says (``capacity.engineCache:
+    auto``): taken to cache once a read of it has not said otherwise
+    (``EndpointState.prefix_caching`` not false, from its ``vllm:cache_config_info``; a page
+    without the label counts as caching), and as without a cache before its first read, when
+    nothing is known of it. False: the assumption holds for every endpoint (``true``)."""
     affinity: AffinityRules | None = None
     """Prefix affinity (``picker.core.prefix``): among endpoints where a request fits, prefer
     the one holding more of its prompt; None: load alone decides."""
@@ -243,6 +249,9 @@ class Passage:
     """The block size its blocks were cut with (``GateRules.block_chars`` at admission); 0:
     its blocks, if any, take no part in the room (``Gate.inflight_blocks``): no engine cache
     was assumed when it was admitted."""
+    holds_blocks: bool = False
+    """While dispatched: its blocks are counted in its endpoint's ``Gate.inflight_blocks``
+    (``prefix_block_chars`` and an endpoint whose engine caches: ``Gate.caches``)."""
     session: SessionId | None = None
     """(tenant, key) of the session or program it belongs to (``rules.sessions``); None: none."""
     engine_queued: bool = False
@@ -1154,7 +1163,7 @@ class Gate:
             return
         blocks = passage.prefix_blocks
         request = passage.request
-        if self.rules.engine_cache:  # an engine without a prefix cache computes every token
+        if self.caches(endpoint):  # an engine without a prefix cache computes every token
             request.cached_prompt_tokens = cached_estimate(
                 request.prompt_tokens, index.matched(endpoint.address, blocks),
                 affinity.block_chars, passage.prefix_chars)
@@ -1166,16 +1175,30 @@ class Gate:
         much less room there. Blocks the endpoint merely has cached (the prefix index) are
         not counted: the engine counts them free and a hit takes them back out of its free
         queue."""
-        if not passage.prefix_block_chars:
+        if not passage.prefix_block_chars or not self.caches(endpoint):
             return 0
         matched = self.inflight_blocks.held(endpoint.address, passage.prefix_blocks)
         return covered_tokens(passage.request.prompt_tokens, matched,
                               passage.prefix_block_chars, passage.prefix_chars)
 
+    def caches(self, endpoint: EndpointState) -> bool:
+        """Whether ``endpoint``'s engine is taken to cache prefixes: the rules assume it
+        (``engine_cache``) and, where they learn it, a read of it has not said otherwise.
+        Before its first read an endpoint counts prompts whole: a burst sent then, counted
+        once on an engine that turns out not to cache, would sit in its queue for minutes."""
+        rules = self.rules
+        if not rules.learn_engine_cache:
+            return rules.engine_cache
+        return rules.engine_cache and endpoint.scraped_at is not None and \
+            endpoint.prefix_caching is not False
+
     def _hold_blocks(self, passage: Passage, endpoint: EndpointState) -> int:
         """The request now runs on ``endpoint``: its blocks join the endpoint's in-flight
-        blocks; the tokens they add there (those of the blocks nobody there held)."""
-        if not passage.prefix_block_chars:
+        blocks, if its engine caches; the tokens they add there (those of the blocks nobody
+        there held)."""
+        passage.holds_blocks = bool(passage.prefix_block_chars) and self.caches(endpoint)
+        if not passage.holds_blocks:
+            passage.prefix_tokens = 0
             return 0
         prompt = passage.request.prompt_tokens
         passage.prefix_tokens = covered_tokens(prompt, len(passage.prefix_blocks),
@@ -1228,16 +1251,17 @@ class Gate:
 
     def scraped(self, endpoint: EndpointState, waiting: float | None, running: float | None,
                 kv_usage: float | None, kv_budget_tokens: int | None, *, sent_at: float,
-                now: float) -> None:
+                now: float, prefix_caching: bool | None = None) -> None:
         """A read of ``endpoint``'s engine, sent at ``sent_at``, answered at ``now`` with these
         figures (``None``: not exposed); they replace the last ones (``observe``).
+        ``prefix_caching``: whether the engine says it caches prefixes (``caches``).
 
         It also ends the prefill of streams there whose tokens the picker does not see
         (``Passage.output_seen`` false), which no first token would end before the request
         does: of those sent before the read, the engine's ``waiting`` count are taken as still
         waiting (``still_waiting``) and the rest as computed. Whatever a prefill rule held
         goes at the caller's next ``pump``."""
-        observe(endpoint, waiting, running, kv_usage, kv_budget_tokens, now)
+        observe(endpoint, waiting, running, kv_usage, kv_budget_tokens, now, prefix_caching)
         unseen = self._unseen_prefill.get(endpoint.address)
         if not unseen or waiting is None:
             return  # nothing tells: their prefill counts until they end
@@ -1313,7 +1337,7 @@ class Gate:
         if endpoint is None:
             return
         blocks = self.inflight_blocks.release(endpoint.address, passage.prefix_blocks) \
-            if passage.prefix_block_chars else 0
+            if passage.holds_blocks else 0
         freed = passage.reserved_tokens - passage.prefix_tokens + blocks
         endpoint.inflight_tokens -= freed
         endpoint.projected_tokens -= passage.projected_tokens - passage.prefix_tokens + blocks
@@ -1403,15 +1427,15 @@ class Gate:
             return False
         # The gateway retries only when the primary failed (connect failure, reset).
         ejected = self.endpoint_failed(primary.address, "the gateway retried on a fallback", now)
-        # Its blocks leave the primary's in-flight blocks and join the server's.
-        blocks = {primary.address: self.inflight_blocks.release(primary.address,
-                                                                passage.prefix_blocks),
-                  served.address: self._hold_blocks(passage, served)} \
-            if passage.prefix_block_chars else {}
+        # Its blocks leave the primary's in-flight blocks and join the server's (if its engine
+        # caches: the tokens its blocks cover may differ there).
+        own = {primary.address: (self.inflight_blocks.release(
+            primary.address, passage.prefix_blocks) if passage.holds_blocks else 0)
+            - passage.prefix_tokens}
+        own[served.address] = self._hold_blocks(passage, served) - passage.prefix_tokens
         for endpoint, sign in ((primary, -1), (served, 1)):
-            own = blocks.get(endpoint.address, 0) - passage.prefix_tokens
-            endpoint.inflight_tokens += sign * (passage.reserved_tokens + own)
-            endpoint.projected_tokens += sign * (passage.projected_tokens + own)
+            endpoint.inflight_tokens += sign * (passage.reserved_tokens + own[endpoint.address])
+            endpoint.projected_tokens += sign * (passage.projected_tokens + own[endpoint.address])
             endpoint.inflight_requests += sign
             # It joined the server's queue, not the primary's (whose count a read since the
             # dispatch may already have restarted).

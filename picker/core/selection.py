@@ -46,6 +46,9 @@ class EndpointState:
     """Scraped ``vllm:num_requests_running``."""
     kv_usage: float | None = None
     """Scraped ``vllm:kv_cache_usage_perc`` (0..1)."""
+    prefix_caching: bool | None = None
+    """Whether its engine caches prefixes, as the ``enable_prefix_caching`` label of its
+    ``vllm:cache_config_info`` said (None: not read yet, or not stated)."""
     scraped_at: float | None = None
     completed_since_scrape: int = 0
     """Requests of the picker's that finished here since the last scrape: each let the engine
@@ -89,7 +92,8 @@ class EndpointState:
 
 
 def observe(endpoint: EndpointState, waiting: float | None, running: float | None,
-            kv_usage: float | None, kv_budget_tokens: int | None, now: float) -> None:
+            kv_usage: float | None, kv_budget_tokens: int | None, now: float,
+            prefix_caching: bool | None = None) -> None:
     """A scrape of the endpoint's engine answered with these figures (``None``: not exposed):
     they replace the last ones, and the completions counted since then are forgotten."""
     sent = endpoint.sent_since_scrape
@@ -98,6 +102,8 @@ def observe(endpoint: EndpointState, waiting: float | None, running: float | Non
     endpoint.kv_usage = kv_usage
     if kv_budget_tokens:
         endpoint.learned_budget = kv_budget_tokens
+    if prefix_caching is not None:
+        endpoint.prefix_caching = prefix_caching
     endpoint.scraped_at = now
     endpoint.completed_since_scrape = endpoint.released_since_scrape = 0
     endpoint.sent_since_scrape = 0

@@ -37,6 +37,8 @@ class EndpointFigures:
     running: float | None = None
     kv_usage: float | None = None
     kv_budget_tokens: int | None = None
+    prefix_caching: bool | None = None
+    """The ``enable_prefix_caching`` label of ``vllm:cache_config_info`` (None: absent)."""
 
 
 _WANTED_FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running",
@@ -63,39 +65,46 @@ def wanted_lines(text: str) -> list[str]:
     return lines
 
 
-_BUDGETS: dict[str, int | None] = {}
-"""``vllm:cache_config_info`` sample line → the KV budget it gives. The line is the same on every
-scrape of an engine and its many labels are most of the parser's work, so each distinct line is
-parsed once (bounded: a page whose line keeps changing does not grow this)."""
-_BUDGETS_KEPT = 256
+_CACHE_CONFIGS: dict[str, tuple[int | None, bool | None]] = {}
+"""``vllm:cache_config_info`` sample line → the KV budget it gives and whether it says the
+engine caches prefixes. The line is the same on every scrape of an engine and its many labels
+are most of the parser's work, so each distinct line is parsed once (bounded: a page whose line
+keeps changing does not grow this)."""
+_CACHE_CONFIGS_KEPT = 256
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+"""A label's boolean as Python's ``str(bool)`` writes it (vLLM's labels), or as 1 and 0."""
 
 
-def _budget(line: str) -> int | None:
-    if line in _BUDGETS:
-        return _BUDGETS[line]
-    budget = None
+def _cache_config(line: str) -> tuple[int | None, bool | None]:
+    if line in _CACHE_CONFIGS:
+        return _CACHE_CONFIGS[line]
+    budget = caching = None
     for family in text_string_to_metric_families(line + "\n"):
         for sample in family.samples:
+            flag = _FLAGS.get(sample.labels.get("enable_prefix_caching", "").strip().lower())
+            caching = caching if flag is None else flag
             try:
                 blocks = int(sample.labels.get("num_gpu_blocks", ""))
                 block_size = int(sample.labels.get("block_size", ""))
             except ValueError:
                 continue
             budget = blocks * block_size
-    if len(_BUDGETS) >= _BUDGETS_KEPT:
-        _BUDGETS.clear()
-    _BUDGETS[line] = budget
-    return budget
+    if len(_CACHE_CONFIGS) >= _CACHE_CONFIGS_KEPT:
+        _CACHE_CONFIGS.clear()
+    _CACHE_CONFIGS[line] = (budget, caching)
+    return budget, caching
 
 
 def parse_vllm_metrics(text: str) -> EndpointFigures:
     """The capacity-relevant figures from a vLLM ``/metrics`` page."""
     waiting = running = kv_usage = None
-    budget = None
+    budget = caching = None
     lines = wanted_lines(text)
     for line in lines:
         if line.startswith("vllm:cache_config_info"):
-            budget = _budget(line) or budget
+            found, says = _cache_config(line)
+            budget = found or budget
+            caching = caching if says is None else says
     wanted = "\n".join(line for line in lines if not line.startswith("vllm:cache_config_info"))
     for family in text_string_to_metric_families(wanted + "\n" if wanted else ""):
         name = family.name
@@ -108,7 +117,7 @@ def parse_vllm_metrics(text: str) -> EndpointFigures:
                 running = (running or 0.0) + sample.value
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 kv_usage = max(kv_usage or 0.0, sample.value)
-    return EndpointFigures(waiting, running, kv_usage, budget)
+    return EndpointFigures(waiting, running, kv_usage, budget, caching)
 
 
 class Scraper:
@@ -192,4 +201,5 @@ class Scraper:
             return
         self.dispatcher.gate.scraped(endpoint, figures.waiting, figures.running,
                                      figures.kv_usage, figures.kv_budget_tokens,
-                                     sent_at=sent_at, now=self.dispatcher.clock())
+                                     sent_at=sent_at, now=self.dispatcher.clock(),
+                                     prefix_caching=figures.prefix_caching)

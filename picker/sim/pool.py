@@ -613,8 +613,10 @@ class _Pool:
                 due = self.next_scrape.get((picker, address), 0.0)
                 if slow is not None and due > self.now + 1e-9:
                     continue
+                # As vLLM's ``vllm:cache_config_info`` states it (``capacity.engineCache: auto``).
                 gate.scraped(endpoint, engine.num_waiting, engine.num_running, engine.kv_usage,
-                             None, sent_at=self.now, now=self.now)
+                             None, sent_at=self.now, now=self.now,
+                             prefix_caching=self.spec.enable_prefix_caching)
                 self.scrapes += 1
                 if slow is not None:
                     fast = figures_decide(endpoint, self.now, gate.rules.capacity)

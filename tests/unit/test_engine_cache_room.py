@@ -29,7 +29,7 @@ from picker.openai import InferenceRequest
 from picker.openai.paths import ApiKind
 from picker.openai.prefix import prompt_blocks
 from picker.sim.load import percentile
-from picker.sim.pool import PoolSpec, simulate
+from picker.sim.pool import PoolRecord, PoolSpec, simulate
 from picker.sim.traffic import load_traffic
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -112,13 +112,83 @@ def test_the_block_size_is_the_affinitys_when_set_else_the_default() -> None:
     assert GateRules(engine_cache=False, affinity=affine).block_chars() == 128
 
 
-def test_the_config_assumes_engines_that_cache_unless_told() -> None:
-    assert load_config({}).capacity.engine_cache is True
-    assert gate_rules(load_config({})).engine_cache is True
+def test_the_config_learns_each_engines_cache_unless_told() -> None:
+    assert load_config({}).capacity.engine_cache == "auto"
+    auto = gate_rules(load_config({}))
+    assert auto.engine_cache and auto.learn_engine_cache and auto.block_chars() == 256
+    told = gate_rules(load_config({"capacity": {"engineCache": True}}))
+    assert told.engine_cache and not told.learn_engine_cache
     assert gate_rules(load_config({"capacity": {"engineCache": False}})).engine_cache is False
     rules = gate_rules(load_config({"capacity": {"engineCache": False},
                                     "routing": {"prefixAffinity": {"blockChars": 64}}}))
     assert not rules.engine_cache and rules.affinity is not None and rules.block_chars() == 64
+
+
+# -- capacity.engineCache: auto, each endpoint as its engine says --
+
+def test_auto_counts_shared_blocks_once_only_where_a_read_said_the_engine_caches() -> None:
+    gate = make_gate({E1: 1200, E2: 1200}, learn_engine_cache=True)
+    e1, e2 = gate.endpoints[E1], gate.endpoints[E2]
+    assert not gate.caches(e1)  # not read yet: nothing known, prompts counted whole
+    gate.scraped(e1, 0.0, 0.0, 0.0, None, sent_at=0.0, now=0.0, prefix_caching=False)
+    gate.scraped(e2, 0.0, 0.0, 0.0, None, sent_at=0.0, now=0.0)  # a page without the label
+    assert not gate.caches(e1) and gate.caches(e2)
+    e2.inflight_tokens = e2.projected_tokens = 1200  # full: the first two go to E1
+    first = send(gate, chat("What does the red light mean?"))
+    second = send(gate, chat("How do I reset the device?"), tenant="u", now=0.1)
+    assert first.endpoint is e1 and second.dispatched_at is None  # whole there: no room
+    assert not first.holds_blocks and first.prefix_tokens == 0
+    assert gate.inflight_blocks.blocks(E1) == 0 and e1.inflight_tokens == first.reserved_tokens
+    e2.inflight_tokens = e2.projected_tokens = 0
+    gate.pump(0.2)
+    assert second.endpoint is e2 and second.holds_blocks
+    third = send(gate, chat("Is it waterproof?"), tenant="v", now=0.3)
+    assert third.endpoint is e2  # only its question beside the second's system prompt there
+    assert e2.inflight_tokens < second.reserved_tokens + third.reserved_tokens - 600
+    # Moving between an engine that caches and one that does not keeps both counts exact.
+    gate.served_by(third, E1, 0.4)
+    assert not third.holds_blocks and e1.inflight_tokens == first.reserved_tokens + \
+        third.reserved_tokens
+    assert e2.inflight_tokens == second.reserved_tokens
+    gate.served_by(first, E2, 0.5)
+    assert first.holds_blocks and e2.inflight_tokens < second.reserved_tokens + \
+        first.reserved_tokens - 600
+    for passage, at in ((first, 1.0), (second, 1.1), (third, 1.2)):
+        gate.complete(passage, Usage(passage.request.prompt_tokens, 10), "ok", at)
+    for endpoint in (e1, e2):
+        assert (endpoint.inflight_tokens, endpoint.projected_tokens) == (0, 0)
+        assert gate.inflight_blocks.blocks(endpoint.address) == 0
+
+
+def _system_prompt_sim(engine_cache: Any, duration: float,
+                       engines_cache: bool = True) -> list[PoolRecord]:
+    """bench.prefix's system-prompt shape (a heavy tenant at 60 requests/s and a light one at
+    4, each prompt a 2,000-token system prompt and a question) on its pool, vtc without
+    affinity."""
+    data = {"duration_s": duration, "seed": 28, "timeout_s": 60, "tenants": [
+        {"name": name, "rate": rate, "system_prompt_tokens": 2000, "prompt_tokens": [20, 80],
+         "output_tokens": [40, 160], "stream_fraction": 1.0, "include_usage": True}
+        for name, rate in (("heavy", 60), ("light", 4))]}
+    config = load(PickerConfig, {"tenants": [{"id": "heavy"}, {"id": "light"}],
+                                 "capacity": {"engineCache": engine_cache}})
+    return simulate(config, load_traffic(data), PoolSpec(
+        endpoints=2, kv_budget_tokens=65536, max_num_batched_tokens=8192,
+        prefill_s_per_token=0.00005, enable_prefix_caching=engines_cache), drain_s=30).records
+
+
+def _no_cache_run(engine_cache: Any) -> list[tuple[str, float | None, float | None]]:
+    return [(r.tenant, r.dispatched_s, r.end_s)
+            for r in _system_prompt_sim(engine_cache, 8, engines_cache=False)]
+
+
+def test_auto_in_front_of_engines_without_a_cache_is_false_to_the_request() -> None:
+    """The pool simulator's engines state their cache as vLLM's ``cache_config_info`` does:
+    the default reads it before anything is dispatched on a shared prefix counted once, so
+    every request leaves and ends as with ``engineCache: false``; told ``true``, the picker
+    sends past what the engines hold."""
+    whole = _no_cache_run(False)
+    assert _no_cache_run("auto") == whole
+    assert _no_cache_run(True) != whole
 
 
 # -- the dispatcher cuts the body's prompt when no affinity is configured --
@@ -155,17 +225,9 @@ async def test_the_dispatcher_counts_a_shared_system_prompt_once_without_affinit
 # -- the pool simulator: a shared system prompt on every request, vtc without affinity --
 
 def _system_prompt_run(engine_cache: bool) -> list[float]:
-    data = {"duration_s": 12, "seed": 28, "timeout_s": 60, "tenants": [
-        {"name": name, "rate": rate, "system_prompt_tokens": 2000, "prompt_tokens": [20, 80],
-         "output_tokens": [40, 160], "stream_fraction": 1.0, "include_usage": True}
-        for name, rate in (("heavy", 60), ("light", 4))]}
-    config = load(PickerConfig, {"tenants": [{"id": "heavy"}, {"id": "light"}],
-                                 "capacity": {"engineCache": engine_cache}})
-    run = simulate(config, load_traffic(data), PoolSpec(
-        endpoints=2, kv_budget_tokens=65536, max_num_batched_tokens=8192,
-        prefill_s_per_token=0.00005), drain_s=30)
-    assert run.records and all(r.outcome == "ok" for r in run.records)
-    return [r.dispatched_s - r.arrival_s for r in run.records if r.dispatched_s is not None]
+    records = _system_prompt_sim(engine_cache, 12)
+    assert records and all(r.outcome == "ok" for r in records)
+    return [r.dispatched_s - r.arrival_s for r in records if r.dispatched_s is not None]
 
 
 def test_in_the_pool_simulator_shared_prompts_no_longer_wait_in_the_picker() -> None:

@@ -55,7 +55,19 @@ model_name="meta-llama/Llama-3.1-8B-Instruct"} 40.0
 def test_realistic_vllm_page_gives_waiting_running_kv_usage_and_budget() -> None:
     figures = parse_vllm_metrics(VLLM_METRICS)
     assert figures == EndpointFigures(waiting=3.0, running=7.0, kv_usage=0.42,
-                                      kv_budget_tokens=27000 * 16)
+                                      kv_budget_tokens=27000 * 16, prefix_caching=True)
+
+
+@pytest.mark.parametrize(("label", "expected"), [
+    ('enable_prefix_caching="False",', False), ('enable_prefix_caching="True",', True),
+    ('enable_prefix_caching="false",', False), ('enable_prefix_caching="None",', None), ("", None)])
+def test_whether_the_engine_caches_prefixes_is_read_from_its_cache_config(
+        label: str, expected: bool | None) -> None:
+    """``capacity.engineCache: auto`` reads vLLM's ``CacheConfig`` field as it exports it
+    (Python's ``str`` of a bool); a page that does not say gives None."""
+    text = f'vllm:cache_config_info{{block_size="16",{label}num_gpu_blocks="100"}} 1.0\n'
+    figures = parse_vllm_metrics(text)
+    assert figures.prefix_caching is expected and figures.kv_budget_tokens == 1600
 
 
 def test_figures_are_summed_over_the_models_an_endpoint_serves() -> None:
