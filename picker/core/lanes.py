@@ -37,6 +37,7 @@ by a weight can grow a counter at most a thousandfold."""
 RENORMALISE_ABOVE = 2.0 ** 50
 """A counter past this (either sign) lowers its lane's counters by the smallest: at 2**50 a float
 still resolves 1/8 of a token."""
+_RENORMALISE_BELOW = -RENORMALISE_ABOVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,8 +449,10 @@ class Scheduler:
         normalized = amount / self.weights.get(tenant, 1.0)
         policy = self._policies[request.lane]
         policy.charge(tenant, normalized)
-        # One comparison per charge; also false for NaN.
-        if not -RENORMALISE_ABOVE < policy.counters.get(tenant, 0.0) < RENORMALISE_ABOVE:
+        # Two comparisons per charge of the counter it just set (false for NaN), unchained:
+        # each is then a specialised float comparison.
+        counter = policy.counters[tenant]
+        if not (counter < RENORMALISE_ABOVE and counter > _RENORMALISE_BELOW):
             normalized = self._keep_finite(self._by_name[request.lane], tenant, normalized)
         if self._changes is not None:
             mine = self._changes[request.lane]

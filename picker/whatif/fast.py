@@ -74,6 +74,9 @@ DEFAULT_CHUNKS = 2
 """Parts a stream's output is charged to the fair queue in (see the module's docstring)."""
 
 _FINISH, _CHARGE, _CANCEL = 0, 1, 2
+_INF = math.inf
+_ceil = math.ceil
+_heappush, _heappop = heapq.heappush, heapq.heappop
 SETTLED = 1e-6
 """Virtual tokens of float slack when a request's last token is judged out."""
 
@@ -130,10 +133,13 @@ class _Endpoint:
     def __init__(self, kv: float, step: float, block_size: int) -> None:
         self.kv, self.step, self.pad = kv, step, block_size / 2
         self.t = self.v = 0.0
-        self.n = 0
+        self.n = 0.0
+        """Requests in the batch: a whole number, held as a float, as ``g_streams`` is: both
+        multiply floats at every clock read, where float by float is a specialised bytecode
+        and int by float a generic call (the same products)."""
         self.a = 0.0
         self.g_fixed = self.g_started = 0.0
-        self.g_streams = 0
+        self.g_streams = 0.0
         self.finishing: list[tuple[float, int, _Flow]] = []
         self.version = 0
         self.next_at = math.inf
@@ -149,32 +155,34 @@ class _Endpoint:
         n = self.n
         if not n:
             return self.v
-        kv, step = self.kv, self.step
-        h = self.a + n * self.v
+        v, a, kv = self.v, self.a, self.kv
+        h = a + n * v
         if h < kv:
-            full = (kv - self.a) / n  # the clock where the cache fills
-            if self.v + dt / step <= full:
-                self.v += dt / step
-                return self.v
-            dt -= (full - self.v) * step
-            self.v, h = full, kv
-        self.v += (math.sqrt(h * h + 2.0 * n * kv * dt / step) - h) / n
-        return self.v
+            full = (kv - a) / n  # the clock where the cache fills
+            moved = dt / self.step
+            if v + moved <= full:
+                v = self.v = v + moved
+                return v
+            dt -= (full - v) * self.step
+            v, h = full, kv
+        v = self.v = v + (math.sqrt(h * h + 2.0 * n * kv * dt / self.step) - h) / n
+        return v
 
     def time_to(self, target: float) -> float:
         """When the clock reaches ``target`` if the batch stays as it is."""
-        v, t = self.v, self.t
-        if target <= v or not self.n:
-            return t
-        n, kv, step = self.n, self.kv, self.step
-        h = self.a + n * v
+        v, n = self.v, self.n
+        if target <= v or not n:
+            return self.t
+        a, kv, step = self.a, self.kv, self.step
+        h = a + n * v
+        t = self.t
         if h < kv:
-            full = (kv - self.a) / n
+            full = (kv - a) / n
             if target <= full:
                 return t + (target - v) * step
             t += (full - v) * step
             h = kv
-        end = self.a + n * target
+        end = a + n * target
         return t + (end * end - h * h) * step / (2.0 * n * kv)
 
 
@@ -221,8 +229,16 @@ def build_gate(config: PickerConfig, spec: PoolSpec) -> Gate:
     return gate
 
 
+MAX_ATTRIBUTES = 30
+"""Attributes a ``FastReplay`` may have: past 30, CPython 3.11 no longer shares its instances'
+attribute names (a class's "shared keys" hold 30), and every ``self.x`` of the replay becomes a
+dictionary lookup (31 attributes cost 2.7 % more instructions a record; a unit test holds the
+count)."""
+
+
 class FastReplay:
-    """The fast replay's state: the gate's core parts, the endpoints, the events."""
+    """The fast replay's state: the gate's core parts, the endpoints, the events (no more than
+    ``MAX_ATTRIBUTES`` attributes)."""
 
     def __init__(self, config: PickerConfig, spec: PoolSpec, result: ReplayResult, *,
                  client_timeout_s: float, chunks: int = DEFAULT_CHUNKS) -> None:
@@ -262,15 +278,13 @@ class FastReplay:
         """Tenants with exactly one request queued and none parked: the light ones."""
         self.parked: dict[str, deque[_Flow]] = {}
         self.running: dict[str, int] = {}
-        self.events: list[tuple[float, int, int, Any]] = []
-        """(when, order, kind, payload): each endpoint's next finish ((endpoint, version)), a
-        stream's charges and a client's deadline (the flow)."""
+        self.events: list[tuple[float, int, int, Any, int]] = []
+        """(when, order, kind, payload, version): each endpoint's next finish (the endpoint,
+        and its ``version`` then), a stream's charges and a client's deadline (the flow, 0)."""
         self.order = 0
         self.deadlines: deque[tuple[float, _Flow]] = deque()
         """Queued requests by when ``queue.maxWait`` drops them (arrival order is their order)."""
         self.queued = 0
-        self.handled = 0
-        self.now = 0.0
         self.last_end = 0.0
         """When the latest request ended (finished, dropped): the replay's span."""
 
@@ -402,7 +416,7 @@ class FastReplay:
 
     def _room(self, prompt: int, now: float) -> _Endpoint | None:
         """The least loaded endpoint where ``prompt`` fits now (``fits``), or None."""
-        best, best_used, budget = None, math.inf, self.budget
+        best, best_used, budget = None, _INF, self.budget
         for endpoint in self.endpoints:
             # What the gate counts on this endpoint at ``now`` (inline: this runs per request).
             v = endpoint.at(now) if now > endpoint.t else endpoint.v
@@ -462,12 +476,12 @@ class FastReplay:
         flow.dispatched, flow.endpoint, flow.started = now, endpoint, v
         if not endpoint.n:
             endpoint.busy_since = now
-        endpoint.n += 1
+        endpoint.n += 1.0
         prompt = flow.prompt_tokens
         endpoint.a += prompt + endpoint.pad - v
         if flow.stream:
             endpoint.g_fixed += prompt
-            endpoint.g_streams += 1
+            endpoint.g_streams += 1.0
             endpoint.g_started += v
         else:
             estimate = self.gate.expected_output(tenant, flow.cap, False, now)
@@ -477,31 +491,27 @@ class FastReplay:
         output = flow.output
         steps = output if output > 1 else 1
         self.order += 1
-        heapq.heappush(endpoint.finishing, (v + steps, self.order, flow))
+        _heappush(endpoint.finishing, (v + steps, self.order, flow))
         flow.first = endpoint.time_to(v + 1.0)
         self._reschedule(endpoint)
         limit = flow.arrival + self.client_timeout_s
-        events = self.events
-        if limit < now + 4.0 * (steps * self.step_s):  # it may outlast its client: a cancel
-            self.order += 1                               # to check then
-            heapq.heappush(events, (limit if limit > now else now, self.order, _CANCEL, flow))
+        events, step_s, order = self.events, self.step_s, self.order
+        if limit < now + 4.0 * (steps * step_s):  # it may outlast its client: a cancel
+            order += 1                              # to check then
+            _heappush(events, (limit if limit > now else now, order, _CANCEL, flow, 0))
         chunks = self.chunks
         if flow.stream and chunks > 1 and output > 1:
             # The stream's first chunks, each charged about when its last token is out.
             part = output / chunks
             if chunks == 2:  # the default: one, without the loop (``part * 1`` is ``part``)
-                self.order += 1
-                heapq.heappush(events, (now + math.ceil(part) * self.step_s, self.order,
-                                        _CHARGE, flow))
-                return
-            for index in range(1, chunks):
-                self.order += 1
-                heapq.heappush(events, (now + math.ceil(part * index) * self.step_s, self.order,
-                                        _CHARGE, flow))
-
-    def _push(self, at: float, kind: int, payload: object) -> None:
-        self.order += 1
-        heapq.heappush(self.events, (at, self.order, kind, payload))
+                order += 1
+                _heappush(events, (now + _ceil(part) * step_s, order, _CHARGE, flow, 0))
+            else:
+                for index in range(1, chunks):
+                    order += 1
+                    _heappush(events, (now + _ceil(part * index) * step_s, order, _CHARGE,
+                                       flow, 0))
+        self.order = order
 
     def _reschedule(self, endpoint: _Endpoint) -> None:
         """The endpoint's next finish, as its batch now stands (earlier ones are void). A batch
@@ -509,44 +519,33 @@ class FastReplay:
         where it was: then the event already queued stands."""
         finishing = endpoint.finishing
         while finishing and finishing[0][2].done:
-            heapq.heappop(finishing)
+            _heappop(finishing)
         if not finishing:
             endpoint.version += 1
             endpoint.next_at = math.inf
             return
         at = endpoint.time_to(finishing[0][0])
-        if abs(at - endpoint.next_at) <= 1e-9:
+        moved = at - endpoint.next_at
+        if moved <= 1e-9 and moved >= -1e-9:  # (not chained: two specialised comparisons)
             return
-        endpoint.version += 1
+        version = endpoint.version = endpoint.version + 1
         endpoint.next_at = at
-        self._push(at, _FINISH, (endpoint, endpoint.version))
+        self.order += 1
+        _heappush(self.events, (at, self.order, _FINISH, endpoint, version))
 
     # -- events --
 
-    def _finished(self, endpoint: _Endpoint, version: int, now: float) -> None:
-        """The endpoint's batch reached its next finish: every request done by now ends."""
-        if version != endpoint.version:
-            return
+    def _finished(self, endpoint: _Endpoint, now: float) -> None:
+        """The endpoint's batch reached its next finish (an event of its current ``version``):
+        every request done by now ends."""
         endpoint.next_at = math.inf
         v = endpoint.at(now) + SETTLED
         finishing = endpoint.finishing
         while finishing and finishing[0][0] <= v:
-            flow = heapq.heappop(finishing)[2]
+            flow = _heappop(finishing)[2]
             if not flow.done:
                 self._finish(flow, now, flow.output)
         self._reschedule(endpoint)
-
-    def _charge(self, flow: _Flow, now: float) -> None:
-        endpoint = flow.endpoint
-        if flow.done or endpoint is None:
-            return
-        v = endpoint.at(now) if now > endpoint.t else endpoint.v
-        tokens = int(v - flow.started + SETTLED)
-        if tokens > flow.output:
-            tokens = flow.output
-        if tokens > flow.out_charged:
-            self.scheduler.charge_output(flow, tokens - flow.out_charged)
-            flow.out_charged = tokens
 
     def _cancel(self, flow: _Flow, now: float) -> None:
         """Its client gave up: the engine aborts it, the gate settles what it got."""
@@ -562,12 +561,12 @@ class FastReplay:
         self.last_end = now
         endpoint = flow.endpoint
         assert endpoint is not None
-        endpoint.n -= 1
+        endpoint.n -= 1.0
         prompt = flow.prompt_tokens
         endpoint.a -= prompt + endpoint.pad - flow.started
         if flow.stream:
             endpoint.g_fixed -= prompt
-            endpoint.g_streams -= 1
+            endpoint.g_streams -= 1.0
             endpoint.g_started -= flow.started
         else:
             endpoint.g_fixed -= prompt + flow.out_charged
@@ -637,25 +636,35 @@ class FastReplay:
     def advance(self, until: float) -> None:
         """Every event due at or before ``until``, in time order (queue timeouts first at a
         tie, as the exact replay drops before it pumps)."""
-        events, deadlines, inf = self.events, self.deadlines, math.inf
+        events, deadlines, pop = self.events, self.deadlines, _heappop
+        charge_output = self.scheduler.charge_output
         while True:
-            event_at = events[0][0] if events else inf
-            deadline = deadlines[0][0] if deadlines else inf
-            if deadline <= event_at and deadline <= until:
-                self.now = deadline
-                self._expire(deadline)
-                continue
-            if event_at > until:
+            if deadlines:
+                deadline = deadlines[0][0]
+                if deadline <= until and (not events or deadline <= events[0][0]):
+                    self._expire(deadline)
+                    continue
+            if not events or events[0][0] > until:
                 return
-            at, _, kind, payload = heapq.heappop(events)
-            self.now = at
-            if kind == _FINISH:
-                self._finished(payload[0], payload[1], at)
-            elif kind == _CHARGE:
-                self._charge(payload, at)
+            at, _, kind, payload, version = pop(events)
+            if kind == _CHARGE:
+                # A stream's charge: its output so far, on its endpoint's clock, less what was
+                # charged (here, not in a method of its own: one event a stream).
+                endpoint = payload.endpoint
+                if payload.done or endpoint is None:
+                    continue
+                v = endpoint.at(at) if at > endpoint.t else endpoint.v
+                tokens = int(v - payload.started + SETTLED)
+                if tokens > payload.output:
+                    tokens = payload.output
+                if tokens > payload.out_charged:
+                    charge_output(payload, tokens - payload.out_charged)
+                    payload.out_charged = tokens
+            elif kind == _FINISH:
+                if version == payload.version:  # else a finish since revised
+                    self._finished(payload, at)
             else:
                 self._cancel(payload, at)
-            self.handled += 1
 
     def prune(self, now: float) -> None:
         """Forget idle tenants' state as the gate does every ``PRUNE_INTERVAL`` (``Gate.
@@ -710,7 +719,7 @@ def replay_fast(config: PickerConfig, spec: PoolSpec,
                 now = last
             if (events and events[0][0] <= now) or (deadlines and deadlines[0][0] <= now):
                 pool.advance(now)
-            pool.now = last = now
+            last = now
             if now >= next_prune:
                 pool.prune(now)
                 next_prune = now + PRUNE_INTERVAL

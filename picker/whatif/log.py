@@ -214,14 +214,26 @@ builds, spools and replays (a plain tuple is built, spooled and read back faster
 named one)."""
 
 
+_plain_fields = operator.itemgetter(
+    "tenant_id", "timestamp", "arrived_at", "prompt_tokens", "completion_tokens", "model",
+    "lane_asked", "stream", "max_tokens", "endpoint")
+"""The fields ``_plain_record`` reads, in one call instead of ten ``dict.get`` calls (with
+``FigureScan.add``'s likewise, 4.5 % of the one pass's instructions)."""
+
+
 def _plain_record(line_number: int, data: dict[str, Any]) -> Row | None:
     """``parse_record`` of a record as the picker writes it today, in one pass of exact type
     checks (a day's log is millions of them), as a ``Row``; None for anything else, which
     ``parse_record`` then reads field by field to say what is wrong."""
-    get = data.get
-    tenant, finished, arrived = get("tenant_id"), get("timestamp"), get("arrived_at")
-    prompt, completion = get("prompt_tokens"), get("completion_tokens")
-    model, lane, stream, cap = get("model"), get("lane_asked"), get("stream"), get("max_tokens")
+    try:  # the picker writes every field, None or not: one call reads them all
+        tenant, finished, arrived, prompt, completion, model, lane, stream, cap, endpoint = \
+            _plain_fields(data)
+    except KeyError:  # a field missing: None, as ``get`` has it (an older record, say)
+        get = data.get
+        tenant, finished, arrived = get("tenant_id"), get("timestamp"), get("arrived_at")
+        prompt, completion = get("prompt_tokens"), get("completion_tokens")
+        model, lane, stream = get("model"), get("lane_asked"), get("stream")
+        cap, endpoint = get("max_tokens"), get("endpoint")
     if type(tenant) is not str or not tenant or type(finished) is not float \
             or type(arrived) is not float or not (-_INF < finished < _INF) \
             or not (-_INF < arrived < _INF) or type(prompt) is not int or prompt < 0 \
@@ -232,7 +244,7 @@ def _plain_record(line_number: int, data: dict[str, Any]) -> Row | None:
             or (cap is not None and (type(cap) is not int or cap < 0)):
         return None
     return (line_number, arrived, tenant, model or "", lane, prompt,
-            completion if get("endpoint") is not None else None, cap,
+            completion if endpoint is not None else None, cap,
             True if stream is None else stream, finished)
 
 
@@ -364,7 +376,7 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
     pending: list[Row] = _new_window()
     sums: dict[str, list[int]] = {}
     """Per tenant, [prompt tokens, served requests] (``PromptMeans``, inline)."""
-    total = [0, 0]
+    total_prompt = total_served = 0
     latest_finish = -math.inf
     release_at = -math.inf
     """The horizon as of the last record kept: what is at or before it is released."""
@@ -450,12 +462,12 @@ def read_arrival_chunks(path: Path | Sequence[bytes], skips: Skips, *,
             if inferred:
                 skips.inferred += 1
             if output is None and prompt == 0:
-                seen_total, seen = sums.get(tenant) or total
+                seen_total, seen = sums.get(tenant) or (total_prompt, total_served)
                 row = (*row[:5], max(1, round(seen_total / seen)) if seen else 1, *row[6:])
                 skips.prompt_guessed += 1
             elif prompt:
-                total[0] += prompt
-                total[1] += 1
+                total_prompt += prompt
+                total_served += 1
                 seen_sums = sums.get(tenant)
                 if seen_sums is None and len(sums) < MAX_TENANT_MEANS:
                     seen_sums = sums[tenant] = [0, 0]

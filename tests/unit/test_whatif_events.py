@@ -21,7 +21,14 @@ from picker.config.strict import load
 from picker.core import Request, Scheduler
 from picker.sim.pool import PoolSpec
 from picker.whatif.__main__ import main
-from picker.whatif.fast import FastReplay, _Endpoint, _Flow, replay_fast, unmodelled
+from picker.whatif.fast import (
+    MAX_ATTRIBUTES,
+    FastReplay,
+    _Endpoint,
+    _Flow,
+    replay_fast,
+    unmodelled,
+)
 from picker.whatif.log import Arrival
 from picker.whatif.replay import ReplayResult, replay
 from tests.unit.test_whatif_log import record, write
@@ -264,3 +271,21 @@ def test_a_flow_is_the_request_the_gate_would_have_made() -> None:
                        arrival=12.5)
         for name in (f.name for f in dataclasses.fields(Request)):
             assert getattr(flow, name) == getattr(made, name), name
+
+
+def test_the_replay_keeps_few_enough_attributes_to_share_their_names() -> None:
+    # Past MAX_ATTRIBUTES, CPython stops sharing the instances' attribute names and every
+    # ``self.x`` of the replay is a dictionary lookup: the replay's own state stays within it,
+    # while it runs too (nothing is added on the way).
+    spec = PoolSpec(endpoints=2, kv_budget_tokens=4096, step_s=0.01)
+    rules = config([{"id": "a"}, {"id": "b", "limits": {"maxConcurrent": 1}}],
+                   lanes=[{"name": "default"}, {"name": "batch", "minShare": 0.2}])
+    pool = FastReplay(rules, spec, ReplayResult(bucket_s=60.0), client_timeout_s=120.0)
+    for i in range(200):
+        now = i * 0.05
+        pool.advance(now)
+        pool.send(tuple(arrival(now, "ab"[i % 2], line=i + 1, output=80)), now)
+        if i == 100:
+            pool.prune(now)
+    pool.advance(1e6)
+    assert len(vars(pool)) <= MAX_ATTRIBUTES
