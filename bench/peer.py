@@ -538,8 +538,10 @@ def prefix_traffic(workload: str, timing: PrefixTiming, scale: float = 1.0) -> T
 
 def prefix_config(traffic: Traffic, affinity: bool) -> dict[str, Any]:
     """fairway's benchmark config (equal weights, ``queue.maxWait`` 60 s), with
-    ``routing.prefixAffinity`` at its defaults when ``affinity``."""
+    ``routing.prefixAffinity`` at its defaults when ``affinity``; ``capacity.engineCache:
+    auto`` either way (the engines here cache prefixes)."""
     config = fairway_config(traffic, "fcfs")
+    config.setdefault("capacity", {})["engineCache"] = "auto"
     if affinity:
         config["routing"] = {"prefixAffinity": {}}
     return config
@@ -1143,7 +1145,7 @@ def _prefix_tables(data: dict[str, Any], detail: bool = True) -> list[str]:
         f"defaults), B = upstream (its default scheduling profile: queue and KV-cache scorers at "
         f"weight 2, prefix-cache scorer at 3; flow control with {FAIRNESS_POLICY} at "
         f"queueDepthThreshold {FAIRNESS_QUEUE_DEPTH}), C = {PREFIX_PLAIN} (load alone "
-        + ("decides where; `capacity.engineCache` at its default: a prompt block shared by "
+        + ("decides where; `capacity.engineCache: auto`: a prompt block shared by "
            "requests running on an endpoint counted once in its room, as in A)"
            if data.get("engine_cache") else "decides where; a run from before "
            "`capacity.engineCache`: every request's whole prompt counted in the room)")

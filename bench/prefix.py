@@ -56,7 +56,7 @@ PREFILL_WEIGHT, DECODE_WEIGHT = 1, 2
 
 POLICIES: dict[str, dict[str, Any]] = {
     "fcfs": {"scheduling": {"policy": "fcfs"}},
-    "vtc": {},
+    "vtc": {"capacity": {"engineCache": "auto"}},
     "vtc, engineCache false": {"capacity": {"engineCache": False}},
 }
 """vtc at its defaults (the engines' shared prompt blocks counted once in the room) and vtc

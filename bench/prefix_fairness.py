@@ -92,7 +92,7 @@ and the prompt charged as computed; without, vtc told so (``capacity.engineCache
 prompt counts whole in the room), as it runs on traffic without reuse (affinity and computed
 charging change nothing there: no prefix is cached, ``cached_tokens`` is 0)."""
 MISMATCH: dict[str, tuple[PoolSpec, dict[str, Any]]] = {
-    "`engineCache: auto` (the default)": (NO_CACHE, {}),
+    "`engineCache: auto`": (NO_CACHE, {"capacity": {"engineCache": "auto"}}),
     "`engineCache: true`": (NO_CACHE, {"capacity": {"engineCache": True}}),
     "`engineCache: true`, affinity": (NO_CACHE, {"capacity": {"engineCache": True},
                                                  "routing": {"prefixAffinity": {}}}),

@@ -69,11 +69,19 @@ def gate_rules(config: PickerConfig) -> GateRules:
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
                        for t in config.tenants},
         configured_tenants=frozenset(t.id for t in config.tenants),
-        engine_cache=config.capacity.engine_cache is not False,
-        learn_engine_cache=config.capacity.engine_cache == "auto",
+        engine_cache=engine_cache(config) is not False,
+        learn_engine_cache=engine_cache(config) == "auto",
         affinity=affinity_rules(config),
         sessions=session_rules(config),
         charge_sent_to_budgets=config.cost.budget_tokens == "sent")
+
+
+def engine_cache(config: PickerConfig) -> bool | str:
+    """``capacity.engineCache``, unset read as ``auto`` with prefix affinity, else ``false``."""
+    setting = config.capacity.engine_cache
+    if setting is None:
+        return "auto" if config.routing.prefix_affinity is not None else False
+    return setting
 
 
 def affinity_rules(config: PickerConfig) -> AffinityRules | None:

@@ -220,17 +220,22 @@ class Capacity:
     default_output_tokens: int = field(default=256,
                                        metadata=_camel("default_output_tokens", ge=1))
     """Output estimate for a non-streaming request before the tenant has a history."""
-    engine_cache: bool | Literal["auto"] = field(default="auto",
-                                                 metadata=_camel("engine_cache"))
+    engine_cache: bool | Literal["auto"] | None = field(default=None,
+                                                        metadata=_camel("engine_cache"))
     """Whether the engines cache prefixes (vLLM V1's automatic prefix caching, on unless
     started with ``--no-enable-prefix-caching``). Where they do, a prompt block that requests
     running on one endpoint share counts once in its room, as the engine stores it once,
     whether or not ``routing.prefixAffinity`` routes by it (with affinity, a prompt is also
     charged at dispatch as cached as far as the endpoint was sent it); where they do not, each
-    request's whole prompt counts and is charged as computed. ``auto`` (default): per endpoint,
-    as the ``enable_prefix_caching`` label of its ``vllm:cache_config_info`` says (a page
-    without the label counts as caching), prompts counted whole until its first read;
-    ``true`` / ``false``: for every endpoint, whatever it says. The picker cuts each prompt's
+    request's whole prompt counts and is charged as computed. ``auto``: per endpoint, as the
+    ``enable_prefix_caching`` label of its ``vllm:cache_config_info`` says (a page without the
+    label counts as caching), prompts counted whole until its first read; ``true`` /
+    ``false``: for every endpoint, whatever it says. Unset (default): ``auto`` with
+    ``routing.prefixAffinity``, ``false`` without it, as before this setting; ``auto`` without
+    affinity is opt-in until it keeps the weights where the engine's ``max_num_seqs``, not its
+    KV, binds (identical prompts from every tenant let the picker send past the engine's
+    running limit and the engine's own queue decide the order: the fault tests' 1:2:3 split
+    read 0.28 / 0.35 / 0.37 with it). The picker cuts each prompt's
     text into chained blocks for it (``routing.prefixAffinity.blockChars``, 256 characters
     without affinity): 25 us of CPU a request at a 2k-token prompt, 41 at 4k, hashing included
     (bench/results/prefix_scorer.md). Measured in the pool simulator (bench/results/prefix.md)

@@ -112,9 +112,16 @@ def test_the_block_size_is_the_affinitys_when_set_else_the_default() -> None:
     assert GateRules(engine_cache=False, affinity=affine).block_chars() == 128
 
 
-def test_the_config_learns_each_engines_cache_unless_told() -> None:
-    assert load_config({}).capacity.engine_cache == "auto"
-    auto = gate_rules(load_config({}))
+def test_the_config_learns_each_engines_cache_when_told_or_with_affinity() -> None:
+    assert load_config({}).capacity.engine_cache is None
+    # Unset without affinity: every prompt counted whole, no prompt cut into blocks.
+    unset = gate_rules(load_config({}))
+    assert not unset.engine_cache and not unset.learn_engine_cache
+    assert unset.block_chars() == 0
+    # Unset with affinity: learned from each engine.
+    affine = gate_rules(load_config({"routing": {"prefixAffinity": {}}}))
+    assert affine.engine_cache and affine.learn_engine_cache and affine.block_chars() == 256
+    auto = gate_rules(load_config({"capacity": {"engineCache": "auto"}}))
     assert auto.engine_cache and auto.learn_engine_cache and auto.block_chars() == 256
     told = gate_rules(load_config({"capacity": {"engineCache": True}}))
     assert told.engine_cache and not told.learn_engine_cache
