@@ -49,6 +49,7 @@ def capacity_rules(config: PickerConfig) -> CapacityRules:
 def gate_rules(config: PickerConfig) -> GateRules:
     """Lanes, capacity, health, queue limits and routing, as the gate applies them."""
     lanes = config.lanes
+    cache = engine_cache(config)
     return GateRules(
         lanes=tuple(LaneRules(lane.name, lane.engine_priority) for lane in lanes),
         holding=config.scheduling.policy != "fcfs",
@@ -69,8 +70,8 @@ def gate_rules(config: PickerConfig) -> GateRules:
         allowed_lanes={t.id: frozenset((t.lane or lanes[0].name, *t.allowed_lanes))
                        for t in config.tenants},
         configured_tenants=frozenset(t.id for t in config.tenants),
-        engine_cache=engine_cache(config) is not False,
-        learn_engine_cache=engine_cache(config) == "auto",
+        engine_cache=cache is not False,
+        learn_engine_cache=cache == "auto",
         affinity=affinity_rules(config),
         sessions=session_rules(config),
         charge_sent_to_budgets=config.cost.budget_tokens == "sent")
