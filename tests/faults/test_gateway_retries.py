@@ -57,6 +57,16 @@ def _envoy_stat(stack: Stack, suffix: str) -> int:
     return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
 
 
+def _envoy_hosts(stack: Stack) -> list[str]:
+    """Envoy's per-host counters (its admin ``/clusters``: requests, errors, connect failures
+    of each model server), for a failure's message: which attempts reached which server."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.admin_port}/clusters",
+                                timeout=5) as page:
+        return [line for line in page.read().decode().splitlines()
+                if any(f"::{name}::" in line for name in ("rq_total", "rq_error", "rq_success",
+                                                          "cx_connect_fail", "cx_active"))]
+
+
 def _served(usage: Path) -> list[str | None]:
     return [json.loads(line)["endpoint"] for line in usage.read_text().splitlines() if line]
 
@@ -79,7 +89,7 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                                  range(CONCURRENT)))
     failed = [(i, status, head, body) for i, (status, head, body) in enumerate(answers)
               if status != 200]
-    assert not failed, failed
+    assert not failed, (failed, _envoy_hosts(stack))
 
     # Envoy retried (the picker kept naming the dead server first: it is the least loaded and
     # was never ejected), and had room to: no retry refused by the circuit breaker.
