@@ -67,13 +67,45 @@ def _envoy_hosts(stack: Stack) -> list[str]:
                                                           "cx_connect_fail", "cx_active"))]
 
 
+ATTEMPT_FORMAT = ("%UPSTREAM_HOST% attempt=%UPSTREAM_REQUEST_ATTEMPT_COUNT% code=%RESPONSE_CODE% "
+                  "flags=%RESPONSE_FLAGS% failure=%UPSTREAM_TRANSPORT_FAILURE_REASON% "
+                  "details=%RESPONSE_CODE_DETAILS% id=%REQ(X-REQUEST-ID)%\n")
+"""One line per upstream attempt (the router's ``upstream_log``), for a failure's message."""
+
+
+def with_attempt_log(build: Callable[[Stack], dict[str, Any]], path: Path
+                     ) -> Callable[[Stack], dict[str, Any]]:
+    """``build``'s Envoy bootstrap with every upstream attempt logged to ``path``: a test's
+    instrument only, so a failed retry shows each attempt's host and why it failed."""
+    def with_log(stack: Stack) -> dict[str, Any]:
+        config = build(stack)
+        (listener,) = config["static_resources"]["listeners"]
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        (router,) = [f for f in manager["http_filters"]
+                     if f["name"] == "envoy.filters.http.router"]
+        router["typed_config"]["upstream_log"] = [{
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3"
+                         ".FileAccessLog",
+                "path": str(path),
+                "log_format": {"text_format_source": {"inline_string": ATTEMPT_FORMAT}}}}]
+        return config
+    return with_log
+
+
+def _attempts(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def _served(usage: Path) -> list[str | None]:
     return [json.loads(line)["endpoint"] for line in usage.read_text().splitlines() if line]
 
 
 def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                                       headers: Callable[[], dict[str, str]],
-                                      served_reported: bool = True) -> None:
+                                      served_reported: bool = True,
+                                      attempts: Path | None = None) -> None:
     """Server 0 is SIGKILLed after one request; every request after it gets 200, charged once,
     and (``served_reported``: the gateway tells the picker) metered on the live server."""
     assert post_with(stack, headers(), SMALL_CHAT)[0] == 200
@@ -89,7 +121,7 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                                  range(CONCURRENT)))
     failed = [(i, status, head, body) for i, (status, head, body) in enumerate(answers)
               if status != 200]
-    assert not failed, (failed, _envoy_hosts(stack))
+    assert not failed, (failed, _envoy_hosts(stack), _attempts(attempts) if attempts else None)
 
     # Envoy retried (the picker kept naming the dead server first: it is the least loaded and
     # was never ejected), and had room to: no retry refused by the circuit breaker.
@@ -155,7 +187,9 @@ def test_each_shipped_envoy_sample_retries_on_the_live_server(tmp_path: Path,
     else:
         def headers() -> dict[str, str]:
             return {}  # the sample strips tenant headers: charged to the default tenant
+    attempts = tmp_path / "attempts.log"
     with Stack(tmp_path / "stack", endpoints=2, picker_config=picker_config(usage),
-               envoy_bootstrap=shipped_envoy(sample, TEST_JWKS if jwt else None)) as stack:
+               envoy_bootstrap=with_attempt_log(
+                   shipped_envoy(sample, TEST_JWKS if jwt else None), attempts)) as stack:
         assert not stack.retries  # the sample, not the stack, decides how Envoy routes
-        assert_retried_to_the_live_server(stack, usage, headers)
+        assert_retried_to_the_live_server(stack, usage, headers, attempts=attempts)
