@@ -61,7 +61,8 @@ lint: setup
 	@# picker/dispatch grades B or better (McCabe complexity at most 10).
 	$(PY) -m ruff check --select C901 --config 'lint.mccabe.max-complexity=10' picker/dispatch
 	$(VENV)/bin/lint-imports
-	$(PY) -m mypy picker/core picker/config
+	@# Types of the picker, the operator and the scripts (pyproject.toml [tool.mypy] files).
+	$(PY) -m mypy
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

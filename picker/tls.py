@@ -43,7 +43,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,8 +250,10 @@ class CertificateSource:
     def credentials(self) -> grpc.ServerCredentials:
         """Server credentials that serve ``current`` and ask ``fetch`` before each handshake.
         A client certificate is required (and verified against ``client_ca``) only with a CA."""
+        # gRPC takes None from fetch as "no change"; its stubs declare the configuration only.
         return grpc.dynamic_ssl_server_credentials(
-            self.current.configuration(self.client_ca_pem), self.fetch,
+            self.current.configuration(self.client_ca_pem),
+            self.fetch,  # type: ignore[arg-type]
             require_client_authentication=self.client_ca_pem is not None)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
@@ -375,7 +377,7 @@ UNAUTHENTICATED_HEADER_MODE = (
     "--client-auth=trust-network")
 
 
-def peer_names(auth_context: Mapping[str, Sequence[bytes]]) -> set[str]:
+def peer_names(auth_context: Mapping[str, Iterable[bytes]]) -> set[str]:
     """The SANs and CN of a verified client certificate, from gRPC's auth context."""
     return {value.decode(errors="replace")
             for key in ("x509_subject_alternative_name", "x509_common_name")

@@ -302,7 +302,8 @@ class Supervisor:
             held = self._health[worker.index] = (port, grpc.aio.insecure_channel(
                 f"127.0.0.1:{port}"))
         try:
-            answer = await health_pb2_grpc.HealthStub(held[1]).Check(
+            # The stubs declare HealthStub without its generated methods.
+            answer = await health_pb2_grpc.HealthStub(held[1]).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=READINESS), timeout=1.0)
         except grpc.aio.AioRpcError:
             return False

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from picker.config import schema
 
@@ -81,7 +81,8 @@ def _default(field: dataclasses.Field) -> str:
     if value == () or value is None:
         return "unset" if value is None else "none"
     if isinstance(value, tuple):
-        return ", ".join(f"`{v.name if dataclasses.is_dataclass(v) else v}`" for v in value)
+        return ", ".join(f"`{cast(Any, v).name if dataclasses.is_dataclass(v) else v}`"
+                         for v in value)
     return f"`{value}`"
 
 
@@ -120,7 +121,7 @@ def render() -> str:
             "`1h2m3.5s`, `1.5h`; units `ns`, `us`/`µs`, `ms`, `s`, `m`, `h`), plus `d` for days "
             "(`1d`; Go has no `d`); a quoted number without a unit (`\"50\"`) is refused. "
             "`python -m picker.config check FILE` validates a file.\n\n"
-            f"{' '.join(schema.PickerConfig.__doc__.split())}\n\n")
+            f"{' '.join((schema.PickerConfig.__doc__ or '').split())}\n\n")
     table = ["| key | type | default | rules | meaning |", "|---|---|---|---|---|"]
     table += ["| " + " | ".join(cell.replace("|", "\\|") if i != 1 else cell
                                 for i, cell in enumerate(row)) + " |"

@@ -220,7 +220,8 @@ class UpstreamPool:
 def _ready(ports: Ports) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{ports.health}") as channel:
         try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
+            # The stubs declare HealthStub without its generated methods.
+            answer = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
         except grpc.RpcError:
             return False

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import overload
 
 from fairway_operator.settings import Settings
 from picker.config.strict import parse_duration
@@ -16,6 +17,10 @@ from picker.errors import ConfigError
 ENV = "FAIRWAY_"
 
 
+@overload
+def _env(name: str) -> str | None: ...
+@overload
+def _env(name: str, default: str) -> str: ...
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV + name, default)
 

@@ -238,7 +238,7 @@ def _verdict_patch(status: Mapping[str, Any], verdict: render.Verdict,
     conditions = [c for c in status.get("conditions") or () if isinstance(c, Mapping)]
     old = _ready_condition(status)
     flag = "True" if verdict.ready else "False"
-    wanted = {"type": READY, "status": flag, "reason": verdict.reason,
+    wanted: dict[str, object] = {"type": READY, "status": flag, "reason": verdict.reason,
               "message": verdict.message[:MAX_MESSAGE]}
     if verdict.generation is not None:
         wanted["observedGeneration"] = verdict.generation

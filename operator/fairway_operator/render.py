@@ -179,7 +179,7 @@ def capacity_profile(config: Mapping[str, Any]) -> str:
     """The ``capacity.profile`` in force under ``config`` (a config ``render`` wrote): each
     TenantPolicy's ``status.capacityProfile``. The base config chooses it, never a policy: it
     trades the whole pool's tokens for light tenants' latency (README, "What isolation costs")."""
-    return load_config(config).capacity.profile
+    return load_config(dict(config)).capacity.profile
 
 
 def secret_names(policies: Iterable[Mapping[str, Any]]) -> set[str]:

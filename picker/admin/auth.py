@@ -32,8 +32,8 @@ class AdminAuth(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],
-                                         Awaitable[grpc.RpcMethodHandler]],
-            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+                                         Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         if not details.method.startswith(PREFIX):
             return await continuation(details)
         sent = next((value for key, value in details.invocation_metadata or ()
@@ -48,7 +48,7 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
                         "the admin API needs authorization: Bearer <token> (--admin-token-file)")
 
 
-_REFUSED = grpc.unary_unary_rpc_method_handler(_refuse)
+_REFUSED: grpc.RpcMethodHandler[Any, None] = grpc.unary_unary_rpc_method_handler(_refuse)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

@@ -56,6 +56,11 @@ class ApiError(Exception):
         return cls(code, "", str(body)[:200])
 
 
+WATCH_FAILED: tuple[type[BaseException], ...] = (ApiError, *UNREACHABLE, ValueError)
+"""A list or watch the API server refused, could not be reached for, or answered with what
+was not JSON: logged, and tried again after a back-off."""
+
+
 class Gone(ApiError):
     """410: the watched ``resourceVersion`` is too old; list again."""
 
@@ -298,7 +303,7 @@ class Reflector:
                         return  # a server that ends watches at once is not hammered
             except Gone:
                 log.info("watch of %s expired (410); listing again", self.path)
-            except (ApiError, *UNREACHABLE, ValueError) as exc:
+            except WATCH_FAILED as exc:
                 self.errors += 1
                 if listed_at is not None and loop.time() - listed_at > self.retry_max:
                     delay = self.retry_min  # it worked for a while: back off afresh

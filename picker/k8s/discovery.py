@@ -73,7 +73,7 @@ def endpoints_of(pool: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any
     ports = _target_ports(spec)
     if not selector or not ports:
         return []
-    found = set()
+    found: set[str] = set()
     for pod in pods:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if all(labels.get(k) == v for k, v in selector.items()) and is_serving(pod):

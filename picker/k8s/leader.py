@@ -42,6 +42,12 @@ from picker.k8s.client import (
 
 log = logging.getLogger(__name__)
 
+WRITE_FAILED: tuple[type[BaseException], ...] = (*UNREACHABLE, ValueError, AttributeError)
+"""A Lease write the API server could not be reached for, or answered with what was not a
+Lease: this round fails, the next one tries again."""
+RELEASE_FAILED: tuple[type[BaseException], ...] = (ApiError, *UNREACHABLE)
+"""A release on the way out that did not reach the API server: the Lease then expires."""
+
 LEASE_API = "/apis/coordination.k8s.io/v1"
 
 
@@ -158,7 +164,7 @@ class LeaderElector:
                 return HELD
             log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
             return FAILED
-        except (*UNREACHABLE, ValueError, AttributeError) as exc:
+        except WRITE_FAILED as exc:
             log.warning("lease %s/%s: %s: %s", self.namespace, self.name, type(exc).__name__, exc)
             return FAILED
         stored = written.get("spec") if isinstance(written, dict) else None
@@ -233,7 +239,7 @@ class LeaderElector:
             if self.leading and self.release_on_stop:
                 try:
                     await asyncio.wait_for(self.release(), self.client.timeout)
-                except (ApiError, *UNREACHABLE) as exc:
+                except RELEASE_FAILED as exc:
                     log.warning("lease %s/%s not released: %s", self.namespace, self.name, exc)
             self._set_leading(False)
 

@@ -72,7 +72,7 @@ class TenantCapped(Generic[_Metric]):
     """
 
     def __init__(self, metric: _Metric, fold: Callable[[str], str]) -> None:
-        self.metric = metric
+        self.metric: _Metric = metric
         self._fold = fold
 
     def labels(self, *values: Any, **named: Any) -> _Metric:

@@ -68,8 +68,10 @@ class _Traffic:
 
     def new_requests(self, step: int) -> int:
         phases = self.tenant.arrivals
-        while self.phase < len(phases) - 1 and phases[self.phase].until is not None \
-                and step >= phases[self.phase].until:
+        while self.phase < len(phases) - 1:
+            until = phases[self.phase].until
+            if until is None or step < until:
+                break
             self.phase += 1
         phase = phases[self.phase]
         if phase.until is not None and step >= phase.until:
@@ -124,7 +126,8 @@ class BatchEngine:
 
         Returns why admission stopped (``empty``, ``no_fit`` or ``held``) and the admitted requests.
         """
-        scheduler, admitted = self.scheduler, []
+        scheduler = self.scheduler
+        admitted: list[Request] = []
         while True:
             if self.max_running is not None and len(self.running) >= self.max_running:
                 return "no_fit", admitted

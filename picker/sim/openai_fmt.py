@@ -743,7 +743,8 @@ class MessagesStreamFormatter:
 
     def first(self) -> bytes:
         """``message_start`` (with the input tokens), a ``ping``, the text block's start."""
-        message = {"id": self.id, "type": "message", "role": "assistant", "content": [],
+        message: dict[str, object] = {
+                   "id": self.id, "type": "message", "role": "assistant", "content": [],
                    "model": self.model, "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.req.prompt_tokens, "output_tokens": 0}}
         return b"".join((

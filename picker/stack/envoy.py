@@ -414,8 +414,9 @@ def pool_cluster(endpoints: list[str] | None = None,
         })
     cluster["load_balancing_policy"] = _override_host_policy()
     cluster["circuit_breakers"] = POOL_CIRCUIT_BREAKERS
+    hosts = [pool_pods] if pool_pods else endpoints or []
     cluster["load_assignment"] = {"cluster_name": "pool", "endpoints": [{"lb_endpoints": [
-        {"endpoint": _socket_address(a)} for a in ([pool_pods] if pool_pods else endpoints)]}]}
+        {"endpoint": _socket_address(a)} for a in hosts]}]}
     return cluster
 
 

@@ -66,6 +66,12 @@ def reserved_port() -> int:
     return int(held.getsockname()[1])
 
 
+def _command(process: subprocess.Popen) -> list[str]:
+    """The command line ``process`` was started with, as the strings ``_spawn`` gave it."""
+    args = process.args
+    return [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+
+
 def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: Path) -> str:
     """Read the process's stdout until a line containing ``marker``; copy all of it to ``log``.
 
@@ -94,8 +100,8 @@ def _wait_for_line(process: subprocess.Popen, marker: str, timeout: float, log: 
                 return seen.decode(errors="replace")
     tail = "\n".join(seen.decode(errors="replace").splitlines()[-15:])
     ended = "" if process.poll() is None else f" (it exited with {process.returncode})"
-    raise RuntimeError(f"{process.args[:4]} did not print {marker!r} within {timeout}s{ended}; "
-                       f"see {log}; its last lines:\n{tail}")
+    raise RuntimeError(f"{_command(process)[:4]} did not print {marker!r} within {timeout}s"
+                       f"{ended}; see {log}; its last lines:\n{tail}")
 
 
 def merge_sections(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -450,7 +456,7 @@ class Stack:
         self._kill(old, held)
         self.processes.remove(old)
         # The same ports as before (Envoy's config names them), no longer 0.
-        args = list(old.args)
+        args = _command(old)
         at = args.index("--grpc-port")
         args[at:at + 8] = _picker_ports(*held)
         self.picker_processes[replica] = self._spawn(

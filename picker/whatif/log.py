@@ -36,7 +36,7 @@ from typing import IO, Any, NamedTuple
 try:
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - orjson is a dependency; json gives the same records
-    _loads = json.loads
+    _loads = json.loads  # type: ignore[assignment]  # takes str and bytes alike, as orjson's
 
 REPORTED_PER_KIND = 5
 """Messages printed for each kind of problem; the rest are counted."""
