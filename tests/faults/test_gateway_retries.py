@@ -121,7 +121,8 @@ def assert_retried_to_the_live_server(stack: Stack, usage: Path,
                                  range(CONCURRENT)))
     failed = [(i, status, head, body) for i, (status, head, body) in enumerate(answers)
               if status != 200]
-    assert not failed, (failed, _envoy_hosts(stack), _attempts(attempts) if attempts else None)
+    assert not failed, (failed, _envoy_stat(stack, "upstream_rq_retry_overflow"),
+                        _envoy_hosts(stack), _attempts(attempts) if attempts else None)
 
     # Envoy retried (the picker kept naming the dead server first: it is the least loaded and
     # was never ejected), and had room to: no retry refused by the circuit breaker.
