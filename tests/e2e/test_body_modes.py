@@ -20,7 +20,7 @@ import pytest
 
 from picker.stack.envoy import envoy_config
 from picker.stack.launcher import Stack
-from tests.e2e.conftest import TENANT_HEADER, chat_body, settled_metric
+from tests.e2e.conftest import TENANT_HEADER, chat_body, metric_samples, settled_metric
 
 MODES = {
     "full-duplex": ("FULL_DUPLEX_STREAMED", False),
@@ -76,7 +76,20 @@ def test_request_is_routed_rewritten_and_charged(stack: Stack) -> None:
         assert status == 200, body
     charged = settled_metric(stack.metrics_url, "fairway_service_tokens_total", before + 8,
                              tenant="a", kind="completion")
-    assert charged == before + 8
+    assert charged == before + 8, _diagnosis(stack)
+
+
+def _diagnosis(stack: Stack) -> str:
+    """What the picker counted and logged, and what Envoy logged, for a failure's message."""
+    counted = {f"{name}{dict(labels)}": value
+               for (name, labels), value in metric_samples(stack.metrics_url).items()
+               if name.startswith(("fairway_requests_total", "fairway_settlements_estimated",
+                                   "fairway_meter_unclaimed", "fairway_service_tokens_total",
+                                   "fairway_faults"))}
+    logs = {name: (stack.workdir / name).read_text(errors="replace")[-3000:]
+            for name in ("picker.log", "envoy.log", "access.log", "server0.log")
+            if (stack.workdir / name).exists()}
+    return json.dumps({"metrics": counted, "logs": logs}, indent=1)
 
 
 def test_refusals_reach_the_client_with_their_status(stack: Stack) -> None:
