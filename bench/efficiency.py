@@ -383,7 +383,13 @@ def engine_summary(steps: Sequence[dict[str, Any]], t1: float, t2: float,
             # Idle time counts as it was (an engine with nothing to run loses it either way).
             "decode_per_model_s": sum(s["dec"] for s in inside) / (span - busy + sum(
                 step_s + s["pre"] * spec.prefill_s_per_token for s in inside)),
-            "preempted": float(sum(s.get("pmt", 0) for s in inside))}
+            "preempted": float(sum(s.get("pmt", 0) for s in inside)),
+            "prefill_tokens": float(sum(s["pre"] for s in inside)),
+            "recomputed_tokens": float(sum(s.get("rec", 0) for s in inside)),
+            "decode_tokens": float(sum(s["dec"] for s in inside)),
+            "finished_prompt_tokens": float(sum(s.get("fp", 0) for s in inside)),
+            "finished_output_tokens": float(sum(s.get("fo", 0) for s in inside)),
+            "steps": float(len(inside))}
 
 
 def _view_at(times: list[float], lines: Sequence[dict[str, Any]],
