@@ -12,7 +12,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 from picker.config.strict import load, load_yaml_file, require_known, require_unique
 from picker.errors import BadRequest, ConfigError
@@ -887,7 +887,7 @@ class PickerConfig:
                                       f"objective {objective!r} already asks for lane "
                                       f"{owner[objective]!r}")
                 owner[objective] = lane.name
-        if self.scheduling.preempt is None:
+        if cast("bool | None", self.scheduling.preempt) is None:
             # Unset: the capacity profile's (the field then holds what is in force).
             object.__setattr__(self, "scheduling", dataclasses.replace(
                 self.scheduling, preempt=PREEMPT_BY_PROFILE[self.capacity.profile]))
