@@ -1,7 +1,8 @@
 """Several ``bench.efficiency`` runs as one goal report, beside an earlier goal matrix.
 
 ``python -m bench.efficiency_merge --before bench/results/goals/efficiency.json --out
-bench/results/goals/efficiency_reruns A/efficiency.json B/efficiency.json ...`` writes
+bench/results/goals/efficiency_reruns A/efficiency.json B/efficiency.json ... [--section TITLE
+C/efficiency.json ...]`` writes
 ``efficiency_reruns.json`` (the runs' cells together) and ``efficiency_reruns.md``: the goal
 table of ``bench.efficiency`` over them, then each rerun cell's ratio beside the one the
 ``--before`` matrix measured for the same cell (its name: size, loop, engines, endpoints, path,
@@ -56,6 +57,11 @@ def main() -> None:
     parser.add_argument("--label", default="the goal matrix", help="what --before is")
     parser.add_argument("--out", required=True, help="path without suffix (.json, .md added)")
     parser.add_argument("--note", default="", help="a paragraph put under the title")
+    parser.add_argument("--section", nargs="+", action="append", default=[],
+                        metavar=("TITLE", "JSON"),
+                        help="more runs in a section of their own, after the comparison: "
+                             "its title, then efficiency.json files (an A/A run's 'default' "
+                             "column is a second pass-through)")
     args = parser.parse_args()
     data = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in args.runs])
     data["merge_command"] = " ".join(sys.argv[1:])
@@ -67,6 +73,17 @@ def main() -> None:
         lines += [args.note, ""]
     lines += ["Runs: " + "; ".join(f"`python -m bench.efficiency {c}`" for c in data["commands"]),
               "", *goals_report(data), "", *compare(data, before, args.label)]
+    sections = {}
+    for title, *paths in args.section:
+        extra = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in paths])
+        sections[title] = extra
+        report = goals_report(extra)
+        report[0] = f"## {title}"
+        lines += ["", "Runs: " + "; ".join(f"`python -m bench.efficiency {c}`"
+                                           for c in extra["commands"]), "", *report]
+    if sections:
+        data["sections"] = sections
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {out.with_suffix('.md')}")
 
