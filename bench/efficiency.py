@@ -383,7 +383,13 @@ def engine_summary(steps: Sequence[dict[str, Any]], t1: float, t2: float,
             # Idle time counts as it was (an engine with nothing to run loses it either way).
             "decode_per_model_s": sum(s["dec"] for s in inside) / (span - busy + sum(
                 step_s + s["pre"] * spec.prefill_s_per_token for s in inside)),
-            "preempted": float(sum(s.get("pmt", 0) for s in inside))}
+            "preempted": float(sum(s.get("pmt", 0) for s in inside)),
+            "prefill_tokens": float(sum(s["pre"] for s in inside)),
+            "recomputed_tokens": float(sum(s.get("rec", 0) for s in inside)),
+            "decode_tokens": float(sum(s["dec"] for s in inside)),
+            "finished_prompt_tokens": float(sum(s.get("fp", 0) for s in inside)),
+            "finished_output_tokens": float(sum(s.get("fo", 0) for s in inside)),
+            "steps": float(len(inside))}
 
 
 def _view_at(times: list[float], lines: Sequence[dict[str, Any]],
@@ -535,7 +541,7 @@ def mode_config(mode: str, spec: PoolSpec, traffic: Traffic, scale: float) -> di
     """The picker's config sections for ``mode`` on ``spec``'s engines (the stack's, and the
     simulator's through ``_sim_config``)."""
     policy, extra = MODES[mode]
-    if mode == "default" and spec.engine_policy == "priority":
+    if mode == "default" and policy == "vtc" and spec.engine_policy == "priority":
         # As bench.isolation_envoy: the picker tells priority engines whom to run first;
         # pass-through sends no priority (the engines then run their queue first come).
         extra = merge_sections(extra, {"scheduling": {"enginePolicy": "priority"}})
@@ -1196,7 +1202,13 @@ def main() -> None:
     parser.add_argument("--no-trace", action="store_true",
                         help="no step or picker traces: no breakdown, less CPU")
     parser.add_argument("--no-sim", action="store_true", help="skip the pool simulator")
+    parser.add_argument("--aa", action="store_true",
+                        help="an A/A run: the 'default' variant runs pass-through too, so the "
+                             "ratio shows what two runs of one policy differ by (the noise "
+                             "floor of the goal's ratio)")
     args = parser.parse_args()
+    if args.aa:
+        MODES["default"] = MODES["pass-through"]
     if args.resim:
         latencies = ((args.dispatch_latency_ms or 0.0) / 1000,
                      (args.completion_lag_ms or 0.0) / 1000)
@@ -1240,7 +1252,7 @@ def main() -> None:
         return
     args.duration = DURATION_S if args.duration is None else args.duration
     data: dict[str, Any] = {"scale": args.scale, "catch_up_ms": args.catch_up_ms, "sizes": {},
-                            "command": " ".join(sys.argv[1:])}
+                            "command": " ".join(sys.argv[1:]), "aa": args.aa}
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

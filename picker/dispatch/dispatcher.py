@@ -213,7 +213,8 @@ class Dispatcher:
                                   max_prefill_tokens=c.max_prefill_tokens,
                                   ready_reserve=c.ready_reserve,
                                   reserve_quantile=c.reserve_quantile,
-                                  reserve_max_share=c.reserve_max_share)
+                                  reserve_max_share=c.reserve_max_share,
+                                  preempt=config.scheduling.preempt)
         gate.pump(now)
 
     def _check_live_change(self, config: PickerConfig, structural: bool) -> None:

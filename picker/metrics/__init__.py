@@ -183,6 +183,9 @@ class PickerMetrics:
         self.capacity_reserve_max_share = Gauge(
             "fairway_capacity_reserve_max_share", "capacity.reserveMaxShare in force (the "
             "share of the pool the rate-sized reserves may keep together).", registry=r)
+        self.scheduling_preempt = Gauge(
+            "fairway_scheduling_preempt", "scheduling.preempt in force (1 on, 0 off; unset: "
+            "the capacity profile's).", registry=r)
         labels = build_labels()
         Gauge("fairway_build_info", "Always 1; the labels say which fairway and Python run.",
               list(labels), registry=r).labels(**labels).set(1)
@@ -190,9 +193,10 @@ class PickerMetrics:
     def set_capacity(self, profile: str, profiles: Iterable[str], *,
                      idle_tenant_reserve: float, growth_room: bool, max_prefill_tokens: int,
                      ready_reserve: bool, reserve_quantile: float,
-                     reserve_max_share: float) -> None:
+                     reserve_max_share: float, preempt: bool = False) -> None:
         """The capacity profile in force (1; the other ``profiles`` 0) and the settings it
-        sets, as loaded: a key written out over the profile shows its own value."""
+        sets, as loaded: a key written out over the profile shows its own value
+        (``preempt``: ``scheduling.preempt``)."""
         for name in profiles:
             self.capacity_profile.labels(name).set(1 if name == profile else 0)
         self.capacity_idle_tenant_reserve.set(idle_tenant_reserve)
@@ -201,6 +205,7 @@ class PickerMetrics:
         self.capacity_ready_reserve.set(1 if ready_reserve else 0)
         self.capacity_reserve_quantile.set(reserve_quantile)
         self.capacity_reserve_max_share.set(reserve_max_share)
+        self.scheduling_preempt.set(1 if preempt else 0)
 
     def set_known_tenants(self, tenants: Iterable[str]) -> None:
         """Tenants that get their own label value; all others are counted as ``other``."""

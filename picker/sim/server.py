@@ -395,8 +395,10 @@ class SimEngine:
         """One JSON line for a step that ran from ``started`` to ``now`` (the event loop's
         clock, monotonic, so a picker's trace on the same host lines up with it): running and
         waiting requests and KV blocks used after it, its prompt and decode tokens, the requests
-        added and finished so far. An idle engine writes nothing: a gap between one line's
-        ``t`` and the next one's ``t0`` is time with nothing to run."""
+        added and finished so far, the requests it preempted (``pmt``), the prompt tokens it
+        computed again after a preemption (``rec``, within ``pre``), and the prompt and output
+        tokens of the requests it finished (``fp``, ``fo``). An idle engine writes nothing: a
+        gap between one line's ``t`` and the next one's ``t0`` is time with nothing to run."""
         assert self.trace is not None
         scheduler = self.scheduler
         computed = sum(out.scheduled.values())
@@ -405,7 +407,10 @@ class SimEngine:
             f'"wait":{scheduler.num_waiting},"kv":{scheduler.used_blocks},'
             f'"kvt":{self.config.total_blocks},"pre":{out.prefill_tokens},'
             f'"dec":{computed - out.prefill_tokens},"arr":{self.arrived},'
-            f'"fin":{self.finished},"pmt":{len(out.preempted)}}}\n')
+            f'"fin":{self.finished},"pmt":{len(out.preempted)},'
+            f'"rec":{out.recomputed_tokens},'
+            f'"fp":{sum(r.prompt_tokens for r in out.finished)},'
+            f'"fo":{sum(r.generated for r in out.finished)}}}\n')
 
     def release(self, out: StepOutput, now: float) -> None:
         """The step has ended: hand each emitted token to its job, finish what finished."""

@@ -44,6 +44,7 @@ def test_metrics_say_which_profile_and_settings_are_in_force_and_follow_a_reload
     assert _value(metrics, "fairway_capacity_ready_reserve") == 1
     assert _value(metrics, "fairway_capacity_reserve_quantile") == 0.9
     assert _value(metrics, "fairway_capacity_reserve_max_share") == 0.15
+    assert _value(metrics, "fairway_scheduling_preempt") == 1
 
     dispatcher.apply_config(load_config({"endpoints": ISOLATION["endpoints"]}))
     assert _value(metrics, "fairway_capacity_profile", profile="isolation") == 0
@@ -54,3 +55,4 @@ def test_metrics_say_which_profile_and_settings_are_in_force_and_follow_a_reload
     assert _value(metrics, "fairway_capacity_ready_reserve") == 0
     assert _value(metrics, "fairway_capacity_reserve_quantile") == 0.0
     assert _value(metrics, "fairway_capacity_reserve_max_share") == 1.0
+    assert _value(metrics, "fairway_scheduling_preempt") == 0

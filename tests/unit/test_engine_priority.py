@@ -197,3 +197,34 @@ def test_a_tenant_holding_its_share_loses_the_light_standing_with_an_empty_queue
     assert all(p.dispatched_at is not None for p in running)  # room for all: never backlogged
     assert [p.engine_priority for p in running] == [0, 1, 1, 1, 1]
     assert _admit(gate, "newcomer").engine_priority == 0
+
+
+def _unset_preempt(**capacity: Any) -> PickerConfig:
+    return load(PickerConfig, {"endpoints": [{"address": A}],
+                               "capacity": {"kvBudgetTokens": 1000, **capacity},
+                               "scheduling": {"enginePolicy": "priority"}})
+
+
+def test_the_default_holds_a_light_request_rather_than_send_it_for_preemption() -> None:
+    # vLLM admits a request sent for preemption with the blocks of the flood request it
+    # preempts, which then recomputes its whole prompt: the work-conserving default waits.
+    config = _unset_preempt()
+    assert config.scheduling.preempt is False and gate_rules(config).preempt is False
+    gate = _gate(config)
+    _flood(gate)
+    light = _admit(gate, "light", prompt=150)
+    assert light.dispatched_at is None and not light.preempting
+
+
+def test_the_isolation_profile_keeps_sending_for_preemption() -> None:
+    # What the gate then does with it:
+    # test_a_light_request_goes_to_a_full_endpoint_the_engine_preempts_for.
+    config = _unset_preempt(profile="isolation")
+    assert config.scheduling.preempt is True and gate_rules(config).preempt is True
+
+
+def test_preempt_written_out_wins_over_the_profile() -> None:
+    on = load(PickerConfig, {"scheduling": {"enginePolicy": "priority", "preempt": True}})
+    off = load(PickerConfig, {"capacity": {"profile": "isolation"},
+                              "scheduling": {"enginePolicy": "priority", "preempt": False}})
+    assert (on.scheduling.preempt, off.scheduling.preempt) == (True, False)
