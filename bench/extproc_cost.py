@@ -51,7 +51,8 @@ BEFORE = "d6e0849"
 CHUNKS = 100
 REQUESTS = 100
 """Requests a round."""
-CONFIG = {"endpoints": [{"address": "127.0.0.1:9001"}, {"address": "127.0.0.1:9002"}],
+ENDPOINTS = ["127.0.0.1:9001", "127.0.0.1:9002"]
+CONFIG = {"endpoints": [{"address": address} for address in ENDPOINTS],
           "tenants": [{"id": "heavy"}, {"id": "light-a"}], "queue": {"maxWait": "60s"},
           "capacity": {"kvBudgetTokens": 65536}, "routing": {"prefixAffinity": {}}}
 _FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -159,7 +160,7 @@ async def measure(modules: dict[str, types.ModuleType], rounds: int) -> dict[str
         dispatcher = Dispatcher(config, metrics=PickerMetrics(CollectorRegistry()))
         processors[name] = (module.ExternalProcessor(dispatcher, lambda: config),
                             _serializer(module))
-    processors[FLOOR] = (FloorServicer([e["address"] for e in CONFIG["endpoints"]]),
+    processors[FLOOR] = (FloorServicer(ENDPOINTS),
                          _serializer(None))
     for processor, serialize in processors.values():
         for i in range(50):  # warm: the prefix index, the tenants' estimates

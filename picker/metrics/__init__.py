@@ -78,7 +78,7 @@ class TenantCapped(Generic[_Metric]):
     """
 
     def __init__(self, metric: _Metric, fold: Callable[[str], str]) -> None:
-        self.metric = metric
+        self.metric: _Metric = metric
         self._fold = fold
         self._children: dict[tuple[Any, ...], _Metric] = {}
         """Children by the label values asked for (positional), kept until the fold changes
