@@ -6,11 +6,15 @@ Envoy: what remains is the picker's code, above the CPython gRPC floor of
 ``bench.grpc_floor``) with the messages Envoy sends for one streamed chat request of the
 system-prompt workload (``bench/traffic/prefix_system_prompt.yaml``: a 2,000-token system prompt
 shared by a tenant's requests, a short question), full-duplex bodies, the response inline, two
-endpoints with ``routing.prefixAffinity``. Per request: a request answered with no chunk; per
-chunk: (a request with ``CHUNKS`` one-token SSE chunks − one with none) ÷ ``CHUNKS``. CPU time
-(``time.process_time``), the best of ``--rounds`` interleaved rounds of 100 requests, for
-``picker/extproc/service.py`` as it is and as it was at ``--before`` (read with ``git show``),
-each with its own dispatcher. Writes ``bench/results/extproc_cost.md`` and ``.json``.
+endpoints with ``routing.prefixAffinity``. Each reply is serialized as gRPC would (the servicer's
+``serialize_reply`` where it has one, else ``SerializeToString``). Per request: a request
+answered with no chunk; per chunk: (a request with ``CHUNKS`` one-token SSE chunks − one with
+none) ÷ ``CHUNKS``. CPU time (``time.process_time``), the best of ``--rounds`` interleaved rounds
+of 100 requests, for ``picker/extproc/service.py`` and the response meter it uses
+(``picker/openai/response.py``) as they are and as they were at ``--before`` (read with ``git
+show``), each with its own dispatcher, and for ``bench.floor_epp``'s servicer (the CPython gRPC
+floor as a picker: route, echo, nothing else) on the same messages. Writes
+``bench/results/extproc_cost.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 import picker.extproc.service as current
+from bench.floor_epp import FloorServicer
 from picker.config.schema import load_config
 from picker.dispatch import Dispatcher
 from picker.metrics import PickerMetrics
@@ -41,12 +46,13 @@ from picker.sim.traffic import DEFAULT_TENANT_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-BEFORE = "5d0e582~1"
-"""The last commit before the streamed-body answer was built in place."""
+BEFORE = "d6e0849"
+"""The last commit before the echo went out as wire bytes and decode steps were read unparsed."""
 CHUNKS = 100
 REQUESTS = 100
 """Requests a round."""
-CONFIG = {"endpoints": [{"address": "127.0.0.1:9001"}, {"address": "127.0.0.1:9002"}],
+ENDPOINTS = ["127.0.0.1:9001", "127.0.0.1:9002"]
+CONFIG = {"endpoints": [{"address": address} for address in ENDPOINTS],
           "tenants": [{"id": "heavy"}, {"id": "light-a"}], "queue": {"maxWait": "60s"},
           "capacity": {"kvBudgetTokens": 65536}, "routing": {"prefixAffinity": {}}}
 _FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -106,50 +112,74 @@ class Driver:
             body=self.bodies[i % len(self.bodies)], end_of_stream=True))
         return [headers, body, self.response_headers, *([self.chunk] * chunks), self.last]
 
-    async def one(self, processor: Any, messages: list[pb.ProcessingRequest]) -> None:
+    async def one(self, processor: Any, messages: list[pb.ProcessingRequest],
+                  serialize: Callable[[Any], bytes] = pb.ProcessingResponse.SerializeToString,
+                  ) -> None:
         async def stream() -> AsyncIterator[pb.ProcessingRequest]:
             for message in messages:
                 yield message
-        async for _ in processor.Process(stream(), _Context()):
-            pass
+        async for reply in processor.Process(stream(), _Context()):
+            serialize(reply)  # as gRPC does with each reply
+
+
+def _source(ref: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{ref}:{path}"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
 
 
 def _before(ref: str) -> types.ModuleType | None:
-    """``picker.extproc.service`` as it was at ``ref`` (None without git)."""
+    """``picker.extproc.service`` as it was at ``ref``, with the response meter of ``ref``
+    (``picker/openai/response.py``) in it (None without git)."""
     try:
-        source = subprocess.run(["git", "show", f"{ref}:picker/extproc/service.py"], cwd=ROOT,
-                                capture_output=True, text=True, check=True).stdout
+        meter_source = _source(ref, "picker/openai/response.py")
+        source = _source(ref, "picker/extproc/service.py")
     except (OSError, subprocess.CalledProcessError):
         return None
+    meter = types.ModuleType("picker.openai.response_before")
+    exec(compile(meter_source, "response_before.py", "exec"), meter.__dict__)
     module = types.ModuleType("picker.extproc.service_before")
     exec(compile(source, "service_before.py", "exec"), module.__dict__)
+    module.ResponseMeter = meter.ResponseMeter  # type: ignore[attr-defined]
+    module.streamed_output = meter.streamed_output  # type: ignore[attr-defined]
     return module
+
+
+def _serializer(module: types.ModuleType | None) -> Callable[[Any], bytes]:
+    serialize = getattr(module, "serialize_reply", None)
+    return serialize if serialize is not None else pb.ProcessingResponse.SerializeToString
+
+
+FLOOR = "CPython gRPC floor (bench.floor_epp)"
 
 
 async def measure(modules: dict[str, types.ModuleType], rounds: int) -> dict[str, Any]:
     config = load_config(CONFIG)
     driver = Driver()
-    processors = {}
+    processors: dict[str, tuple[Any, Callable[[Any], bytes]]] = {}
     for name, module in modules.items():
         dispatcher = Dispatcher(config, metrics=PickerMetrics(CollectorRegistry()))
-        processors[name] = module.ExternalProcessor(dispatcher, lambda: config)
+        processors[name] = (module.ExternalProcessor(dispatcher, lambda: config),
+                            _serializer(module))
+    processors[FLOOR] = (FloorServicer(ENDPOINTS),
+                         _serializer(None))
+    for processor, serialize in processors.values():
         for i in range(50):  # warm: the prefix index, the tenants' estimates
-            await driver.one(processors[name], driver.messages(i, 10))
-    best = {(name, chunks): float("inf") for name in modules for chunks in (0, CHUNKS)}
+            await driver.one(processor, driver.messages(i, 10), serialize)
+    best = {(name, chunks): float("inf") for name in processors for chunks in (0, CHUNKS)}
     sent = 0
     for _ in range(rounds):
-        for name, processor in processors.items():
+        for name, (processor, serialize) in processors.items():
             for chunks in (0, CHUNKS):
                 batch = [driver.messages(sent + i, chunks) for i in range(REQUESTS)]
                 sent += REQUESTS
                 start = time.process_time()
                 for messages in batch:
-                    await driver.one(processor, messages)
+                    await driver.one(processor, messages, serialize)
                 best[name, chunks] = min(best[name, chunks],
                                          (time.process_time() - start) / REQUESTS * 1e6)
     return {name: {"us_per_request": round(best[name, 0], 1),
                    "us_per_chunk": round((best[name, CHUNKS] - best[name, 0]) / CHUNKS, 2)}
-            for name in modules}
+            for name in processors}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,19 +200,25 @@ def main(argv: list[str] | None = None) -> int:
               "python": sys.version.split()[0], "loadavg": [load_start, load_end],
               "results": got}
     (RESULTS / "extproc_cost.json").write_text(json.dumps(record, indent=2) + "\n")
+    floor = got[FLOOR]
     lines = ["# The picker's own Python on the inline response path: CPU per request and per "
              "streamed chunk", "",
              f"`python -m bench.extproc_cost` (in-process, no gRPC; a 2,000-token system prompt "
-             f"and a short question, {CHUNKS} one-token chunks; best of {args.rounds} "
-             f"interleaved rounds of {REQUESTS} requests, CPU time; before: "
-             f"`{args.before}`; load average {load_start[0]:.2f} → {load_end[0]:.2f} on a "
-             "2-core machine shared with other work). The CPython gRPC floor under these "
-             "figures (receiving a message, before any picker code) is in "
-             "`grpc_floor_run1.json`.", "",
-             "| picker/extproc/service.py | µs per request (no chunk) | µs per streamed chunk |",
-             "|---|---|---|"]
+             f"and a short question, {CHUNKS} one-token chunks; each reply serialized as gRPC "
+             f"would; best of {args.rounds} interleaved rounds of {REQUESTS} requests, CPU time; "
+             f"before: `{args.before}`; load average {load_start[0]:.2f} → {load_end[0]:.2f} "
+             "on a 2-core machine shared with other work). The floor row is "
+             "`bench.floor_epp`'s servicer on the same messages (route, echo, nothing else): "
+             "what is above it is fairway's own work. What gRPC itself costs before any "
+             "servicer code (receiving a message) is in `grpc_floor_run1.json`.", "",
+             "| servicer | µs per request (no chunk) | above the floor | µs per streamed chunk "
+             "| above the floor |",
+             "|---|---|---|---|---|"]
     for name, row in got.items():
-        lines.append(f"| {name} | {row['us_per_request']:.1f} | {row['us_per_chunk']:.2f} |")
+        lines.append(f"| {name} | {row['us_per_request']:.1f} | "
+                     f"{row['us_per_request'] - floor['us_per_request']:.1f} | "
+                     f"{row['us_per_chunk']:.2f} | "
+                     f"{row['us_per_chunk'] - floor['us_per_chunk']:.2f} |")
     (RESULTS / "extproc_cost.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -64,6 +64,12 @@ def build_labels() -> dict[str, str]:
             "commit": os.environ.get(COMMIT_ENV) or "unknown"}
 
 
+CHILDREN_KEPT = 4096
+"""Label value combinations a ``TenantCapped`` metric keeps the child of (past that, each is
+asked of the metric): more than configured tenants × lanes × outcomes, and a bound on the
+memory that tenants not configured (all folded into ``other``) can take."""
+
+
 class TenantCapped(Generic[_Metric]):
     """A metric whose first label is ``tenant``, folded through the cap on every ``labels()``.
 
@@ -74,6 +80,10 @@ class TenantCapped(Generic[_Metric]):
     def __init__(self, metric: _Metric, fold: Callable[[str], str]) -> None:
         self.metric: _Metric = metric
         self._fold = fold
+        self._children: dict[tuple[Any, ...], _Metric] = {}
+        """Children by the label values asked for (positional), kept until the fold changes
+        (``forget_children``): the requests path asks for the same few on every request, and
+        a child kept is a dict look-up where the metric's own ``labels`` takes a lock."""
 
     def labels(self, *values: Any, **named: Any) -> _Metric:
         """The child for these label values, with the tenant folded."""
@@ -81,7 +91,16 @@ class TenantCapped(Generic[_Metric]):
             if "tenant" in named:
                 named["tenant"] = self._fold(str(named["tenant"]))
             return self.metric.labels(**named)
-        return self.metric.labels(self._fold(str(values[0])), *values[1:])
+        child = self._children.get(values)
+        if child is None:
+            child = self.metric.labels(self._fold(str(values[0])), *values[1:])
+            if len(self._children) < CHILDREN_KEPT:
+                self._children[values] = child
+        return child
+
+    def forget_children(self) -> None:
+        """The fold changed (the tenants named in the config): children are asked for anew."""
+        self._children.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
@@ -210,6 +229,9 @@ class PickerMetrics:
     def set_known_tenants(self, tenants: Iterable[str]) -> None:
         """Tenants that get their own label value; all others are counted as ``other``."""
         self._known_tenants = frozenset(tenants)
+        for metric in vars(self).values():
+            if isinstance(metric, TenantCapped):
+                metric.forget_children()
 
     @property
     def known_tenants(self) -> frozenset[str]:

@@ -30,14 +30,53 @@ one token an event whatever it carries.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 from picker.core.request import Usage
 from picker.openai.paths import ApiKind
-from picker.openai.tokens import text_quarters
+from picker.openai.tokens import text_quarters, utf8_quarters
 
 _decode = json.JSONDecoder().raw_decode
+
+_ASCII_STRING = rb'[\x20\x21\x23-\x5b\x5d-\x7e]*'
+"""A JSON string's characters when they are printable ASCII and none is escaped."""
+_TEXT = rb'([^"\\\x00-\x1f]*)'
+"""A JSON string's characters when none is escaped (``json`` refuses raw control characters);
+bytes past ASCII are read as UTF-8, and a payload that is not UTF-8 counts nothing."""
+_NATURAL = rb"(?:0|[1-9][0-9]*)"
+"""A JSON number that is a natural number (no sign, leading zero, fraction or exponent)."""
+_DECODE_STEP = (
+    rb'\{"id":"' + _ASCII_STRING + rb'","object":"' + _ASCII_STRING + rb'","created":' + _NATURAL
+    + rb',"model":"' + _ASCII_STRING + rb'","choices":\[\{"index":' + _NATURAL
+    + rb',(?:"delta":\{"content":"' + _TEXT + rb'"\}|"text":"' + _TEXT + rb'")'
+    + rb',"logprobs":null,"finish_reason":null\}\]\}')
+"""The payload of the event vLLM streams for each decode step of a chat or completions choice,
+spelled as vLLM spells it (compact, in its key order; an id and a model name in ASCII, a text
+without escapes): the event the streamed chunk path meets a hundred times a response. A payload
+of this spelling is read without parsing it: what ``_take_openai`` takes from it is that
+choice's text and nothing else (no finish reason, no usage). Any other spelling (whitespace,
+another key, an escape, a usage) is parsed as before."""
+_TEXT_PAYLOAD = re.compile(_DECODE_STEP)
+_SSE_SPACE = rb"[ \t\x0b\x0c]*"
+"""What ``bytes.strip`` takes from a data line's payload, but line ends."""
+_TEXT_CHUNK = re.compile(rb"data:" + _SSE_SPACE + _DECODE_STEP + _SSE_SPACE + rb"\n\n")
+"""A streamed chunk that is one decode step's event and nothing more (``feed``'s common chunk)."""
+
+
+def _decode_step_tokens(step: re.Match[bytes]) -> int:
+    """What ``_take_openai`` counts for a ``_DECODE_STEP`` payload (its ``_choice_tokens``)."""
+    text = step[1] or step[2]
+    if not text:
+        return 0
+    if not text.isascii():
+        try:
+            text.decode()
+        except UnicodeDecodeError:
+            return 0  # as the parse: a payload that is not UTF-8 counts nothing
+    return _step_tokens(utf8_quarters(text))
+
 
 MAX_BUFFERED_BYTES = 16 * 1024 * 1024
 """A non-streaming body larger than this is passed through unparsed (no usage read from it)."""
@@ -221,6 +260,8 @@ class ResponseMeter:
         self._take_data: Callable[[dict[str, Any]], None] = self._take_openai
         self._wants: Callable[[bytes], bool] | None = None
         """Whether an event named by its ``event:`` line is worth parsing (None: all are)."""
+        self._text_events = kind is not ApiKind.RESPONSES and kind is not ApiKind.MESSAGES
+        """OpenAI's shapes are read (``_take_openai``): a ``_DECODE_STEP`` needs no parse."""
         if kind is ApiKind.RESPONSES:
             self._take_data, self._wants = self._take_responses, _wants_responses_event
         elif kind is ApiKind.MESSAGES:
@@ -235,6 +276,12 @@ class ResponseMeter:
                     self._overflow = True
                     self._buffer.clear()
             return 0
+        if self._text_events and not self._buffer:
+            step = _TEXT_CHUNK.fullmatch(chunk)
+            if step is not None:  # vLLM's decode step, read unparsed (``_DECODE_STEP``)
+                tokens = _decode_step_tokens(step)
+                self.counted_tokens += tokens
+                return tokens
         before = self.counted_tokens
         if not self._buffer and chunk.find(b"\n\n") == len(chunk) - 2 \
                 and b"\r" not in chunk:
@@ -318,6 +365,11 @@ class ResponseMeter:
         if payload == b"[DONE]":
             self.done = True
             return
+        if self._text_events:
+            step = _TEXT_PAYLOAD.fullmatch(payload)
+            if step is not None:  # vLLM's decode step, read unparsed
+                self.counted_tokens += _decode_step_tokens(step)
+                return
         try:
             # One JSON value filling the payload, as json.loads takes it, without its encoding
             # sniffing (SSE is UTF-8) and wrappers: half the CPU of each chunk's parse.

@@ -97,7 +97,12 @@ def text_quarters(text: str) -> int:
     if not text:
         return 0
     # Lone surrogates can come from JSON escapes ("\ud800"): count them, do not fail.
-    weights = text.encode("utf-8", "surrogatepass").translate(_WEIGHTS)
+    return utf8_quarters(text.encode("utf-8", "surrogatepass"))
+
+
+def utf8_quarters(data: bytes) -> int:
+    """``text_quarters`` of the text whose UTF-8 is ``data``, read from its bytes."""
+    weights = data.translate(_WEIGHTS)
     if len(weights) <= _CHUNK:
         return (zlib.adler32(weights) & 0xFFFF) - 1
     view = memoryview(weights)

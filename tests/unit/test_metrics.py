@@ -182,3 +182,32 @@ def test_configured_weights_are_exported_per_lane() -> None:
                                      {"tenant": "b", "lane": "batch"}) == 1.0
     assert registry.get_sample_value("fairway_tenant_weight",
                                      {"tenant": "stranger", "lane": "online"}) is None
+
+
+def test_a_kept_child_follows_the_tenants_named_anew() -> None:
+    """A child kept for a tenant's labels counts where ``labels`` would put it: by name while the
+    tenant is configured, into ``other`` once it is not, and by name again after."""
+    metrics = PickerMetrics(CollectorRegistry())
+    metrics.set_known_tenants(["a"])
+    metrics.requests.labels("a", "default", "ok").inc()
+    metrics.requests.labels("a", "default", "ok").inc()
+    metrics.set_known_tenants(["b"])
+    metrics.requests.labels("a", "default", "ok").inc()
+    metrics.set_known_tenants(["a", "b"])
+    metrics.requests.labels("a", "default", "ok").inc()
+    labels = {"lane": "default", "outcome": "ok"}
+    assert _value(metrics, "fairway_requests_total", tenant="a", **labels) == 3
+    assert _value(metrics, "fairway_requests_total", tenant="other", **labels) == 1
+
+
+def test_children_kept_are_bounded_and_past_the_bound_still_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import picker.metrics as module
+    monkeypatch.setattr(module, "CHILDREN_KEPT", 2)
+    metrics = PickerMetrics(CollectorRegistry())
+    metrics.set_known_tenants([])
+    for i in range(5):
+        metrics.requests.labels(f"stranger-{i}", "default", "ok").inc()
+    assert len(metrics.requests._children) == 2
+    assert _value(metrics, "fairway_requests_total", tenant="other", lane="default",
+                  outcome="ok") == 5

@@ -15,7 +15,7 @@ from picker.openai import ResponseMeter, error_body, parse_request
 from picker.openai.media import DEFAULT_COSTS
 from picker.openai.paths import ApiKind
 from picker.openai.request import CHARS_PER_TOKEN, MESSAGE_OVERHEAD_TOKENS, estimate_prompt_tokens
-from picker.openai.response import MAX_BUFFERED_BYTES
+from picker.openai.response import _TEXT_CHUNK, _TEXT_PAYLOAD, MAX_BUFFERED_BYTES
 from picker.openai.tokens import text_quarters, text_tokens
 
 
@@ -423,3 +423,175 @@ def test_a_payload_with_more_than_one_json_value_counts_nothing() -> None:
     # CRLF-separated and several events in one chunk take the buffered path, same counts.
     assert meter.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n'
                       b'data: {"choices":[{"delta":{"content":"b"}}]}\r\n\r\n') == 2
+
+
+# -- the decode-step event read without a parse (``_DECODE_STEP``) --
+
+def _vllm_event(content: str, *, kind: str = "delta") -> bytes:
+    """A decode step's event as vLLM writes it (compact JSON, its key order, raw UTF-8)."""
+    choice = '{"index":0,' + (f'"delta":{{"content":{json.dumps(content, ensure_ascii=False)}}}'
+                              if kind == "delta" else
+                              f'"text":{json.dumps(content, ensure_ascii=False)}') \
+        + ',"logprobs":null,"finish_reason":null}'
+    return ('data: {"id":"chatcmpl-0cc7","object":"chat.completion.chunk","created":1796304202,'
+            f'"model":"sim-model","choices":[{choice}]}}\n\n').encode()
+
+
+def _parsed_only(kind: ApiKind = ApiKind.CHAT) -> ResponseMeter:
+    """A meter that parses every event (the reading before ``_DECODE_STEP``)."""
+    meter = ResponseMeter(True, kind)
+    meter._text_events = False
+    return meter
+
+
+def _state(meter: ResponseMeter) -> tuple[Any, ...]:
+    return meter.counted_tokens, meter.usage, meter.finish_reason, meter.done
+
+
+@pytest.mark.parametrize("content", [" the", "", "été", "日本語のテキスト", "a" * 40, "<|x|>"])
+@pytest.mark.parametrize("kind", ["delta", "text"])
+def test_a_decode_step_event_counts_its_text_unparsed(content: str, kind: str) -> None:
+    event = _vllm_event(content, kind=kind)
+    assert _TEXT_CHUNK.fullmatch(event) is not None
+    fast, parsed = ResponseMeter(True), _parsed_only()
+    expected = max(1, text_quarters(content) // 4) if content else 0
+    assert fast.feed(event) == parsed.feed(event) == expected
+    assert _state(fast) == _state(parsed)
+
+
+@pytest.mark.parametrize("payload", [
+    # An escape in the text, another key, whitespace, a finish reason, a usage, a second choice,
+    # a leading zero, a raw control character, a negative index: each is parsed as before.
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"a\\nb"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab","role":"assistant"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content": "ab"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":"stop"}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":5,'
+    '"completion_tokens":1}}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":null},{"index":1,"delta":'
+    '{"content":"cd"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":01,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"a\x01b"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":-1,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+    '{"id":"a","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    '{"content":"ab"},"logprobs":null,"finish_reason":null}]} {"x":1}',
+])
+def test_an_event_spelled_otherwise_is_parsed_as_before(payload: str) -> None:
+    _parsed_as_before(payload.encode())
+
+
+@pytest.mark.parametrize("payload", [
+    # JSON refuses a raw control character and a payload that is not UTF-8 anywhere: nothing
+    # counted, as the parse counts nothing; a non-ASCII id or model is parsed (and counted).
+    b'{"id":"a\x01","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    b'{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+    b'{"id":"a\xff","object":"o","created":1,"model":"m","choices":[{"index":0,"delta":'
+    b'{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+    b'{"id":"a","object":"o","created":1,"model":"m\xc3","choices":[{"index":0,"delta":'
+    b'{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+    b'{"id":"a","object":"o\x7f","created":1,"model":"m\xc3\xa9","choices":[{"index":0,'
+    b'"delta":{"content":"ab"},"logprobs":null,"finish_reason":null}]}',
+])
+def test_an_id_or_model_past_printable_ascii_is_parsed_as_before(payload: bytes) -> None:
+    _parsed_as_before(payload)
+
+
+def _parsed_as_before(payload: bytes) -> None:
+    assert _TEXT_PAYLOAD.fullmatch(payload) is None
+    event = b"data: " + payload + b"\n\n"
+    fast, parsed = ResponseMeter(True), _parsed_only()
+    assert fast.feed(event) == parsed.feed(event)
+    assert fast.finish() == parsed.finish()
+    assert _state(fast) == _state(parsed)
+
+
+_FIELD = st.one_of(st.sampled_from(["chatcmpl-1", "sim-model", "", "é", 'a"b', "a\\b", "\x01",
+                                    "\u2028", "\U0001f600"]), st.text(max_size=8))
+
+
+_PIECES = ("id", "object", "created", "model", "index", "choice", "finish", "logprobs", "choices",
+           "end", "bytes", "utf8")
+_NOT_UTF8 = "\ue000"
+"""Marks where the text gets bytes that are not UTF-8."""
+
+
+@st.composite
+def _near_vllm_events(draw: st.DrawFn) -> bytes:
+    """Payloads around vLLM's decode-step spelling: a few of its pieces (none: vLLM's own event)
+    varied or broken (raw quotes, backslashes and control characters, escapes, numbers JSON
+    refuses, other keys, a finish reason, a usage, bytes that are not UTF-8)."""
+    varied = draw(st.sets(st.sampled_from(_PIECES), max_size=2))
+
+    def text(piece: str) -> str:
+        usual = st.characters(blacklist_categories=("Cs",), blacklist_characters='"\\') \
+            if piece == "choice" else st.characters(min_codepoint=0x20, max_codepoint=0x7E,
+                                                    blacklist_characters='"\\')
+        value = draw(_FIELD if piece in varied else st.text(usual, max_size=8))
+        if piece not in varied:
+            return json.dumps(value, ensure_ascii=False)
+        return draw(st.sampled_from([json.dumps(value), json.dumps(value, ensure_ascii=False),
+                                     f'"{value}"']))
+
+    def number(piece: str, usual: str) -> str:
+        if piece not in varied:
+            return usual
+        return draw(st.sampled_from(["0", "7", "1796304202", "01", "-1", "1.5", "1e3", '"1"']))
+
+    content = text("choice")
+    if "utf8" in varied:
+        content = content[:-1] + _NOT_UTF8 + content[-1:]
+    shape = draw(st.sampled_from(["delta", "text", "both", "role", "spaced"])) \
+        if "choice" in varied else draw(st.sampled_from(["delta", "text"]))
+    body = {"delta": f'"delta":{{"content":{content}}}', "text": f'"text":{content}',
+            "both": f'"delta":{{"content":{content}}},"text":{content}',
+            "role": f'"delta":{{"role":"assistant","content":{content}}}',
+            "spaced": f'"delta": {{"content": {content}}}'}[shape]
+    finish = draw(st.sampled_from(['"stop"', '"length"', "1", "null "])) \
+        if "finish" in varied else "null"
+    logprobs = draw(st.sampled_from(["{}", "[]", "0"])) if "logprobs" in varied else "null"
+    choice = (f'{{"index":{number("index", "0")},{body},"logprobs":{logprobs},'
+              f'"finish_reason":{finish}}}')
+    choices = draw(st.sampled_from([f"[{choice},{choice}]", "[]", f" [{choice}]"])) \
+        if "choices" in varied else f"[{choice}]"
+    payload = (f'{{"id":{text("id")},"object":{text("object")},'
+               f'"created":{number("created", "1796304202")},"model":{text("model")},'
+               f'"choices":{choices}')
+    payload += draw(st.sampled_from([',"usage":{"prompt_tokens":9,"completion_tokens":2}}',
+                                     ',"usage":null}', "} ", "}}", '} {"x":1}'])) \
+        if "end" in varied else "}"
+    raw = payload.encode("utf-8", "surrogatepass").replace(
+        _NOT_UTF8.encode(), draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc3\xa9"])))
+    return raw + (draw(st.sampled_from([b"\xff", b"\xc3"])) if "bytes" in varied else b"")
+
+
+@settings(max_examples=400, deadline=None)
+@given(events=st.lists(_near_vllm_events(), min_size=1, max_size=4),
+       kind=st.sampled_from([ApiKind.CHAT, ApiKind.COMPLETIONS, ApiKind.EMBEDDINGS]),
+       space=st.sampled_from([(b" ", b""), (b"", b""), (b"  ", b" "), (b"\t", b"\x0b"),
+                              (b"\x0c", b"\t")]),
+       end=st.sampled_from([b"\n\n", b"\n\n", b"\r\n\r\n", b"\n"]))
+def test_reading_decode_steps_unparsed_changes_no_count(events: list[bytes], kind: ApiKind,
+                                                       space: tuple[bytes, bytes],
+                                                       end: bytes) -> None:
+    """Whatever the payload and the spaces around it, the meter counts, keeps and finishes as the
+    parse alone did: one event a chunk (the chunk path) and all of them in one chunk (the
+    buffered path)."""
+    chunks = [b"data:" + space[0] + event + space[1] + end for event in events]
+    one_each, parsed_each = ResponseMeter(True, kind), _parsed_only(kind)
+    for chunk in chunks:
+        assert one_each.feed(chunk) == parsed_each.feed(chunk)
+    assert one_each.finish() == parsed_each.finish()
+    assert _state(one_each) == _state(parsed_each)
+    together, parsed_together = ResponseMeter(True, kind), _parsed_only(kind)
+    assert together.feed(b"".join(chunks)) == parsed_together.feed(b"".join(chunks))
+    assert together.finish() == parsed_together.finish()
+    assert _state(together) == _state(parsed_together)
