@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -83,14 +83,27 @@ LIGHT_DURATION_S = 45.0
 SHARE_GOAL = 0.05
 RETURNING_GOAL = (0.45, 0.55)
 NO_CACHE = replace(SPEC, enable_prefix_caching=False)
+PATIENCE = {"patience": "200ms", "prefillMsPer1kTokens": SPEC.prefill_s_per_token * 1e6}
+"""``routing.prefixAffinity``'s prefix patience: at most 200 ms, the engines' prefill time
+per 1k tokens as the pool's engines take it (50 ms): a 2,000-token prefix found cached saves
+100 ms, so its request waits at most that for the endpoint holding it."""
 CACHE: dict[str, tuple[PoolSpec, dict[str, Any]]] = {
-    "on": (SPEC, {"routing": {"prefixAffinity": {}}, "cost": {"chargeCachedPrompt": False}}),
+    "on": (SPEC, {"routing": {"prefixAffinity": PATIENCE},
+                  "cost": {"chargeCachedPrompt": False}}),
+    "on, no patience": (SPEC, {"routing": {"prefixAffinity": {}},
+                               "cost": {"chargeCachedPrompt": False}}),
     "off": (NO_CACHE, {"capacity": {"engineCache": False}}),
 }
 """Per caching, the engines and the picker's config: with the cache, vtc with prefix affinity
-and the prompt charged as computed; without, vtc told so (``capacity.engineCache: false``: each
-prompt counts whole in the room), as it runs on traffic without reuse (affinity and computed
-charging change nothing there: no prefix is cached, ``cached_tokens`` is 0)."""
+and its patience (``PATIENCE``), and without the patience (affinity at its defaults), the
+prompt charged as computed; without the cache, vtc told so (``capacity.engineCache: false``:
+each prompt counts whole in the room), as it runs on traffic without reuse (affinity and
+computed charging change nothing there: no prefix is cached, ``cached_tokens`` is 0)."""
+SEED = 28
+"""The traffic's seed for every scenario (``--seed``)."""
+LIGHT_SEEDS = (28, 29, 30, 31)
+"""The seeds the light scenarios also run with (``--light-seeds``): a light tenant's p95 is one
+of its 35-45 requests, so one seed's ratio is one request's."""
 MISMATCH: dict[str, tuple[PoolSpec, dict[str, Any]]] = {
     "`engineCache: auto`": (NO_CACHE, {"capacity": {"engineCache": "auto"}}),
     "`engineCache: true`": (NO_CACHE, {"capacity": {"engineCache": True}}),
@@ -198,28 +211,29 @@ def shape(workload: str) -> dict[str, Any]:
     return {k: v for k, v in data["tenants"][0].items() if k not in _WINDOWED}
 
 
-def _traffic(workload: str, duration: float, tenants: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"duration_s": duration, "seed": 28, "timeout_s": 120,
+def _traffic(workload: str, duration: float, tenants: list[dict[str, Any]],
+             seed: int = SEED) -> dict[str, Any]:
+    return {"duration_s": duration, "seed": seed, "timeout_s": 120,
             "tenants": [{**shape(workload), **t} for t in tenants]}
 
 
-def weighted_traffic(workload: str) -> dict[str, Any]:
+def weighted_traffic(workload: str, seed: int = SEED) -> dict[str, Any]:
     return _traffic(workload, DURATION_S,
-                    [{"name": name, "backlog": DEEP[workload]} for name in WEIGHTS])
+                    [{"name": name, "backlog": DEEP[workload]} for name in WEIGHTS], seed)
 
 
-def returning_traffic(workload: str) -> dict[str, Any]:
+def returning_traffic(workload: str, seed: int = SEED) -> dict[str, Any]:
     deep = DEEP[workload]
     return _traffic(workload, RETURN_AT + RETURN_WINDOW, [
         {"name": "steady", "backlog": deep},
         {"name": "returning", "backlog": deep, "start_s": RETURN_AT,
-         "bursts": [{"at_s": 0, "count": deep // 4}]}])
+         "bursts": [{"at_s": 0, "count": deep // 4}]}], seed)
 
 
-def light_traffic(workload: str, alone: bool) -> dict[str, Any]:
+def light_traffic(workload: str, alone: bool, seed: int = SEED) -> dict[str, Any]:
     light = {"name": "light", "start_s": 5, **LIGHT[workload]}
     return _traffic(workload, LIGHT_DURATION_S, [light] if alone else
-                    [light, {"name": "heavy", "backlog": DEEP[workload]}])
+                    [light, {"name": "heavy", "backlog": DEEP[workload]}], seed)
 
 
 Setup = tuple[PoolSpec, dict[str, Any]]
@@ -235,8 +249,8 @@ def _run(traffic: dict[str, Any], setup: Setup, weights: dict[str, float] | None
     return run.records, run.tokens_per_s(), time.process_time() - started
 
 
-def weighted(workload: str, setup: Setup) -> dict[str, Any]:
-    records, tokens, cpu = _run(weighted_traffic(workload), setup, WEIGHTS)
+def weighted(workload: str, setup: Setup, seed: int = SEED) -> dict[str, Any]:
+    records, tokens, cpu = _run(weighted_traffic(workload, seed), setup, WEIGHTS)
     spans = all_backlogged(records, WEIGHTS, SETTLE_S, DURATION_S)
     got = shares(computed_service(records, spans))
     total = sum(WEIGHTS.values())
@@ -246,8 +260,8 @@ def weighted(workload: str, setup: Setup) -> dict[str, Any]:
             "tokens_per_s": tokens, "sim_cpu_s": round(cpu, 2)}
 
 
-def returning(workload: str, setup: Setup) -> dict[str, Any]:
-    records, tokens, cpu = _run(returning_traffic(workload), setup)
+def returning(workload: str, setup: Setup, seed: int = SEED) -> dict[str, Any]:
+    records, tokens, cpu = _run(returning_traffic(workload, seed), setup)
     window = (RETURN_AT, RETURN_AT + RETURN_WINDOW)
     both = all_backlogged(records, ("steady", "returning"), *window)
     got = shares(computed_service(records, [window]))
@@ -255,54 +269,84 @@ def returning(workload: str, setup: Setup) -> dict[str, Any]:
             "tokens_per_s": tokens, "sim_cpu_s": round(cpu, 2)}
 
 
-def _light_p95(records: list[PoolRecord]) -> tuple[float | None, int]:
+def _light_values(records: list[PoolRecord]) -> list[float]:
     values, _ = light_ttfts((r.ttft_s, None if r.end_s is None else r.end_s - r.arrival_s)
                             for r in records if r.tenant == "light")
-    return percentile(values, 95), len(values)
+    return values
 
 
-def light(workload: str, setup: Setup, profile: str = "throughput") -> dict[str, Any]:
+def _misses(records: list[PoolRecord]) -> int:
+    """The light tenant's answered requests whose engine found less than half their prompt
+    cached: they computed their prefix (on engines without a cache, every one)."""
+    return sum(1 for r in records if r.tenant == "light" and r.first_token_s is not None
+               and r.cached_tokens * 2 < r.prompt_tokens)
+
+
+def light(workload: str, setup: Setup, profile: str = "throughput",
+          seed: int = SEED) -> dict[str, Any]:
     """The light tenant beside the heavy one and alone, under ``capacity.profile``."""
     spec, mode = setup
     setup = (spec, {**mode, "capacity": {**mode.get("capacity", {}), "profile": profile}})
-    records, tokens, cpu = _run(light_traffic(workload, alone=False), setup)
-    alone, _, cpu_alone = _run(light_traffic(workload, alone=True), setup)
-    p95, n = _light_p95(records)
-    p95_alone, _ = _light_p95(alone)
+    records, tokens, cpu = _run(light_traffic(workload, False, seed), setup)
+    alone, _, cpu_alone = _run(light_traffic(workload, True, seed), setup)
+    beside, by_itself = _light_values(records), _light_values(alone)
+    p95, p95_alone = percentile(beside, 95), percentile(by_itself, 95)
     return {"light_p95_ms": None if p95 is None else p95 * 1000,
             "alone_p95_ms": None if p95_alone is None else p95_alone * 1000,
             "ratio": p95 / p95_alone if p95 is not None and p95_alone else None,
-            "light_samples": n, "tokens_per_s": tokens, "sim_cpu_s": round(cpu + cpu_alone, 2)}
+            "light_samples": len(beside), "misses": _misses(records),
+            "misses_alone": _misses(alone),
+            "ttfts_ms": [round(v * 1000, 1) for v in beside],
+            "alone_ttfts_ms": [round(v * 1000, 1) for v in by_itself],
+            "tokens_per_s": tokens, "sim_cpu_s": round(cpu + cpu_alone, 2)}
 
 
-def light_isolated(workload: str, setup: Setup) -> dict[str, Any]:
-    return light(workload, setup, "isolation")
+def light_isolated(workload: str, setup: Setup, seed: int = SEED) -> dict[str, Any]:
+    return light(workload, setup, "isolation", seed)
 
 
-SCENARIOS = {"weighted": weighted, "returning": returning, "light": light,
-             "light, isolation profile": light_isolated}
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "weighted": weighted, "returning": returning, "light": light,
+    "light, isolation profile": light_isolated}
 """``light`` under the default capacity profile (throughput), and under ``isolation`` (the one
 switch for latency isolation under a flood: the idle-tenant reserve and its companions)."""
 
 
-def measure(only: list[str] | None = None) -> dict[str, Any]:
+LIGHT_SCENARIOS = ("light", "light, isolation profile")
+
+
+def measure(only: list[str] | None = None, seed: int = SEED,
+            light_seeds: Sequence[int] = LIGHT_SEEDS) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for workload in SHAPES:
         if only and workload not in only:
             continue
-        out[workload] = {}
+        out[workload] = {"seed": seed}
         for scenario, run in SCENARIOS.items():
             out[workload][scenario] = {}
             for cache, setup in CACHE.items():
-                result = out[workload][scenario][cache] = run(workload, setup)
+                result = out[workload][scenario][cache] = run(workload, setup, seed=seed)
                 print(f"{workload}, {scenario}, cache {cache}: {result['sim_cpu_s']} s of CPU",
-                      file=sys.stderr)
+                      file=sys.stderr, flush=True)
+        # The light scenarios again on other seeds: per seed, the same keys.
+        seeds: dict[str, dict[str, Any]] = {}
+        out[workload]["light_seeds"] = seeds
+        for other in light_seeds:
+            seeds[str(other)] = {}
+            for scenario in LIGHT_SCENARIOS:
+                seeds[str(other)][scenario] = {}
+                for cache, setup in CACHE.items():
+                    result = out[workload][scenario][cache] if other == seed else \
+                        SCENARIOS[scenario](workload, setup, seed=other)
+                    seeds[str(other)][scenario][cache] = result
+                    print(f"{workload}, {scenario}, seed {other}, cache {cache}: "
+                          f"{result['sim_cpu_s']} s of CPU", file=sys.stderr, flush=True)
         if workload == MISMATCH_SHAPE:
             out[workload]["mismatch"] = {}
             for label, setup in MISMATCH.items():
-                result = out[workload]["mismatch"][label] = weighted(workload, setup)
+                result = out[workload]["mismatch"][label] = weighted(workload, setup, seed)
                 print(f"{workload}, weighted, cache off, {label}: {result['sim_cpu_s']} s of CPU",
-                      file=sys.stderr)
+                      file=sys.stderr, flush=True)
     return out
 
 
@@ -317,6 +361,8 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
         return on is not None and off is not None and on <= off
 
     for workload, data in results.items():
+        if not isinstance(data, dict) or "weighted" not in data:
+            continue
         low, high = RETURNING_GOAL
         out[workload] = {
             "weighted": data["weighted"]["on"]["worst_error"] <= SHARE_GOAL,
@@ -379,6 +425,7 @@ def render(results: dict[str, Any], load: tuple[str, str]) -> str:
     for workload, ok in verdicts(results).items():
         lines.append(f"| {workload} | {yes(ok['weighted'])} | {yes(ok['returning'])} | "
                      f"{yes(ok['light'])} | {yes(ok['light, isolation profile'])} |")
+    lines += seeds_table(results)
     mismatch = results.get(MISMATCH_SHAPE, {}).get("mismatch")
     if mismatch:
         lines += ["", f"Engines without prefix caching ({MISMATCH_SHAPE}, weighted 1:2:3) behind "
@@ -395,6 +442,72 @@ def render(results: dict[str, Any], load: tuple[str, str]) -> str:
     lines += ["", *NOTES]
     lines.append("")
     return "\n".join(lines)
+
+
+def _pooled_p95(runs: Iterable[dict[str, Any]], key: str) -> float | None:
+    return percentile([v for run in runs for v in run[key]], 95)
+
+
+def _seeds_met(per_seed: list[dict[str, Any]], cache: str) -> str:
+    ok = sum(1 for run in per_seed if (on := run[cache]["ratio"]) is not None
+             and (off := run["off"]["ratio"]) is not None and on <= off)
+    return f"{ok} of {len(per_seed)}"
+
+
+def _no_worse(pooled: dict[str, float | None], cache: str) -> str:
+    on, off = pooled[cache], pooled["off"]
+    return "yes" if on is not None and off is not None and on <= off else "**no**"
+
+
+def seeds_table(results: dict[str, Any]) -> list[str]:
+    """The light scenarios on every seed run: per workload and profile, each cache mode's
+    p95 beside ÷ alone per seed, the light tenant's requests that computed their prefix, the
+    seeds where the cache with patience is no worse than without the cache, and the p95 of
+    every seed's requests pooled (beside ÷ alone)."""
+    lines = ["", "The light scenarios on several seeds of the traffic (one seed's p95 is one of "
+             "35-45 requests). Per seed: p95 beside ÷ alone in ms, then the light tenant's "
+             "requests beside the heavy one that computed their prefix (engine found under "
+             "half the prompt cached; alone, the first request's miss is the only one); "
+             "pooled: the p95 of all the seeds' requests together, beside ÷ alone.", "",
+             "| workload | profile | cache | " + " | ".join(
+                 f"seed {k}" for k in next(iter(
+                     d["light_seeds"] for d in results.values()
+                     if isinstance(d, dict) and "light_seeds" in d), {})) +
+             " | pooled p95 ÷ alone | pool tokens/s (mean) |"]
+    seeds_n = len(lines[-1].split("seed ")) - 1
+    lines.append("| --- | --- | --- | " + "---: | " * seeds_n + "---: | ---: |")
+    verdict_lines = ["", "| workload | profile | seeds where on (patience) ≤ off | "
+                     "on, no patience ≤ off | pooled: on ≤ off | pooled: on, no patience ≤ "
+                     "off |", "| --- | --- | ---: | ---: | --- | --- |"]
+    for workload, data in results.items():
+        if not isinstance(data, dict) or "light_seeds" not in data:
+            continue
+        seeds = data["light_seeds"]
+        for scenario in LIGHT_SCENARIOS:
+            profile = "isolation" if "isolation" in scenario else "throughput"
+            pooled: dict[str, float | None] = {}
+            for cache in CACHE:
+                runs = [seeds[k][scenario][cache] for k in seeds]
+                cells = []
+                for run in runs:
+                    ratio = "-" if run["ratio"] is None else f"{run['ratio']:.2f}"
+                    cells.append(f"{_f(run['light_p95_ms'])} / {_f(run['alone_p95_ms'])} = "
+                                 f"{ratio} ({run['misses']} of {run['light_samples']})")
+                beside = _pooled_p95(runs, "ttfts_ms")
+                alone = _pooled_p95(runs, "alone_ttfts_ms")
+                pooled[cache] = beside / alone if beside is not None and alone else None
+                tokens = sum(run["tokens_per_s"] for run in runs) / len(runs)
+                pooled_text = "-" if pooled[cache] is None else \
+                    f"{_f(beside)} / {_f(alone)} = {pooled[cache]:.2f}"
+                lines.append(f"| {workload} | {profile} | {cache} | " + " | ".join(cells) +
+                             f" | {pooled_text} | {_f(tokens)} |")
+
+            per_seed = [seeds[k][scenario] for k in seeds]
+            verdict_lines.append(
+                f"| {workload} | {profile} | {_seeds_met(per_seed, 'on')} | "
+                f"{_seeds_met(per_seed, 'on, no patience')} | {_no_worse(pooled, 'on')} | "
+                f"{_no_worse(pooled, 'on, no patience')} |")
+    return lines + verdict_lines
 
 
 NOTES = [
@@ -466,9 +579,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = section_parser("prefix_fairness", __doc__, "fairness")
     parser.add_argument("--only", action="append", choices=list(SHAPES),
                         help="run only this workload's shapes (repeatable)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help="the traffic's seed for every scenario (default %(default)s)")
+    parser.add_argument("--light-seeds", type=lambda v: [int(x) for x in v.split(",") if x],
+                        default=list(LIGHT_SEEDS),
+                        help="comma-separated seeds the light scenarios also run with "
+                             "(default %(default)s; empty: --seed only)")
     args = parser.parse_args(argv)
-    return run_section(args.out, "prefix_fairness", lambda: measure(args.only), render, START,
-                       END)
+    seeds = args.light_seeds or [args.seed]
+    return run_section(args.out, "prefix_fairness",
+                       lambda: measure(args.only, args.seed, seeds), render, START, END)
 
 
 if __name__ == "__main__":

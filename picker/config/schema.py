@@ -668,6 +668,22 @@ class PrefixAffinity:
     max_blocks_per_endpoint: int = field(default=8192, metadata=_camel(
         "max_blocks_per_endpoint", ge=1, le=10_000_000))
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
+    patience: float = field(default=0.0, metadata={"ge": 0, "le": 10, "duration": True})
+    """The longest the fair queue's next request (or a light tenant's request that may go
+    past a head waiting for room) may wait for the endpoint likely to hold its prompt's prefix
+    when only other endpoints have room, while the requests after it in fair order take that
+    room: the prefill the hit is expected to save there
+    (``prefillMsPer1kTokens`` times the prompt tokens expected cached, each block's chance of
+    still being cached counted by the tokens of new KV sent to the endpoint since, against
+    its budget), at most this. It is never sent where it does not fit: it waits for room
+    there, then goes first to it. A backlogged tenant whose prefix is on every endpoint
+    saves nothing by waiting and never does. Needs ``vtc`` or ``lcf`` to let the next go;
+    under another policy the room waits too. ``0s`` (default): never wait."""
+    prefill_ms_per_1k_tokens: float = field(default=100.0, metadata={
+        "key": "prefillMsPer1kTokens", "gt": 0, "le": 100_000})
+    """The engines' prefill time per 1,000 prompt tokens, in milliseconds: what a prefix hit
+    saves, for ``patience`` (a step of vLLM prefilling them beside its batch; about 50 to 100
+    on one GPU for an 8B model)."""
 
 
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
