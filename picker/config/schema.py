@@ -647,8 +647,12 @@ class PrefixAffinity:
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
     sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). ``engineCache``, here
     before, moved to ``capacity.engineCache``: the engines' cache decides the room whether or
-    not affinity is on. About 48 us of CPU per request at a 16,000-character prompt (41 of them
-    the hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
+    not affinity is on. A remembered block ages by the new KV sent to its endpoint since it was
+    sent there (or since the request that held it ended): it counts only within the endpoint's
+    budget, weighted by the chance the engine still caches it (whole within the room free now,
+    none past the budget), so that of two endpoints sent a prefix the one likelier to still hold
+    it wins. About 55 us of CPU per request at a 16,000-character prompt (38 of them the
+    hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
     too) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default bound
     (bench/results/prefix_scorer.md)."""
 
