@@ -208,13 +208,71 @@ def _replicas() -> dict[str, dict[int, tuple[float, float]]]:
     return out
 
 
+REPLICAS_HEADING = "## Several replicas (Redis backend): each learns from its own dispatches"
+
+
+def replicas_lines(replicas: dict[str, dict[int, tuple[float, float]]]) -> list[str]:
+    """The several-replicas section of ``prefix_scorer.md``: its heading to its end."""
+    return [
+        REPLICAS_HEADING,
+        "",
+        "The index is not exchanged through the shared store: each replica remembers what it "
+        "sent. A request reaching another replica than its conversation's last turn is routed "
+        "by load (a cache miss, never a request where it does not fit). Pool simulator, "
+        "4 engines of 16k tokens, 20 s, 4 sessions or tasks a tenant, each request reaching a "
+        "picker at random; the engines' prefix hit rate (hits / queried prompt tokens). "
+        "Without affinity: `capacity.engineCache` unset, so `false` (each prompt counted whole "
+        "in the room); with affinity: `routing.prefixAffinity` at its defaults, so "
+        "`engineCache: auto` (shared blocks counted once after each engine's first read), "
+        "the index aging its blocks by the new KV sent to each endpoint since:",
+        "",
+        "| workload | pickers | without affinity | with affinity |",
+        "|---|---:|---:|---:|",
+        *(f"| {w} | {n} | {r[0]:.3f} | {r[1]:.3f} |"
+          for w, rates in replicas.items() for n, r in rates.items()),
+        "",
+        "Affinity still raises the hit rate with several replicas, by less: a gateway that "
+        "keeps a client's requests on one replica (consistent hashing on a session header) "
+        "keeps the whole gain. Sharing the index through the sync exchange is not built.",
+        "",
+    ]
+
+
+def replicas_only(out: Path) -> int:
+    """Rerun the several-replicas hit rates alone (the pool simulator: no timing, no bench
+    lock) and replace that section of ``out``.md and its numbers in ``out``.json, the CPU
+    figures left as they were measured."""
+    before = _loadavg()
+    replicas = _replicas()
+    load = (before, _loadavg())
+    page = out.with_suffix(".md")
+    text = page.read_text()
+    lines = replicas_lines(replicas)
+    lines.insert(1, f"\n(`python -m bench.prefix_scorer --replicas-only`, load average "
+                    f"{load[0]} at its start and {load[1]} at its end; the simulator's "
+                    "numbers do not depend on it.)")
+    page.write_text(text[:text.index(REPLICAS_HEADING)] + "\n".join(lines))
+    data = json.loads(out.with_suffix(".json").read_text())
+    data["replicas_hit_rate"] = {w: {str(n): list(r) for n, r in rates.items()}
+                                 for w, rates in replicas.items()}
+    data["replicas_loadavg"] = list(load)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--endpoints", type=int, default=8)
     parser.add_argument("--max-blocks", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_scorer")
+    parser.add_argument("--replicas-only", action="store_true",
+                        help="rerun only the several-replicas hit rates (simulator) and "
+                             "replace their section")
     args = parser.parse_args(argv)
+    if args.replicas_only:
+        return replicas_only(args.out)
     load_before = _loadavg()
     rng = random.Random(28)
     body = _body(rng)
@@ -296,23 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "The bound is `maxBlocksPerEndpoint`: an endpoint's index never holds more blocks "
         "(tests/unit/test_prefix_affinity.py).",
         "",
-        "## Several replicas (Redis backend): each learns from its own dispatches",
-        "",
-        "The index is not exchanged through the shared store: each replica remembers what it "
-        "sent. A request reaching another replica than its conversation's last turn is routed "
-        "by load (a cache miss, never a request where it does not fit). Pool simulator, "
-        "4 engines of 16k tokens, 20 s, 4 sessions or tasks a tenant, each request reaching a "
-        "picker at random; the engines' prefix hit rate (hits / queried prompt tokens):",
-        "",
-        "| workload | pickers | without affinity | with affinity |",
-        "|---|---:|---:|---:|",
-        *(f"| {w} | {n} | {r[0]:.3f} | {r[1]:.3f} |"
-          for w, rates in replicas.items() for n, r in rates.items()),
-        "",
-        "Affinity still raises the hit rate with several replicas, by less: a gateway that "
-        "keeps a client's requests on one replica (consistent hashing on a session header) "
-        "keeps the whole gain. Sharing the index through the sync exchange is not built.",
-        "",
+        *replicas_lines(replicas),
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines))
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

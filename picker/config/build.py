@@ -91,7 +91,9 @@ def affinity_rules(config: PickerConfig) -> AffinityRules | None:
     if a is None:
         return None
     return AffinityRules(weight=a.weight, block_chars=a.block_chars,
-                         max_blocks_per_endpoint=a.max_blocks_per_endpoint)
+                         max_blocks_per_endpoint=a.max_blocks_per_endpoint,
+                         patience=a.patience,
+                         prefill_s_per_token=a.prefill_ms_per_1k_tokens / 1e6)
 
 
 def session_rules(config: PickerConfig) -> SessionRules | None:

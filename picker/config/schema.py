@@ -666,8 +666,12 @@ class PrefixAffinity:
     request where it does not fit; simulated with requests spread at random over 2 replicas, chat
     sessions' hit rate 0.50 -> 0.68 instead of 0.53 -> 0.83 with one). ``engineCache``, here
     before, moved to ``capacity.engineCache``: the engines' cache decides the room whether or
-    not affinity is on. About 48 us of CPU per request at a 16,000-character prompt (41 of them
-    the hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
+    not affinity is on. A remembered block ages by the new KV sent to its endpoint since it was
+    sent there (or since the request that held it ended): it counts only within the endpoint's
+    budget, weighted by the chance the engine still caches it (whole within the room free now,
+    none past the budget), so that of two endpoints sent a prefix the one likelier to still hold
+    it wins. About 55 us of CPU per request at a 16,000-character prompt (38 of them the
+    hashing and the shared-block room, which ``capacity.engineCache`` costs without affinity
     too) and 116 bytes per remembered block at most, under 1 MB an endpoint at the default bound
     (bench/results/prefix_scorer.md)."""
 
@@ -687,6 +691,22 @@ class PrefixAffinity:
     max_blocks_per_endpoint: int = field(default=8192, metadata=_camel(
         "max_blocks_per_endpoint", ge=1, le=10_000_000))
     """Blocks remembered per endpoint (8,192 of 256 bytes: about 500k tokens of prompt)."""
+    patience: float = field(default=0.0, metadata={"ge": 0, "le": 10, "duration": True})
+    """The longest the fair queue's next request (or a light tenant's request that may go
+    past a head waiting for room) may wait for the endpoint likely to hold its prompt's prefix
+    when only other endpoints have room, while the requests after it in fair order take that
+    room: the prefill the hit is expected to save there
+    (``prefillMsPer1kTokens`` times the prompt tokens expected cached, each block's chance of
+    still being cached counted by the tokens of new KV sent to the endpoint since, against
+    its budget), at most this. It is never sent where it does not fit: it waits for room
+    there, then goes first to it. A backlogged tenant whose prefix is on every endpoint
+    saves nothing by waiting and never does. Needs ``vtc`` or ``lcf`` to let the next go;
+    under another policy the room waits too. ``0s`` (default): never wait."""
+    prefill_ms_per_1k_tokens: float = field(default=100.0, metadata={
+        "key": "prefillMsPer1kTokens", "gt": 0, "le": 100_000})
+    """The engines' prefill time per 1,000 prompt tokens, in milliseconds: what a prefix hit
+    saves, for ``patience`` (a step of vLLM prefilling them beside its batch; about 50 to 100
+    on one GPU for an 8B model)."""
 
 
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")

@@ -32,7 +32,8 @@ Invariants (checked in ``tests/unit/test_gate.py``):
 * an endpoint's ``prefill_tokens`` is the sum of the prompts of the requests dispatched there,
   not yet settled, that are ``prefilling`` (streams whose first output token has not come back,
   or, for those whose tokens the picker does not see, that no read of the engine has shown
-  out of its waiting queue: ``scraped``).
+  out of its waiting queue: ``scraped``); its ``prefill_computed`` is the same sum less the
+  part of each prompt expected cached there at dispatch (``prefill_counted``).
 * ``occupancy`` holds, per lane and tenant, the sum of ``reserved_tokens`` over its requests
   dispatched and not yet settled.
 """
@@ -57,6 +58,8 @@ from picker.core.prefix import (
     PrefixIndex,
     cached_estimate,
     covered_tokens,
+    freshness,
+    prefix_patience,
 )
 from picker.core.request import Request, Usage
 from picker.core.reserve import (
@@ -258,6 +261,15 @@ class Passage:
     """Sent to an endpoint where it did not fit, into its engine's own queue
     (``CapacityRules.engine_queue``): counted in the endpoint's ``engine_queued`` until its
     prefill ends (as ``prefilling``) or it ends."""
+    prefill_counted: int = 0
+    """While ``prefilling``: what it counts in its endpoint's ``prefill_computed``, its prompt
+    less the part expected cached there at dispatch (``Request.cached_prompt_tokens``)."""
+    prefix_wait_since: float | None = None
+    """When it first waited, as the fair queue's head, for the endpoint likely to hold its
+    prefix (``Gate._prefix_patience``); None: it never has."""
+    prefix_wait_for: str | None = None
+    """That endpoint's address: it goes first among the endpoints with room once it has
+    room, within the patience."""
     output_seen: bool = True
     """The picker sees the response's tokens as they stream (the meter stream, inline); False on
     the access-log response path, which reports a request only once it has ended: its prefill
@@ -804,8 +816,12 @@ class Gate:
         if not self.rules.holding:
             return
         scheduler = self.scheduler
+        waiting: set[str] = set()
+        """Tenants whose head waits for the endpoint holding its prefix (prefix patience)."""
+        kept: set[str] = set()
+        """Those endpoints: the requests after it go elsewhere meanwhile."""
         while scheduler.queued():
-            request = scheduler.peek(now)
+            request = scheduler.peek_besides(now, waiting) if waiting else scheduler.peek(now)
             if request is None:
                 return
             passage = self._newest_if_stale(self.passages[request], now)
@@ -814,6 +830,16 @@ class Gate:
                                          prompt_tokens=request.prompt_tokens, passage=passage)
             if candidates and self._backlogged(passage.tenant, now):
                 candidates = self._for_backlogged(passage, candidates, now)
+            if candidates and passage.prefix_blocks and self._patient:
+                wait_for = self._prefix_patience(passage, candidates, now)
+                if wait_for is not None:
+                    # The fair queue's choice waits a little for the endpoint holding its
+                    # prefix; the room elsewhere goes to the next in fair order.
+                    waiting.add(passage.tenant)
+                    kept.add(wait_for)
+                    continue
+            if kept:
+                candidates = [c for c in candidates if c.address not in kept]
             preempting = False
             if not candidates:
                 candidates = self._preemptible(passage, now)
@@ -826,7 +852,70 @@ class Gate:
                 if light is None:
                     return
                 passage, candidates, preempting = light
+                if kept:
+                    candidates = [c for c in candidates if c.address not in kept]
+                    if not candidates:
+                        return
             self._dispatch(passage, candidates, now, preempting)
+
+    @property
+    def _patient(self) -> bool:
+        affinity = self.rules.affinity
+        return affinity is not None and affinity.patience > 0 and self.prefix_index is not None
+
+    def _expected_cached(self, passage: Passage, endpoint: EndpointState) -> float:
+        """Prompt tokens of ``passage`` the endpoint's engine is expected to find cached: the
+        part the endpoint was sent within its budget (``PrefixIndex.matched``), times the
+        chance it is still there (``freshness``); 0 without affinity or an engine cache."""
+        index, affinity = self.prefix_index, self.rules.affinity
+        if index is None or affinity is None or not passage.prefix_blocks \
+                or not self.caches(endpoint):
+            return 0.0
+        blocks = passage.prefix_blocks
+        budget = endpoint.budget(self.rules.capacity.fallback_budget)
+        matched = index.matched(endpoint.address, blocks, budget)
+        if not matched:
+            return 0.0
+        return covered_tokens(passage.request.prompt_tokens, matched, affinity.block_chars,
+                              passage.prefix_chars) * freshness(
+            index.age(endpoint.address, blocks, matched), budget - endpoint.inflight_tokens,
+            budget)
+
+    def _prefix_patience(self, passage: Passage, candidates: list[EndpointState],
+                         now: float) -> str | None:
+        """The endpoint the fair queue's head should wait for rather than go to one of
+        ``candidates`` (those with room now), or None: the endpoint in service (and in its
+        subset) expected to hold the most of its prompt is not among them, its prompt fits
+        there once it has room (never a request where it does not fit: it waits for room, it
+        is not sent past it), and it has waited less than the prefill that saves
+        (``prefix_patience``). Pure: judged again at every pump; the first wait is
+        remembered on the passage."""
+        affinity = self.rules.affinity
+        assert affinity is not None  # ``_patient``
+        with_room = {c.address for c in candidates}
+        best: EndpointState | None = None
+        best_saved = here = 0.0
+        subset = passage.subset
+        for endpoint in self.endpoints.values():
+            if not endpoint.in_service(now) or (subset is not None
+                                                and endpoint.address not in subset):
+                continue
+            saved = self._expected_cached(passage, endpoint)
+            if endpoint.address in with_room:
+                here = max(here, saved)
+            elif saved > best_saved:
+                best, best_saved = endpoint, saved
+        if best is None or best_saved <= here or passage.request.prompt_tokens \
+                - self._room_held(passage, best) > best.budget(
+                    self.rules.capacity.fallback_budget):
+            return None
+        since = passage.prefix_wait_since
+        if since is None:
+            since = passage.prefix_wait_since = now
+        if now - since >= prefix_patience(best_saved - here, affinity):
+            return None
+        passage.prefix_wait_for = best.address
+        return best.address
 
     def _for_backlogged(self, passage: Passage, candidates: list[EndpointState],
                         now: float) -> list[EndpointState]:
@@ -997,6 +1086,9 @@ class Gate:
                 not passage.prefix_block_chars else self.candidates(
                 passage.subset, now, require_room=True,
                 prompt_tokens=passage.request.prompt_tokens, passage=passage)
+            if candidates and passage.prefix_blocks and self._patient and \
+                    self._prefix_patience(passage, candidates, now) is not None:
+                continue  # it waits a little for its prefix's endpoint (``pump``)
             if candidates:
                 return passage, candidates, False
             if preempts:
@@ -1078,8 +1170,17 @@ class Gate:
             blocks = passage.prefix_blocks
             scale = affinity.weight / len(blocks)
 
+            fallback = self.rules.capacity.fallback_budget
+
             def bonus(endpoint: EndpointState) -> float:
-                return scale * index.matched(endpoint.address, blocks)
+                # What a whole match is worth, times the share of the prompt matched, times
+                # the chance the engine still caches it (``freshness``): of two endpoints
+                # both sent the prefix, the one that allocated less since wins.
+                budget = endpoint.budget(fallback)
+                matched = index.matched(endpoint.address, blocks, budget)
+                return scale * matched * freshness(
+                    index.age(endpoint.address, blocks, matched),
+                    budget - endpoint.inflight_tokens, budget) if matched else 0.0
 
         held = None
         if passage is not None and passage.prefix_block_chars:
@@ -1092,7 +1193,16 @@ class Gate:
                       held=held)
         if passage is not None and self.rules.capacity.growth_room and len(ranked) > 1 \
                 and not self._backlogged(passage.tenant, now):
-            ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
+            if self.prefix_index is None or not passage.prefix_blocks:
+                ranked.sort(key=lambda e: e.prefill_tokens)  # stable: the scorer breaks ties
+            else:
+                # Its first token comes after the prefill the engine has to compute there
+                # and its own: the parts of prompts expected cached are not computed.
+                prompt = passage.request.prompt_tokens
+                ranked.sort(key=lambda e: e.prefill_computed + prompt
+                            - self._expected_cached(passage, e))
+        if passage is not None and passage.prefix_wait_for is not None and len(ranked) > 1:
+            prefer(ranked, passage.prefix_wait_for)
         if passage is not None and passage.session is not None and self.sessions is not None \
                 and self.sessions.rules.sticky:
             # The session's context is on its last endpoint: first, when it is among these.
@@ -1106,8 +1216,8 @@ class Gate:
         # The standing is the tenant's as it waited, this request included.
         passage.engine_priority = self.engine_priority_for(passage, now)
         primary = candidates[0]
-        if passage.prefix_blocks:
-            self._note_prefix(passage, primary)
+        if self.prefix_index is not None:
+            self._note_prefix(passage, primary, now)
         if passage.session is not None and self.sessions is not None:
             self.sessions.dispatched(passage.session, primary.address, now)
         self.scheduler.dispatch(request, now)
@@ -1143,7 +1253,11 @@ class Gate:
         primary.sent_since_scrape += 1
         if passage.stream:
             passage.prefilling = True
+            # What the engine is expected to compute: the part expected cached there
+            # (``_note_prefix``, with affinity) is not prefill.
+            passage.prefill_counted = request.prompt_tokens - request.cached_prompt_tokens
             primary.prefill_tokens += request.prompt_tokens
+            primary.prefill_computed += passage.prefill_counted
             if not passage.output_seen:
                 self._unseen_prefill.setdefault(primary.address, {})[passage] = None
         self.occupancy.add(passage.lane, passage.tenant, passage.reserved_tokens,
@@ -1153,20 +1267,24 @@ class Gate:
         primary.projected_tokens += passage.projected_tokens - passage.prefix_tokens + blocks
         self.listener.dispatched(passage, now)
 
-    def _note_prefix(self, passage: Passage, endpoint: EndpointState) -> None:
+    def _note_prefix(self, passage: Passage, endpoint: EndpointState, now: float) -> None:
         """The request goes to ``endpoint``: the part of its prompt the endpoint is expected
         to hold is its expected cached prompt (charged at dispatch as the cost function says,
-        settled from the engine's report), and its blocks are now the endpoint's most
-        recent."""
+        settled from the engine's report); the new KV it asks for there (the rest of its
+        prompt and its expected output) ages what the endpoint was sent before
+        (``PrefixIndex.sent``), and its blocks are now the endpoint's most recent."""
         index, affinity = self.prefix_index, self.rules.affinity
         if index is None or affinity is None:
             return
         blocks = passage.prefix_blocks
         request = passage.request
-        if self.caches(endpoint):  # an engine without a prefix cache computes every token
+        budget = endpoint.budget(self.rules.capacity.fallback_budget)
+        if blocks and self.caches(endpoint):  # an engine without a cache computes every token
             request.cached_prompt_tokens = cached_estimate(
-                request.prompt_tokens, index.matched(endpoint.address, blocks),
+                request.prompt_tokens, index.matched(endpoint.address, blocks, budget),
                 affinity.block_chars, passage.prefix_chars)
+        index.sent(endpoint.address, self._projected(passage, now)
+                   - request.cached_prompt_tokens)
         index.record(endpoint.address, blocks)
 
     def _room_held(self, passage: Passage, endpoint: EndpointState) -> int:
@@ -1283,6 +1401,7 @@ class Gate:
         endpoint = passage.endpoint
         if endpoint is not None:
             endpoint.prefill_tokens -= passage.request.prompt_tokens
+            endpoint.prefill_computed -= passage.prefill_counted
             if passage.engine_queued:
                 passage.engine_queued = False
                 endpoint.engine_queued -= 1
@@ -1338,6 +1457,8 @@ class Gate:
             return
         blocks = self.inflight_blocks.release(endpoint.address, passage.prefix_blocks) \
             if passage.holds_blocks else 0
+        if self.prefix_index is not None and passage.prefix_blocks:
+            self.prefix_index.released(endpoint.address, passage.prefix_blocks)
         freed = passage.reserved_tokens - passage.prefix_tokens + blocks
         endpoint.inflight_tokens -= freed
         endpoint.projected_tokens -= passage.projected_tokens - passage.prefix_tokens + blocks
@@ -1443,6 +1564,7 @@ class Gate:
             endpoint.engine_queued += sign * passage.engine_queued
             if passage.prefilling:
                 endpoint.prefill_tokens += sign * passage.request.prompt_tokens
+                endpoint.prefill_computed += sign * passage.prefill_counted
         if passage.prefilling and not passage.output_seen:
             self._unseen_prefill.get(primary.address, {}).pop(passage, None)
             self._unseen_prefill.setdefault(served.address, {})[passage] = None

@@ -274,6 +274,36 @@ class Scheduler:
                     return chosen
         return None
 
+    def peek_besides(self, now: float, tenants: Collection[str]) -> Request | None:
+        """The request ``peek`` would choose if ``tenants`` had nothing queued (a head that
+        waits lets the next go, ``Gate.pump``), or None: nothing else is queued, or a lane
+        that would choose one of them has a policy that cannot look past it (only ``vtc``
+        and ``lcf`` can)."""
+        if not tenants:
+            return self.peek(now)
+        lanes = self._lanes
+        first = None
+        for lane in lanes:
+            if lane.policy.queued():
+                first = lane
+                break
+        if first is None:
+            return None
+        order = [lane for lane in self._protected if lane.index > first.index
+                 and lane.policy.queued() and lane.owed()]
+        order += [lane for lane in lanes[first.index:] if lane.policy.queued()]
+        for lane in order:
+            besides = getattr(lane.policy, "peek_besides", None)
+            if besides is None:
+                chosen = lane.policy.peek(now)
+                if chosen is not None and chosen.tenant in tenants:
+                    return None
+            else:
+                chosen = besides(now, tenants)
+            if chosen is not None:
+                return chosen
+        return None
+
     def dispatch(self, request: Request, now: float) -> None:
         """Take a queued request out of the queue and charge its prompt."""
         if request.state != "queued":

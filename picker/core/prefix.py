@@ -43,6 +43,11 @@ class AffinityRules:
     """Bytes of prompt text per block (characters, for ASCII text)."""
     max_blocks_per_endpoint: int = 8192
     """Blocks remembered per endpoint, least recently sent forgotten first."""
+    patience: float = 0.0
+    """Seconds at most the fair queue's head may wait for the endpoint likely to hold its
+    prefix when only others have room (``prefix_patience``); 0: never."""
+    prefill_s_per_token: float = 0.0001
+    """The engines' prefill time per prompt token: what a hit saves, in seconds."""
 
 
 DEFAULT_BLOCK_CHARS = 256
@@ -51,28 +56,61 @@ blocks are counted once in the room (``InflightBlocks``) with or without affinit
 
 
 class PrefixIndex:
-    """Per endpoint, the prompt blocks recently sent there, bounded, least recent evicted."""
+    """Per endpoint, the prompt blocks recently sent there, bounded, least recent evicted.
 
-    __slots__ = ("_held", "capacity")
+    Each block keeps the endpoint's *sent* count when it was last sent there: the tokens of new
+    KV the requests sent to that endpoint have asked for (``sent``), each request's prompt not
+    expected cached plus its expected output. The engine's prefix cache keeps a block no
+    request holds in its free queue, least recently used first, and every new block it
+    allocates takes the queue's head: a block is evicted once the endpoint has allocated as
+    many new tokens as were free behind it, and never survives a whole KV budget of them.
+    ``age`` is how many it has allocated since a match was sent there (``freshness``).
+    Chained hashes keep the stamps of a prompt's blocks non-increasing along the chain (a
+    block is recorded only with every block before it), so the last matched block is the
+    stalest one."""
+
+    __slots__ = ("_held", "_sent", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._held: dict[str, OrderedDict[int, int]] = {}
+        """Per endpoint, block hash to the endpoint's ``sent`` count when it was last sent."""
+        self._sent: dict[str, int] = {}
 
-    def matched(self, address: str, blocks: Sequence[int]) -> int:
+    def matched(self, address: str, blocks: Sequence[int], within: int | None = None) -> int:
         """How many of ``blocks``, from the first, the endpoint holds (stops at the first
-        miss). The whole prompt is tried first: a conversation resent is the common case."""
+        miss). The whole prompt is tried first: a conversation resent is the common case.
+        ``within``: only blocks sent there less than this many tokens of new KV ago (``age``)
+        count; None: any remembered."""
         held = self._held.get(address)
         if not held or not blocks:
             return 0
-        if blocks[-1] in held:
+        oldest = -1 if within is None else self._sent.get(address, 0) - within
+        last = held.get(blocks[-1])
+        if last is not None and last > oldest:
             return len(blocks)
         count = 0
         for block in blocks:
-            if block not in held:
+            stamp = held.get(block)
+            if stamp is None or stamp <= oldest:
                 break
             count += 1
         return count
+
+    def age(self, address: str, blocks: Sequence[int], count: int) -> int:
+        """Tokens of new KV sent to ``address`` since the first ``count`` of ``blocks`` were
+        last sent there (those of its last, the stalest); 0 when ``count`` is 0."""
+        if count <= 0:
+            return 0
+        held = self._held.get(address)
+        stamp = None if held is None else held.get(blocks[count - 1])
+        return 0 if stamp is None else self._sent.get(address, 0) - stamp
+
+    def sent(self, address: str, tokens: int) -> None:
+        """A request asking ``tokens`` of new KV there went to ``address`` (with its blocks,
+        ``record`` after this)."""
+        if tokens > 0:
+            self._sent[address] = self._sent.get(address, 0) + tokens
 
     def record(self, address: str, blocks: Sequence[int]) -> None:
         """The request with these blocks was sent to ``address``: they are now its most
@@ -82,25 +120,65 @@ class PrefixIndex:
         held = self._held.get(address)
         if held is None:
             held = self._held[address] = OrderedDict()
+        stamp = self._sent.get(address, 0)
         move = held.move_to_end
         for block in blocks:
             if block in held:
                 move(block)
-            else:
-                held[block] = None
+            held[block] = stamp
         excess = len(held) - self.capacity
         while excess > 0:
             held.popitem(last=False)
             excess -= 1
 
+    def released(self, address: str, blocks: Sequence[int]) -> None:
+        """A request with these blocks ended on ``address``: the engine holds a block while a
+        request uses it and puts it in its free queue (where ``age`` starts to count) at the
+        end, so those still remembered age from now. None is added; the order of forgetting
+        (by sending) is kept."""
+        held = self._held.get(address)
+        if not held or not blocks:
+            return
+        stamp = self._sent.get(address, 0)
+        for block in blocks:
+            if block in held:
+                held[block] = stamp
+
     def forget(self, address: str) -> None:
         """The endpoint left the pool (or restarted empty)."""
         self._held.pop(address, None)
+        self._sent.pop(address, None)
 
     def size(self, address: str) -> int:
         """Blocks remembered for the endpoint."""
         held = self._held.get(address)
         return 0 if held is None else len(held)
+
+
+def freshness(age: int, free: float, budget: int) -> float:
+    """The chance a block still sits in an engine's prefix cache after the endpoint allocated
+    ``age`` tokens of new KV since it was last sent there, ``free`` of its ``budget`` tokens
+    free now (held by no request: the picker's count). The engine keeps a block no request
+    holds in its free queue, least recently used first, and takes every new block from the
+    queue's head: a block is evicted once the endpoint has allocated about as many as were
+    free behind it, and never survives a whole budget of them. So: 1 up to ``free``, falling
+    evenly to 0 at ``budget``."""
+    if age <= free:
+        return 1.0
+    if age >= budget:
+        return 0.0
+    return (budget - age) / (budget - free)
+
+
+def prefix_patience(saved_tokens: float, rules: AffinityRules) -> float:
+    """How long a request may wait for the endpoint likely to hold its prefix: the prefill
+    the hit is expected to save there over the best endpoint with room now (``saved_tokens``:
+    its cached tokens expected there, ``freshness`` included, less those expected on the
+    other), at ``prefill_s_per_token``, at most ``patience``. Waiting longer than that costs
+    the request more than computing its prompt elsewhere."""
+    if saved_tokens <= 0 or rules.patience <= 0:
+        return 0.0
+    return min(rules.patience, saved_tokens * rules.prefill_s_per_token)
 
 
 def cached_estimate(prompt_tokens: int, matched_blocks: int, block_chars: int,

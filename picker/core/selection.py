@@ -40,6 +40,10 @@ class EndpointState:
     """The prompt tokens of the streamed requests sent here whose first output token has not
     come back yet: prefill the engine has still to compute, by the picker's own accounting (a
     non-streaming request's first token is never seen, so it is not counted)."""
+    prefill_computed: int = 0
+    """``prefill_tokens`` less what the picker expected each of those prompts to find cached
+    here (with prefix affinity): the prefill the engine has to compute, for ordering a light
+    tenant's request (``Gate.candidates``); the bounds count ``prefill_tokens``."""
     waiting: float | None = None
     """Scraped ``vllm:num_requests_waiting``."""
     running: float | None = None

@@ -102,6 +102,20 @@ class VirtualTokenCounter:
         top = self._top()
         return None if top is None else self._queues[top[2]][0]
 
+    def peek_besides(self, now: float, tenants: Collection[str]) -> Request | None:
+        """The request ``peek`` would choose if ``tenants`` had nothing queued: the next in
+        fair order after them, their counters and queues untouched. O(tenants queued): only
+        while a head waits (``Gate.pump``, prefix patience)."""
+        best: tuple[float, int, str] | None = None
+        counters = self.counters
+        for tenant, queue in self._queues.items():
+            if tenant in tenants or not queue:
+                continue
+            key = (counters[tenant], self._oldest(tenant, queue), tenant)
+            if best is None or key < best:
+                best = key
+        return None if best is None else self._queues[best[2]][0]
+
     def pop(self, request: Request, now: float) -> None:
         self._take(request)
 
