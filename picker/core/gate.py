@@ -1408,6 +1408,22 @@ class Gate:
             if not passage.output_seen:
                 self._unseen_prefill.get(endpoint.address, {}).pop(passage, None)
 
+    def body_read(self, passage: Passage, max_tokens: int | None, stream: bool,
+                  choices: int) -> None:
+        """A request routed before its body was read (Envoy's ``STREAMED`` body mode, admitted
+        on its headers as one non-streaming choice without a cap): what the body says, once
+        read. The engine works to the smaller of the body's own cap and admission's (the body is
+        rewritten so), so a count lost later is settled on that, not on the tenant's whole
+        estimate, and a stream's output is learned as a stream's."""
+        passage.stream = stream
+        if max_tokens is not None:
+            cap = passage.max_tokens
+            if cap is not None and choices > passage.choices:
+                cap = max(1, cap * passage.choices // choices)  # shared as the body is rewritten
+            passage.body_max_tokens = max_tokens
+            passage.max_tokens = None if cap is None else min(cap, max_tokens)
+        passage.choices = choices
+
     def complete(self, passage: Passage, usage: Usage | None, outcome: str,
                  now: float) -> None:
         """The request ended (``ok``, ``error``, ``cancelled``, ``unmetered``,
@@ -1425,7 +1441,11 @@ class Gate:
         if usage is None:
             output = request.generated
             if outcome == "ok" and not passage.stream:
-                output = max(output, request.estimated_output)
+                estimate = request.estimated_output
+                cap = passage.output_cap
+                if cap is not None:  # a body read after its route may cap below the estimate
+                    estimate = min(estimate, cap * passage.choices)
+                output = max(output, estimate)
             elif outcome == "unmetered":
                 output = max(output, self.expected_output(
                     passage.tenant, passage.output_cap, passage.stream, now) * passage.choices)

@@ -472,6 +472,11 @@ class Dispatcher:
         again does nothing."""
         self.gate.complete(ticket, usage, outcome, self.clock())
 
+    def body_read(self, ticket: Ticket, inference: InferenceRequest) -> None:
+        """A request routed before its body was read: what the body says (``Gate.body_read``)."""
+        ticket.inference = inference
+        self.gate.body_read(ticket, inference.max_tokens, inference.stream, inference.choices)
+
     def forget_idle(self, now: float) -> None:
         """Forget per-tenant state that forgetting cannot change a decision for (see
         ``Gate.forget_idle``); the gate runs it itself every ``PRUNE_INTERVAL``."""

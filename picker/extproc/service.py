@@ -769,9 +769,8 @@ class _Exchange:
             self.done = True
             return [self._refuse(error)]
         self.model = inference.model
-        ticket.inference = inference
         rewritten = self._rewritten(inference, ticket)
-        ticket.choices = inference.choices  # its output is learned per choice
+        self.dispatcher.body_read(ticket, inference)  # its cap, stream and choices, now known
         return [_body_replaced(bytes(self.body) if rewritten is None else rewritten)]
 
     def _with_path(self, replies: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:

@@ -754,3 +754,46 @@ def test_output_limit_is_the_context_less_the_smaller_prompt_estimate() -> None:
     assert output_limit(None, 10, 10) is None
     assert output_limit(4096, 1000, 800) == 3296
     assert output_limit(4096, 5000, 5000) == 1
+
+
+# -- a body read after its route (Envoy's STREAMED mode) --
+
+
+@pytest.mark.parametrize("outcome", ["unmetered", "ok"])
+def test_a_lost_count_of_a_body_read_after_its_route_is_settled_on_the_bodys_cap(
+        outcome: str) -> None:
+    """Admitted on its headers (one non-streaming choice, no cap), the body then asks for at most
+    4 tokens: a count lost later is settled on those 4, not on the tenant's whole estimate
+    (256 with nothing learned: what CI once charged for such a request)."""
+    gate, recorder = make_gate()
+    passage = admitted(gate, "a", 20, stream=False)
+    assert passage.dispatched_at is not None and passage.output_cap is None
+    gate.body_read(passage, 4, stream=False, choices=1)
+    gate.complete(passage, None, outcome, 1.0)
+    settled = [u for kind, p, u in recorder.events if kind == "settled" and p is passage]
+    assert settled == [Usage(20, 4)]
+
+
+def test_a_streaming_body_read_after_its_route_is_charged_what_was_counted() -> None:
+    """The headers said nothing of streaming; the body does: its output is what the meter
+    counted (2 tokens), not the non-streaming estimate."""
+    gate, recorder = make_gate()
+    passage = admitted(gate, "a", 20, stream=False)
+    gate.body_read(passage, 50, stream=True, choices=1)
+    gate.charge_output(passage, 2, 0.5)
+    gate.complete(passage, None, "ok", 1.0)
+    settled = [u for kind, p, u in recorder.events if kind == "settled" and p is passage]
+    assert settled == [Usage(20, 2)]
+    assert passage.stream
+
+
+def test_a_body_read_after_its_route_shares_admissions_cap_over_its_choices() -> None:
+    """Admission capped it at 90 as one choice; the body asks for 3 choices of up to 50: each
+    choice may then make 30 (the body is rewritten so), and the passage says so."""
+    gate, _ = make_gate(tenants={"a": TenantRules(max_output_tokens=90)})
+    passage = admitted(gate, "a", 20, stream=False)
+    assert passage.max_tokens == 90
+    gate.body_read(passage, 50, stream=False, choices=3)
+    assert (passage.output_cap, passage.choices, passage.body_max_tokens) == (30, 3, 50)
+    gate.body_read(passage, 10, stream=False, choices=3)  # a smaller own cap of the body wins
+    assert passage.output_cap == 10
