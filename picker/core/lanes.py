@@ -252,14 +252,17 @@ class Scheduler:
                 pending = mine[tenant] = CounterChanges()
             pending.lift_to, pending.since_lift = after, 0.0
 
+    def _first_queued(self) -> _Lane | None:
+        """The best lane with a request queued (a protected lower one may still go first)."""
+        for lane in self._lanes:
+            if lane.policy.queued():
+                return lane
+        return None
+
     def peek(self, now: float) -> Request | None:
         """The request that should be dispatched next, or None if nothing should be."""
         lanes = self._lanes
-        first = None
-        for lane in lanes:
-            if lane.policy.queued():
-                first = lane
-                break
+        first = self._first_queued()
         if first is None:
             return None
         for lane in self._protected:
@@ -282,11 +285,7 @@ class Scheduler:
         if not tenants:
             return self.peek(now)
         lanes = self._lanes
-        first = None
-        for lane in lanes:
-            if lane.policy.queued():
-                first = lane
-                break
+        first = self._first_queued()
         if first is None:
             return None
         order = [lane for lane in self._protected if lane.index > first.index

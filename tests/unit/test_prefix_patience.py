@@ -17,8 +17,7 @@ from picker.core.admission import Admission, TenantRules
 from picker.core.gate import Gate, GateRules, Passage
 from picker.core.prefix import AffinityRules, PrefixIndex, freshness, prefix_patience
 from picker.errors import ConfigError
-from picker.openai.paths import ApiKind
-from picker.openai.prefix import prompt_blocks
+from tests.unit.test_prefix_affinity import send as prefix_send
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
 BLOCK = 64
@@ -41,12 +40,7 @@ def make_gate(*, patience: float = 0.0, policy: str = "vtc") -> Gate:
 
 def send(gate: Gate, body: dict[str, Any], prompt: int, tenant: str = "light",
          now: float = 0.0) -> Passage:
-    blocks, chars = prompt_blocks("m", body, ApiKind.CHAT, BLOCK)
-    passage = gate.admit(Passage, tenant, None, model="m", prompt_tokens=prompt,
-                         max_tokens=100, stream=True, now=now, prefix_blocks=blocks,
-                         prefix_chars=chars)
-    assert isinstance(passage, Passage), passage
-    return passage
+    return prefix_send(gate, body, prompt, tenant, now)
 
 
 def load(gate: Gate, address: str, tokens: int) -> None:
